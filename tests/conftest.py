@@ -1,0 +1,66 @@
+"""Session-wide test set-up.
+
+- Splits the CPU into 2 logical devices BEFORE TensorFlow initialises, so any test can build
+  ``tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])`` (fixture ``mirrored``).
+- Multi-worker tests use :func:`keras_scale.launch.launch_local_workers` (fixture ``run_workers``), which
+  starts N processes on 127.0.0.1 with ``TF_CONFIG`` and always cleans them up. Mark them ``@pytest.mark.slow``.
+"""
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")  # bitwise-reproducible CPU kernels for equivalence tests
+
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+_cpus = tf.config.list_physical_devices("CPU")
+tf.config.set_logical_device_configuration(
+    _cpus[0], [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()]
+)
+
+import keras  # noqa: E402
+
+from keras_scale.launch import launch_local_workers  # noqa: E402
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_clear():
+    keras.utils.set_random_seed(1234)
+    yield
+    keras.backend.clear_session()
+
+
+@pytest.fixture
+def mirrored():
+    """A 2-replica ``MirroredStrategy`` on the 2 logical CPUs."""
+    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+
+@pytest.fixture
+def run_workers(tmp_path):
+    """``run_workers(script_text, num_workers=2, args=(), timeout_s=300) -> list[WorkerResult]``.
+
+    Writes ``script_text`` to a file and runs it as N loopback MultiWorkerMirroredStrategy workers; the
+    worker script can ``import keras_scale`` and read ``TF_CONFIG``. Raises with every worker's stderr tail
+    if one fails.
+    """
+
+    def run(script_text, num_workers=2, args=(), timeout_s=300, check=True, env=None):
+        script = tmp_path / f"worker_{abs(hash(script_text)) % 10**8}.py"
+        script.write_text(script_text)
+        worker_env = {
+            "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "TF_CPP_MIN_LOG_LEVEL": "2",
+            "TF_ENABLE_ONEDNN_OPTS": "0",
+            "CUDA_VISIBLE_DEVICES": "",
+        }
+        worker_env.update(env or {})
+        return launch_local_workers(
+            [sys.executable, str(script), *map(str, args)], num_workers=num_workers, timeout_s=timeout_s,
+            env=worker_env, cwd=str(tmp_path), check=check,
+        )
+
+    return run
