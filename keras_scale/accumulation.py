@@ -1,0 +1,159 @@
+"""Gradient accumulation: ``keras_scale.wrap(model, accum=N)``.
+
+The batch ``fit`` delivers is the batch the optimizer sees. Each train step splits it into ``accum``
+near-equal micro-batches, runs forward+backward on one micro-batch at a time (a ``tf.while_loop``, so only
+one micro-batch's activations are alive), sums the sample-weighted gradients and applies ONE optimizer update
+with ONE all-reduce. ``optimizer.iterations``, schedules, callbacks and checkpoints all count real updates.
+
+Example:
+    >>> import keras, keras_scale as ks
+    >>> model = ks.wrap(build_model(), accum=4)         # or ks.wrap(model, micro_batch_size=32)
+    >>> model.compile(optimizer="adam", loss="mse")
+    >>> model.fit(x, y, batch_size=256)                   # the device holds 64 samples at a time
+    >>> inner = ks.unwrap(model)                          # the original model, same variables
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import keras
+import tensorflow as tf
+
+from keras_scale.step import get_step
+
+__all__ = ["AccumulatingModel", "wrap", "unwrap"]
+
+
+def _check_positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"{name} must be an integer >= 1, got {value!r}. "
+            f"Example: keras_scale.wrap(model, {name}={4 if name == 'accum' else 32})."
+        )
+    return value
+
+
+@keras.saving.register_keras_serializable(package="keras_scale")
+class AccumulatingModel(keras.Model):
+    """A ``keras.Model`` that trains ``inner``'s weights with gradient accumulation (see :func:`wrap`).
+
+    ``call``, ``evaluate`` and ``predict`` behave like the inner model; ``save_weights``/``load_weights``
+    read and write the inner model's weights file, so weights files interchange with the unwrapped model.
+
+    Example:
+        >>> wrapped = AccumulatingModel(model, accum=4)
+        >>> wrapped.compile(optimizer="sgd", loss="mse")
+    """
+
+    _keras_scale_composed = True
+
+    def __init__(self, inner: keras.Model, accum: Optional[int] = None,
+                 micro_batch_size: Optional[int] = None, **kwargs: Any) -> None:
+        if not isinstance(inner, keras.Model):
+            raise TypeError(
+                f"keras_scale.wrap expects a keras.Model, got {type(inner).__name__}. "
+                "Build a keras.Sequential / functional / subclassed keras.Model first.")
+        if (accum is None) == (micro_batch_size is None):
+            raise ValueError(
+                "Pass exactly one of accum= (micro-batches per step) or micro_batch_size= (samples per "
+                f"micro-batch); got accum={accum!r}, micro_batch_size={micro_batch_size!r}.")
+        if accum is not None:
+            _check_positive_int("accum", accum)
+        if micro_batch_size is not None:
+            _check_positive_int("micro_batch_size", micro_batch_size)
+        kwargs.setdefault("name", f"accumulating_{inner.name}")
+        super().__init__(**kwargs)
+        # train under the strategy the inner model's variables were created in
+        self._distribute_strategy = getattr(inner, "_distribute_strategy", None) or self._distribute_strategy
+        self.inner = inner
+        self.accum = accum
+        self.micro_batch_size = micro_batch_size
+        get_step(self).configure(accum=accum, micro_batch_size=micro_batch_size)
+        if inner.built:
+            self.built = True
+
+    def build(self, input_shape: Any = None) -> None:
+        if not self.inner.built and input_shape is not None:
+            self.inner.build(input_shape)
+        self.built = True
+
+    def call(self, inputs: Any, training: Optional[bool] = None) -> Any:
+        return self.inner(inputs, training=training)
+
+    def train_step(self, data: Any) -> Dict[str, Any]:
+        return get_step(self).train_step(data)
+
+    def fit(self, x: Any = None, y: Any = None, batch_size: Optional[int] = None, **kwargs: Any) -> Any:
+        self._check_batch_size(x, batch_size)
+        return super().fit(x, y, batch_size=batch_size, **kwargs)
+
+    def _check_batch_size(self, x: Any, batch_size: Optional[int]) -> None:
+        """Fail at fit start (not mid-epoch) when the per-replica batch cannot hold ``accum`` micro-batches."""
+        if self.accum is None:
+            return
+        if batch_size is None and isinstance(x, tf.data.Dataset):
+            dims = [s.shape[0] for s in tf.nest.flatten(x.element_spec) if getattr(s, "shape", None) is not None
+                    and s.shape.rank]
+            batch_size = dims[0] if dims and dims[0] is not None else None
+        if batch_size is None:
+            return
+        replicas = self.distribute_strategy.num_replicas_in_sync
+        if batch_size // replicas < self.accum:
+            raise ValueError(
+                f"batch size {batch_size} over {replicas} replica(s) gives {batch_size // replicas} samples per "
+                f"replica, fewer than accum={self.accum}: every micro-batch needs at least one sample. "
+                f"Use a batch size >= {self.accum * replicas} or lower accum.")
+
+    def compute_output_spec(self, inputs: Any, training: Optional[bool] = None) -> Any:
+        return self.inner.compute_output_spec(inputs)
+
+    # weights files interchange with the unwrapped model
+    def save_weights(self, filepath: str, overwrite: bool = True, **kwargs: Any) -> None:
+        return self.inner.save_weights(filepath, overwrite=overwrite, **kwargs)
+
+    def load_weights(self, filepath: str, skip_mismatch: bool = False, **kwargs: Any) -> None:
+        return self.inner.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
+
+    def get_config(self) -> Dict[str, Any]:
+        return {"inner": keras.saving.serialize_keras_object(self.inner), "accum": self.accum,
+                "micro_batch_size": self.micro_batch_size, "name": self.name}
+
+    @classmethod
+    def from_config(cls, config: Dict[str, Any], custom_objects: Any = None) -> "AccumulatingModel":
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(config.pop("inner"), custom_objects=custom_objects)
+        return cls(inner, **config)
+
+
+def wrap(model: keras.Model, accum: Optional[int] = None, micro_batch_size: Optional[int] = None
+         ) -> AccumulatingModel:
+    """Return a model that trains ``model``'s weights with exact gradient accumulation.
+
+    Args:
+        model: any Keras model (create it inside the strategy scope for multi-device training).
+        accum: split each batch into this many micro-batches.
+        micro_batch_size: or: micro-batches of (at most) this many samples; ``accum`` follows per step.
+
+    The update equals the big-batch update: gradients are the sample-weighted mean over the whole batch
+    (uneven last batches included); one optimizer update and one all-reduce per step; clipping, weight decay
+    and EMA apply to the accumulated, globally reduced gradient. BatchNorm normalises each micro-batch with its
+    own statistics and updates its moving statistics once per micro-batch.
+
+    Example:
+        >>> wrapped = wrap(model, accum=4)
+        >>> wrapped.compile(optimizer=keras.optimizers.AdamW(1e-3), loss="mse")
+        >>> wrapped.fit(x, y, batch_size=128)
+    """
+    if isinstance(model, AccumulatingModel):
+        raise ValueError("model is already wrapped; use keras_scale.unwrap(model) first or keep one wrap.")
+    return AccumulatingModel(model, accum=accum, micro_batch_size=micro_batch_size)
+
+
+def unwrap(model: keras.Model) -> keras.Model:
+    """The inner model of a wrapped model (same variables); any other model is returned as is.
+
+    Example:
+        >>> unwrap(wrap(model, accum=2)) is model
+        True
+    """
+    return model.inner if isinstance(model, AccumulatingModel) else model
