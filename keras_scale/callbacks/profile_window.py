@@ -1,0 +1,189 @@
+"""ProfileWindow: profile a few training steps, with step markers, and say what bounds them."""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Optional, Set
+
+import keras
+import tensorflow as tf
+
+from keras_scale.distribute import is_chief
+
+__all__ = ["ProfileWindow"]
+
+
+def _check_int(name: str, value, minimum: int, hint: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}. {hint}")
+    return int(value)
+
+
+def _capture_dirs(log_dir: str) -> Set[str]:
+    root = os.path.join(log_dir, "plugins", "profile")
+    if not os.path.isdir(root):
+        return set()
+    return {os.path.join(root, d) for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))}
+
+
+class ProfileWindow(keras.callbacks.Callback):
+    """Profile ``num_steps`` training steps starting at step ``start_step``, then print where the time went.
+
+    The TensorFlow profiler runs only inside the window; each step in it is marked as a root trace event
+    (``tf.profiler.experimental.Trace("train", step_num=step, _r=1)``), so TensorBoard's Profile tab (and
+    :func:`keras_scale.profile_summary`) show the real step time and its breakdown -- unlike
+    ``keras.callbacks.TensorBoard(profile_batch=...)``, whose capture says "No step marker observed".
+
+    - Steps are the training batches this callback has seen, counted from 0 across ``fit`` calls (with
+      ``steps_per_execution=N`` one step is N batches' worth of hook calls: the window opens at the first call
+      at or after ``start_step``). Step 0 traces the ``tf.function``, and XLA compiles in the first steps; the
+      default ``start_step=10`` keeps that out of the window.
+    - One capture per callback: written to ``log_dir/plugins/profile/<run>/<host>.xplane.pb`` (the layout
+      TensorBoard reads; ``capture_dir`` holds the path) by the chief only (:func:`keras_scale.is_chief`);
+      other workers do nothing.
+    - If training ends inside the window (end of data, ``EarlyStopping``, a non-finite stop), the profiler is
+      stopped then and the capture holds the steps that ran.
+    - Outside the window the hooks only count steps: no profiler, no trace objects, no device sync.
+    - When the window closes, the summary (step time, input vs compute share, top ops, verdict and fix) is
+      printed and kept in ``summary`` (needs the ``profile`` extra: ``pip install 'keras-scale[profile]'``;
+      without it the capture is still written and a one-line hint is printed instead).
+
+    Args:
+        log_dir: directory to write the capture under (the same ``log_dir`` as TensorBoard's works).
+        start_step: first profiled step (0-based), >= 0.
+        num_steps: how many steps to profile, >= 1.
+        print_summary: print the summary when the window closes (the chief only).
+
+    Example:
+        >>> import keras_scale as ks
+        >>> window = ks.ProfileWindow("runs/profile", start_step=10, num_steps=5)
+        >>> model.fit(ds, epochs=1, callbacks=[window])  # doctest: +SKIP
+        >>> window.summary.verdict                        # doctest: +SKIP
+        'input-bound'
+
+        $ tensorboard --logdir runs/profile    # Profile tab
+        $ keras-scale profile-summary runs/profile
+    """
+
+    def __init__(
+        self,
+        log_dir: str,
+        start_step: int = 10,
+        num_steps: int = 5,
+        print_summary: bool = True,
+    ) -> None:
+        super().__init__()
+        if not isinstance(log_dir, (str, os.PathLike)) or not os.fspath(log_dir):
+            raise ValueError(
+                f"log_dir must be a non-empty path to write the profile under, got {log_dir!r}. "
+                "Example: ProfileWindow('runs/profile')."
+            )
+        log_dir = os.fspath(log_dir)
+        if os.path.exists(log_dir) and not os.path.isdir(log_dir):
+            raise ValueError(f"log_dir {log_dir!r} exists and is not a directory. Pass a directory path.")
+        self.log_dir = log_dir
+        self.start_step = _check_int(
+            "start_step", start_step, 0, "It is the 0-based training step the window starts at (default 10)."
+        )
+        self.num_steps = _check_int("num_steps", num_steps, 1, "It is how many steps to profile (e.g. 5).")
+        if self.start_step == 0:
+            warnings.warn(
+                "ProfileWindow(start_step=0) profiles the first step, which traces the tf.function (and compiles "
+                "with XLA): its time is not a training step's. Use start_step >= 2 to measure steady steps.",
+                stacklevel=2,
+            )
+        self.print_summary = bool(print_summary)
+        # public results
+        self.capture_dir: Optional[str] = None  # the run directory this window wrote
+        self.profiled_steps: list = []  # the step numbers marked in the capture
+        self.summary = None  # keras_scale.profiling.ProfileSummary, once the window closed
+        # state
+        self._step = 0  # training steps seen (batches, across fit calls)
+        self._done = False  # the one window has been taken (or abandoned)
+        self._active = False  # the profiler is running
+        self._enabled = True  # chief (decided at train begin)
+        self._trace = None  # the open step marker
+        self._trace_step = 0
+        self._batch_begin = 0
+        self._runs_before: Set[str] = set()
+
+    # ------------------------------------------------------------------ hooks (little work, delegate)
+    def on_train_begin(self, logs=None):
+        self._enabled = is_chief(getattr(self.model, "distribute_strategy", None))
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._batch_begin = batch
+        if self._done or not self._enabled:
+            return
+        if not self._active and self._step >= self.start_step:
+            self._start()
+        if self._active:
+            self._trace_step = self._step
+            self._trace = tf.profiler.experimental.Trace("train", step_num=self._step, _r=1)
+            self._trace.__enter__()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._step += max(1, batch - self._batch_begin + 1)
+        if self._trace is not None:
+            self._trace.__exit__(None, None, None)
+            self._trace = None
+            self.profiled_steps.append(self._trace_step)
+            if len(self.profiled_steps) >= self.num_steps:
+                self._stop()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._drop_unfinished_step()
+
+    def on_test_begin(self, logs=None):
+        self._drop_unfinished_step()
+
+    def on_train_end(self, logs=None):
+        self._drop_unfinished_step()
+        if self._active:
+            self._stop()
+
+    # ------------------------------------------------------------------ the window
+    def _start(self) -> None:
+        self._runs_before = _capture_dirs(self.log_dir)
+        try:
+            tf.profiler.experimental.start(self.log_dir)
+        except (tf.errors.AlreadyExistsError, tf.errors.UnavailableError) as e:
+            self._done = True
+            warnings.warn(
+                f"ProfileWindow could not start the profiler ({e}): another profiler session is running (e.g. "
+                "TensorBoard(profile_batch=...)). Use one of them. No capture from this window.",
+                stacklevel=2,
+            )
+            return
+        self._active = True
+
+    def _stop(self) -> None:
+        self._active = False
+        self._done = True
+        tf.profiler.experimental.stop()
+        new_runs = sorted(_capture_dirs(self.log_dir) - self._runs_before)
+        self.capture_dir = new_runs[-1] if new_runs else None
+        if self.print_summary:
+            self._print_summary()
+
+    def _drop_unfinished_step(self) -> None:
+        # A step whose batch-begin hook ran but whose batch-end hook did not hit the end of the data (the
+        # iterator raised inside train_function): it trained nothing. Close its marker as a non-root event so
+        # it is not counted as a step.
+        if self._trace is not None:
+            self._trace.set_metadata(_r=0)
+            self._trace.__exit__(None, None, None)
+            self._trace = None
+
+    def _print_summary(self) -> None:
+        if self.capture_dir is None:
+            print(f"ProfileWindow: the profiler wrote no capture under {self.log_dir!r}.")
+            return
+        from keras_scale import profiling
+
+        try:
+            self.summary = profiling.profile_summary(self.capture_dir)
+        except ImportError:
+            print(f"ProfileWindow: capture written to {self.capture_dir}. {profiling.INSTALL_HINT}")
+            return
+        print(self.summary)
