@@ -33,10 +33,20 @@ def _seed_and_clear():
     keras.backend.clear_session()
 
 
+_MIRRORED = []
+
+
 @pytest.fixture
 def mirrored():
-    """A 2-replica ``MirroredStrategy`` on the 2 logical CPUs."""
-    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    """A 2-replica ``MirroredStrategy`` on the 2 logical CPUs, ONE per test session.
+
+    TF keys its collective instances per strategy object from the same counter, so a second
+    MirroredStrategy with collective all-reduce in one process can collide with the first ("Shape mismatch
+    in the collective instance"). Use this fixture rather than creating your own MirroredStrategy.
+    """
+    if not _MIRRORED:
+        _MIRRORED.append(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
+    return _MIRRORED[0]
 
 
 @pytest.fixture
