@@ -1,0 +1,828 @@
+"""Input-pipeline tools: lint a ``tf.data`` pipeline (:func:`check`), time it alone (:func:`benchmark`) and
+apply the safe fixes (:func:`optimize`).
+
+All three read the dataset's own serialized graph (``GraphDef`` of dataset ops plus the ``FunctionDef`` library
+of their map/filter/interleave functions), not the Python objects that built it, so they see what TensorFlow
+will run: the ops inside ``map`` functions, the constants given to ``batch``/``shuffle``/``prefetch`` and the
+``tf.data.Options`` attached anywhere in the pipeline.
+
+Example:
+    >>> import tensorflow as tf
+    >>> from keras_scale import data
+    >>> ds = tf.data.Dataset.range(1000).map(lambda x: x * 2).batch(32)
+    >>> [f.code for f in data.check(ds, warn=False)]
+    ['no_prefetch', 'sequential_map']
+    >>> fast, changes = data.optimize(ds)
+    >>> data.benchmark(fast, num_steps=20).batches_per_s  # doctest: +SKIP
+    4210.5
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import warnings
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.framework import dataset_options_pb2
+from tensorflow.python.framework import op_def_registry
+
+__all__ = ["Finding", "PipelineWarning", "BenchmarkResult", "check", "benchmark", "optimize", "pipeline_graph"]
+
+AUTOTUNE = -1  # tf.data.AUTOTUNE
+
+# ------------------------------------------------------------------------------------------------------------
+# Op families (names as they appear in the serialized graph; several versions of each op exist).
+_PASS_THROUGH = {
+    "OptionsDataset", "ModelDataset", "MaxIntraOpParallelismDataset", "PrivateThreadPoolDataset",
+    "AssertCardinalityDataset", "AssertNextDataset", "AssertPrevDataset", "NonSerializableDataset",
+    "ExperimentalMaxIntraOpParallelismDataset", "ExperimentalPrivateThreadPoolDataset",
+}
+_PREFETCH = {"PrefetchDataset"}
+_SEQUENTIAL_MAP = {"MapDataset"}
+_PARALLEL_MAP = {"ParallelMapDataset", "ParallelMapDatasetV2", "MapAndBatchDataset", "ExperimentalMapAndBatchDataset"}
+_BATCH = {
+    "BatchDataset", "BatchDatasetV2", "PaddedBatchDataset", "PaddedBatchDatasetV2", "ParallelBatchDataset",
+    "MapAndBatchDataset", "ExperimentalMapAndBatchDataset",
+}
+_SHUFFLE = {"ShuffleDataset", "ShuffleDatasetV2", "ShuffleDatasetV3", "ShuffleAndRepeatDataset",
+            "ShuffleAndRepeatDatasetV2"}
+_CACHE = {"CacheDataset", "CacheDatasetV2"}
+_PY_FUNC = {"EagerPyFunc", "PyFunc", "PyFuncStateless"}
+# Ops that make a map worth caching on their own: decoding, parsing, file reads, resizing, Python.
+_EXPENSIVE_OPS = {
+    "DecodeJpeg", "DecodePng", "DecodeImage", "DecodeBmp", "DecodeGif", "DecodeAndCropJpeg", "DecodeWav",
+    "DecodeRaw", "DecodeCompressed", "DecodeCSV", "DecodeJSONExample", "DecodeProtoV2", "ParseExample",
+    "ParseExampleV2", "ParseSingleExample", "ParseSequenceExample", "ParseSequenceExampleV2",
+    "ParseSingleSequenceExample", "ParseTensor", "ReadFile", "ResizeBilinear", "ResizeBicubic", "ResizeArea",
+    "ResizeNearestNeighbor", "ScaleAndTranslate", "CropAndResize", "AudioSpectrogram", "Mfcc", "RFFT", "FFT",
+    "RFFT2D", "FFT2D",
+} | _PY_FUNC
+# Bookkeeping ops that cost nothing; everything else counts towards "expensive" by op count.
+_TRIVIAL_OPS = {"Const", "Identity", "IdentityN", "NoOp", "Placeholder", "_Arg", "_Retval", "Shape", "Pack",
+                "StopGradient", "Cast", "Reshape", "ExpandDims", "Squeeze", "StridedSlice"}
+# Ops that call another function of the library by attr (the op itself is not the work).
+_CALL_OPS = {"PartitionedCall", "StatefulPartitionedCall", "If", "StatelessIf", "While", "StatelessWhile",
+             "Case", "StatelessCase"}
+# Ops that are "stateful" by their registration but do not make a function's result depend on call order.
+_HARMLESS_STATEFUL = {"Assert", "PrintV2", "Print"} | _CALL_OPS
+_CODES = ("no_prefetch", "sequential_map", "py_function", "batch_remainder", "cache_missing", "small_shuffle_buffer")
+_SEVERITIES = ("info", "warning", "error")
+
+
+class PipelineWarning(UserWarning):
+    """Category of the warnings :func:`check` emits (filter with ``warnings.simplefilter(..., PipelineWarning)``).
+
+    Example:
+        >>> import warnings
+        >>> warnings.simplefilter("error", PipelineWarning)  # make pipeline findings fatal in CI
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One problem :func:`check` found in a pipeline.
+
+    Attributes:
+        code: stable identifier, one of ``no_prefetch``, ``sequential_map``, ``py_function``,
+            ``batch_remainder``, ``cache_missing``, ``small_shuffle_buffer``.
+        severity: ``"warning"`` (slows or breaks training) or ``"info"`` (TensorFlow already works around it at
+            runtime, but being explicit is better).
+        message: what is wrong, naming the dataset op and the values read from the graph.
+        fix: what to change in the pipeline code.
+        node: name of the dataset op in the serialized graph (e.g. ``"MapDataset/_9"``).
+
+    Example:
+        >>> f = Finding("no_prefetch", "warning", "pipeline ends with BatchDatasetV2", "add .prefetch(tf.data.AUTOTUNE)")
+        >>> print(f)
+        [warning] no_prefetch: pipeline ends with BatchDatasetV2 Fix: add .prefetch(tf.data.AUTOTUNE)
+    """
+
+    code: str
+    severity: str
+    message: str
+    fix: str
+    node: Optional[str] = None
+
+    def __str__(self) -> str:
+        return f"[{self.severity}] {self.code}: {self.message} Fix: {self.fix}"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Reading the graph
+
+
+def _require_dataset(dataset: Any, fn: str) -> tf.data.Dataset:
+    if not isinstance(dataset, tf.data.Dataset):
+        raise TypeError(
+            f"keras_scale.data.{fn} expects a tf.data.Dataset, got {type(dataset).__module__}."
+            f"{type(dataset).__qualname__}. Pass the dataset you give to model.fit (before "
+            "strategy.experimental_distribute_dataset); wrap arrays with tf.data.Dataset.from_tensor_slices."
+        )
+    return dataset
+
+
+def pipeline_graph(dataset: tf.data.Dataset) -> tf.compat.v1.GraphDef:
+    """The dataset's serialized graph as a ``GraphDef`` (dataset ops as nodes, map functions in ``library``).
+
+    Example:
+        >>> g = pipeline_graph(tf.data.Dataset.range(4).batch(2))
+        >>> [n.op for n in g.node if n.op.endswith("Dataset") or n.op.endswith("DatasetV2")]
+        ['RangeDataset', 'BatchDatasetV2']
+    """
+    _require_dataset(dataset, "pipeline_graph")
+    graph_def = tf.compat.v1.GraphDef()
+    serialized = dataset._as_serialized_graph(  # pylint: disable=protected-access
+        external_state_policy=tf.data.experimental.ExternalStatePolicy.IGNORE
+    )
+    graph_def.ParseFromString(serialized.numpy())
+    return graph_def
+
+
+def _clean(name: str) -> Optional[str]:
+    if name.startswith("^"):
+        return None  # control input
+    return name.split(":")[0]
+
+
+def _is_dataset_op(op: str) -> bool:
+    base = op.rstrip("0123456789")
+    base = base[:-1] if base.endswith("V") else base
+    return base.endswith("Dataset")
+
+
+class _Pipeline:
+    """Index over a dataset GraphDef: nodes, dataset edges, constants, functions and effective options."""
+
+    def __init__(self, graph_def: tf.compat.v1.GraphDef):
+        self.graph_def = graph_def
+        self.nodes = {n.name: n for n in graph_def.node}
+        self.functions = {f.signature.name: f for f in graph_def.library.function}
+        retval = [n for n in graph_def.node if n.op == "_Retval"]
+        self.sink = _clean(retval[0].input[0]) if retval else graph_def.node[-1].name
+        self.consumers: Dict[str, List[str]] = {}
+        for node in graph_def.node:
+            for name in self.dataset_inputs(node):
+                self.consumers.setdefault(name, []).append(node.name)
+        self._fn_ops: Dict[str, Set[str]] = {}
+        self._cardinality: Dict[str, Optional[int]] = {}
+
+    # -- structure
+    def dataset_nodes(self) -> List[Any]:
+        return [n for n in self.graph_def.node if _is_dataset_op(n.op)]
+
+    def dataset_inputs(self, node: Any) -> List[str]:
+        out = []
+        for raw in node.input:
+            name = _clean(raw)
+            if name is not None and name in self.nodes and _is_dataset_op(self.nodes[name].op):
+                out.append(name)
+        return out
+
+    def named_inputs(self, node: Any) -> Dict[str, List[str]]:
+        """Map the node's inputs to its op's argument names (``batch_size``, ``drop_remainder``, ...)."""
+        inputs = [_clean(i) for i in node.input]
+        inputs = [i for i in inputs if i is not None]
+        op_def = op_def_registry.get(node.op)
+        if op_def is None:
+            return {}
+        out, pos = {}, 0
+        for arg in op_def.input_arg:
+            if arg.number_attr:
+                count = node.attr[arg.number_attr].i
+            elif arg.type_list_attr:
+                count = len(node.attr[arg.type_list_attr].list.type)
+            else:
+                count = 1
+            out[arg.name] = inputs[pos:pos + count]
+            pos += count
+        return out
+
+    def const(self, node: Any, arg: str) -> Any:
+        """The constant fed to input ``arg`` of ``node`` (as a Python scalar), or ``None`` if not a constant."""
+        names = self.named_inputs(node).get(arg) or []
+        if len(names) != 1:
+            return None
+        source = self.nodes.get(names[0])
+        while source is not None and source.op == "Identity" and source.input:
+            source = self.nodes.get(_clean(source.input[0]) or "")
+        if source is None or source.op != "Const" or source.attr["dtype"].type == tf.resource.as_datatype_enum:
+            return None
+        value = tf.make_ndarray(source.attr["value"].tensor)
+        return value.item() if value.size == 1 else value
+
+    def downstream(self, name: str) -> List[Any]:
+        """Dataset nodes fed (directly or not) by ``name``, nearest first."""
+        seen, order, frontier = set(), [], [name]
+        while frontier:
+            nxt = []
+            for n in frontier:
+                for c in self.consumers.get(n, []):
+                    if c not in seen:
+                        seen.add(c)
+                        order.append(self.nodes[c])
+                        nxt.append(c)
+            frontier = nxt
+        return order
+
+    def last_transformation(self) -> Any:
+        node = self.nodes[self.sink]
+        while node.op in _PASS_THROUGH and self.dataset_inputs(node):
+            node = self.nodes[self.dataset_inputs(node)[0]]
+        return node
+
+    # -- functions
+    def node_functions(self, node: Any) -> List[str]:
+        names = []
+        for value in node.attr.values():
+            if value.HasField("func") and value.func.name:
+                names.append(value.func.name)
+            elif value.HasField("list"):
+                names.extend(f.name for f in value.list.func if f.name)
+        return names
+
+    def function_ops(self, fn_name: str) -> Set[str]:
+        """All op types run by library function ``fn_name``, following calls into nested functions."""
+        if fn_name in self._fn_ops:
+            return self._fn_ops[fn_name]
+        self._fn_ops[fn_name] = set()  # guards recursion
+        ops: Set[str] = set()
+        fdef = self.functions.get(fn_name)
+        if fdef is not None:
+            for node in fdef.node_def:
+                if node.op in self.functions:  # direct call to a library function
+                    ops |= self.function_ops(node.op)
+                    continue
+                ops.add(node.op)
+                for callee in self.node_functions(node):
+                    ops |= self.function_ops(callee)
+        self._fn_ops[fn_name] = ops
+        return ops
+
+    def function_node_count(self, fn_name: str, _seen: Optional[Set[str]] = None) -> int:
+        seen = _seen if _seen is not None else set()
+        if fn_name in seen:
+            return 0
+        seen.add(fn_name)
+        fdef = self.functions.get(fn_name)
+        if fdef is None:
+            return 0
+        count = 0
+        for node in fdef.node_def:
+            if node.op in self.functions:
+                count += self.function_node_count(node.op, seen)
+            elif node.op not in _TRIVIAL_OPS:
+                count += 1
+            for callee in self.node_functions(node):
+                count += self.function_node_count(callee, seen)
+        return count
+
+    def ops_of(self, node: Any) -> Set[str]:
+        ops: Set[str] = set()
+        for fn in self.node_functions(node):
+            ops |= self.function_ops(fn)
+        return ops
+
+    def stateful_ops(self, node: Any) -> List[str]:
+        out = []
+        for op in sorted(self.ops_of(node)):
+            if op in _HARMLESS_STATEFUL:
+                continue
+            op_def = op_def_registry.get(op)
+            if op_def is not None and op_def.is_stateful:
+                out.append(op)
+        return out
+
+    def captured_inputs(self, node: Any) -> List[str]:
+        return self.named_inputs(node).get("other_arguments", [])
+
+    # -- options
+    def options(self) -> dataset_options_pb2.Options:
+        """Effective ``tf.data.Options``: OptionsDataset nodes merged, those nearer the end winning."""
+        merged = dataset_options_pb2.Options()
+        chain = []
+        node = self.nodes.get(self.sink)
+        visited = set()
+        # Walk every OptionsDataset upstream of the sink; order them from source to sink.
+        stack = [self.sink]
+        while stack:
+            name = stack.pop()
+            if name in visited or name not in self.nodes:
+                continue
+            visited.add(name)
+            node = self.nodes[name]
+            if node.op == "OptionsDataset":
+                chain.append(node)
+            stack.extend(self.dataset_inputs(node))
+        for node in reversed(chain):  # upstream first
+            pb = dataset_options_pb2.Options()
+            pb.ParseFromString(node.attr["serialized_options"].s)
+            merged.MergeFrom(pb)
+        return merged
+
+    # -- cardinality, computed by TensorFlow on the sub-pipeline ending at `name`
+    def cardinality(self, name: str) -> Optional[int]:
+        """Number of elements produced by node ``name``; ``None`` if unknown, ``math.inf`` if infinite."""
+        if name in self._cardinality:
+            return self._cardinality[name]
+        result: Optional[int] = None
+        try:
+            sub = tf.compat.v1.GraphDef()
+            sub.CopyFrom(self.graph_def)
+            for node in sub.node:
+                if node.op == "_Retval":
+                    node.input[0] = name
+            variant = tf.raw_ops.DatasetFromGraph(graph_def=sub.SerializeToString())
+            value = int(tf.raw_ops.DatasetCardinality(input_dataset=variant))
+            result = math.inf if value == tf.data.INFINITE_CARDINALITY else (None if value < 0 else value)
+        except Exception:  # noqa: BLE001 - a graph TF cannot rebuild here: cardinality unknown
+            result = None
+        self._cardinality[name] = result
+        return result
+
+    def element_bytes(self, node: Any) -> Optional[int]:
+        """Bytes of one element of ``node``'s output, from its ``output_shapes``/``output_types`` attrs."""
+        types = node.attr["output_types"].list.type
+        shapes = node.attr["output_shapes"].list.shape
+        if not types or len(types) != len(shapes):
+            return None
+        total = 0
+        for dtype, shape in zip(types, shapes):
+            dt = tf.dtypes.as_dtype(dtype)
+            if dt in (tf.string, tf.variant, tf.resource) or shape.unknown_rank:
+                return None
+            dims = [d.size for d in shape.dim]
+            if any(d < 0 for d in dims):
+                return None
+            total += int(np.prod(dims, dtype=np.int64)) * dt.size
+        return total
+
+
+def _default_num_replicas() -> int:
+    try:
+        return int(tf.distribute.get_strategy().num_replicas_in_sync)
+    except Exception:  # noqa: BLE001
+        return 1
+
+
+def _map_fn_name(pipe: _Pipeline, node: Any) -> str:
+    fns = pipe.node_functions(node)
+    return fns[0] if fns else "?"
+
+
+def _auto_parallel_blockers(pipe: _Pipeline, node: Any, opts: dataset_options_pb2.Options) -> List[str]:
+    """Why TensorFlow's ``map_parallelization`` rewrite will NOT parallelize this sequential map (empty: it will)."""
+    reasons = []
+    opt = opts.optimization_options
+    enabled = (opt.map_parallelization if opt.WhichOneof("optional_map_parallelization")
+               else (opt.apply_default_optimizations
+                     if opt.WhichOneof("optional_apply_default_optimizations") else True))
+    if not enabled:
+        reasons.append("map_parallelization is turned off in this pipeline's tf.data.Options")
+    if opts.autotune_options.WhichOneof("optional_enabled") and not opts.autotune_options.enabled:
+        reasons.append("autotune is turned off in this pipeline's tf.data.Options")
+    stateful = pipe.stateful_ops(node)
+    if stateful:
+        reasons.append(f"its function has stateful ops {stateful}")
+    if pipe.captured_inputs(node):
+        reasons.append(f"its function captures {len(pipe.captured_inputs(node))} outer tensor(s)")
+    return reasons
+
+
+# ------------------------------------------------------------------------------------------------------------
+# check
+
+
+def check(
+    dataset: tf.data.Dataset,
+    *,
+    num_replicas: Optional[int] = None,
+    jit_compile: bool = False,
+    cache_max_bytes: int = 1 << 30,
+    expensive_op_count: int = 16,
+    min_shuffle_fraction: float = 0.01,
+    warn: bool = True,
+) -> List[Finding]:
+    """Lint a ``tf.data`` pipeline from its serialized graph; returns findings and warns about each warning.
+
+    Checks:
+      - ``no_prefetch``: the last transformation is not ``prefetch`` (input and training do not overlap).
+      - ``sequential_map``: ``map`` without ``num_parallel_calls`` (or with 1). ``severity="info"`` when
+        TensorFlow's default ``map_parallelization`` will parallelize it anyway (stateless function, no captured
+        tensors, option not turned off); ``"warning"`` when it will not.
+      - ``py_function``: ``tf.py_function``/``tf.numpy_function`` inside a map/filter/interleave function
+        (holds the Python GIL: does not scale with ``num_parallel_calls``).
+      - ``batch_remainder``: ``batch`` without ``drop_remainder=True`` while a multi-replica strategy or XLA is
+        active and the data does not divide evenly (the short last batch recompiles the XLA program / gives
+        replicas unequal or empty shards).
+      - ``cache_missing``: an expensive, deterministic map whose output fits in ``cache_max_bytes`` is recomputed
+        every epoch (no ``cache()`` after it).
+      - ``small_shuffle_buffer``: ``shuffle`` buffer smaller than ``min_shuffle_fraction`` of the elements it
+        shuffles (and < 10 000): batches stay nearly in file order.
+
+    Args:
+        dataset: the ``tf.data.Dataset`` given to ``model.fit``.
+        num_replicas: replicas training in sync; default: ``tf.distribute.get_strategy().num_replicas_in_sync``.
+        jit_compile: whether the model is compiled with XLA (``model.compile(jit_compile=True)``).
+        cache_max_bytes: a mapped dataset up to this size counts as "small" (cacheable in RAM).
+        expensive_op_count: a map function with at least this many non-trivial ops counts as expensive (decode,
+            parse, resize, file-read and Python ops count as expensive on their own).
+        min_shuffle_fraction: shuffle buffers below this fraction of the shuffled elements are flagged.
+        warn: emit a :class:`PipelineWarning` for each ``warning`` finding.
+
+    Example:
+        >>> ds = tf.data.Dataset.range(10_000).shuffle(8).batch(64)
+        >>> for f in check(ds, warn=False):
+        ...     print(f.code)
+        no_prefetch
+        small_shuffle_buffer
+    """
+    _require_dataset(dataset, "check")
+    if num_replicas is None:
+        num_replicas = _default_num_replicas()
+    if isinstance(num_replicas, bool) or int(num_replicas) != num_replicas or num_replicas < 1:
+        raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}")
+    if not 0 < min_shuffle_fraction <= 1:
+        raise ValueError(f"min_shuffle_fraction must be in (0, 1], got {min_shuffle_fraction!r}")
+    if cache_max_bytes < 0:
+        raise ValueError(f"cache_max_bytes must be >= 0 bytes, got {cache_max_bytes!r}")
+
+    pipe = _Pipeline(pipeline_graph(dataset))
+    opts = pipe.options()
+    findings: List[Finding] = []
+
+    for node in pipe.dataset_nodes():
+        op = node.op
+        # -- Python inside a function-carrying transformation
+        py_ops = sorted(pipe.ops_of(node) & _PY_FUNC)
+        if py_ops:
+            kind = "from_generator" if "generator" in _map_fn_name(pipe, node) else op
+            findings.append(Finding(
+                "py_function", "warning",
+                f"{kind} '{node.name}' runs Python ({', '.join(py_ops)}) in function {_map_fn_name(pipe, node)}: "
+                "it holds the GIL, so num_parallel_calls cannot scale it and it starves the accelerator.",
+                "Rewrite the function with TensorFlow ops (tf.strings, tf.image, tf.io, tf.numpy); if Python is "
+                "unavoidable, batch() first and call it once per batch, or precompute the result offline.",
+                node.name))
+        # -- sequential map
+        npc = pipe.const(node, "num_parallel_calls") if op in _PARALLEL_MAP else None
+        if op in _SEQUENTIAL_MAP or (op in _PARALLEL_MAP and npc == 1):
+            what = "map without num_parallel_calls" if op in _SEQUENTIAL_MAP else "map with num_parallel_calls=1"
+            blockers = _auto_parallel_blockers(pipe, node, opts) if op in _SEQUENTIAL_MAP else ["it asks for 1"]
+            if blockers:
+                findings.append(Finding(
+                    "sequential_map", "warning",
+                    f"'{node.name}' is a {what}: it runs one element at a time, and TensorFlow will not "
+                    f"parallelize it because {'; '.join(blockers)}.",
+                    "Use .map(fn, num_parallel_calls=tf.data.AUTOTUNE) (order is kept: deterministic=True is the "
+                    "default), or keras_scale.data.optimize(ds).",
+                    node.name))
+            else:
+                findings.append(Finding(
+                    "sequential_map", "info",
+                    f"'{node.name}' is a {what}; TensorFlow's default map_parallelization rewrite will "
+                    "parallelize it at runtime (stateless function), but that silently stops once the function "
+                    "gains a stateful op or captured tensor.",
+                    "Say it explicitly: .map(fn, num_parallel_calls=tf.data.AUTOTUNE).",
+                    node.name))
+        # -- batch remainder under a multi-replica strategy / XLA
+        if op in _BATCH and (num_replicas > 1 or jit_compile):
+            drop = pipe.const(node, "drop_remainder")
+            batch_size = pipe.const(node, "batch_size")
+            if drop is False or (drop is not None and not bool(drop)):
+                upstream = pipe.dataset_inputs(node)
+                n_in = pipe.cardinality(upstream[0]) if upstream else None
+                divides = (n_in is not None and n_in != math.inf and isinstance(batch_size, int) and batch_size > 0
+                           and n_in % batch_size == 0)
+                if not divides:
+                    why = []
+                    if num_replicas > 1:
+                        why.append(f"{num_replicas} replicas split each batch (a short last batch gives them "
+                                   "unequal or empty shards)")
+                    if jit_compile:
+                        why.append("XLA compiles one program per shape (the short last batch triggers a recompile)")
+                    rest = (f" ({n_in} elements, {n_in % batch_size} left over)"
+                            if isinstance(n_in, int) and isinstance(batch_size, int) and batch_size > 0 else "")
+                    findings.append(Finding(
+                        "batch_remainder", "warning",
+                        f"'{node.name}' batches by {batch_size} without drop_remainder{rest}; "
+                        + "; ".join(why) + ".",
+                        f".batch({batch_size}, drop_remainder=True) (or make the dataset size a multiple of the "
+                        "global batch).",
+                        node.name))
+        # -- shuffle buffer tiny relative to the data
+        if op in _SHUFFLE:
+            buffer_size = pipe.const(node, "buffer_size")
+            upstream = pipe.dataset_inputs(node)
+            n_in = pipe.cardinality(upstream[0]) if upstream else None
+            if (isinstance(buffer_size, int) and isinstance(n_in, int) and n_in > 1 and buffer_size < n_in
+                    and buffer_size < min_shuffle_fraction * n_in and buffer_size < 10_000):
+                findings.append(Finding(
+                    "small_shuffle_buffer", "warning",
+                    f"'{node.name}' shuffles {n_in} elements through a buffer of {buffer_size} "
+                    f"({100.0 * buffer_size / n_in:.2g}% of the data): an element can only move ~{buffer_size} "
+                    "places, so batches keep the source order.",
+                    f".shuffle({min(n_in, 10_000)}) (buffer >= {min_shuffle_fraction:.0%} of the data), or shuffle "
+                    "the file list and interleave files before a smaller record-level shuffle.",
+                    node.name))
+        # -- cache missing after an expensive deterministic map
+        if op in _SEQUENTIAL_MAP | _PARALLEL_MAP:
+            findings.extend(_check_cache(pipe, node, cache_max_bytes, expensive_op_count))
+
+    # -- no prefetch at the end
+    last = pipe.last_transformation()
+    if last.op not in _PREFETCH:
+        opt = opts.optimization_options
+        injected = (opt.inject_prefetch if opt.WhichOneof("optional_inject_prefetch") else
+                    (opt.apply_default_optimizations if opt.WhichOneof("optional_apply_default_optimizations")
+                     else True))
+        autotune = (opts.autotune_options.enabled if opts.autotune_options.WhichOneof("optional_enabled")
+                    else True)
+        note = (" TensorFlow's inject_prefetch rewrite may add one when the last step is synchronous, but only "
+                "with default options and autotune on." if injected and autotune else
+                " inject_prefetch/autotune is off in this pipeline's options, so TensorFlow will not add one.")
+        findings.append(Finding(
+            "no_prefetch", "warning",
+            f"the pipeline ends with {last.op} '{last.name}', not prefetch: the next batch is only prepared "
+            "after the training step asks for it." + note,
+            "End the pipeline with .prefetch(tf.data.AUTOTUNE).",
+            last.name))
+
+    order = {c: i for i, c in enumerate(_CODES)}
+    findings.sort(key=lambda f: order.get(f.code, len(order)))
+    if warn:
+        for f in findings:
+            if f.severity != "info":
+                warnings.warn(f"keras_scale.data.check: {f}", PipelineWarning, stacklevel=2)
+    return findings
+
+
+def _check_cache(pipe: _Pipeline, node: Any, cache_max_bytes: int, expensive_op_count: int) -> List[Finding]:
+    ops = pipe.ops_of(node)
+    heavy = sorted(ops & _EXPENSIVE_OPS)
+    count = sum(pipe.function_node_count(fn) for fn in pipe.node_functions(node))
+    if not heavy and count < expensive_op_count:
+        return []
+    if pipe.stateful_ops(node) or pipe.captured_inputs(node):
+        return []  # random augmentation / variables: caching would freeze or stale the result
+    if any(n.op in _CACHE for n in pipe.downstream(node.name)):
+        return []
+    n = pipe.cardinality(node.name)
+    per_element = pipe.element_bytes(node)
+    if not isinstance(n, int) or per_element is None:
+        return []
+    total = n * per_element
+    if total > cache_max_bytes:
+        return []
+    why = f"ops {heavy}" if heavy else f"{count} ops"
+    return [Finding(
+        "cache_missing", "warning",
+        f"map '{node.name}' is expensive ({why}) and deterministic, and its output is small ({n} elements, "
+        f"{total / 2**20:.3g} MiB <= {cache_max_bytes / 2**20:.4g} MiB), yet nothing caches it: it is recomputed "
+        "every epoch.",
+        "Add .cache() right after this map (before shuffle and random augmentation), or .cache(path) on disk.",
+        node.name)]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# benchmark
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchmarkResult:
+    """Throughput of an input pipeline measured alone (no model), by :func:`benchmark`.
+
+    Attributes:
+        num_steps: batches timed (after warm-up); fewer than asked if the dataset ran out.
+        num_samples: samples in those batches (leading dimension of the first component of each element).
+        elapsed_s: wall time of the timed batches, seconds.
+        batches_per_s, samples_per_s: the rates; compare ``batches_per_s`` with the training step rate — if the
+            pipeline alone is not clearly faster than the steps, the accelerator waits for input.
+        warmup_steps: batches consumed before timing started (thread pools, autotune, file opening).
+
+    Example:
+        >>> r = benchmark(tf.data.Dataset.range(1000).batch(10), num_steps=50)
+        >>> r.num_samples
+        500
+    """
+
+    num_steps: int
+    num_samples: int
+    elapsed_s: float
+    batches_per_s: float
+    samples_per_s: float
+    warmup_steps: int
+
+    def __str__(self) -> str:
+        return (f"{self.batches_per_s:.1f} batches/s, {self.samples_per_s:.1f} samples/s "
+                f"({self.num_steps} batches in {self.elapsed_s:.3f} s after {self.warmup_steps} warm-up)")
+
+
+def _batch_size_of(element: Any) -> int:
+    for t in tf.nest.flatten(element):
+        shape = getattr(t, "shape", None)
+        if shape is not None and shape.rank:
+            return int(shape[0])
+        if shape is not None:
+            return 1
+    return 1
+
+
+def benchmark(dataset: tf.data.Dataset, num_steps: int = 100, warmup_steps: int = 10) -> BenchmarkResult:
+    """Iterate ``dataset`` alone and time ``num_steps`` batches after ``warmup_steps`` untimed ones.
+
+    Each element is fetched to the host as a tensor (the same work ``model.fit`` asks of the pipeline); nothing
+    else runs, so the result is the pipeline's ceiling. Use a dataset that yields at least
+    ``warmup_steps + num_steps`` batches (``.repeat()`` is fine).
+
+    Example:
+        >>> ds = tf.data.Dataset.range(10_000).batch(100).prefetch(tf.data.AUTOTUNE)
+        >>> result = benchmark(ds, num_steps=50, warmup_steps=5)
+        >>> result.samples_per_s > result.batches_per_s
+        True
+    """
+    _require_dataset(dataset, "benchmark")
+    if isinstance(num_steps, bool) or int(num_steps) != num_steps or num_steps < 1:
+        raise ValueError(f"num_steps must be an integer >= 1 (batches to time), got {num_steps!r}")
+    if isinstance(warmup_steps, bool) or int(warmup_steps) != warmup_steps or warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+    iterator = iter(dataset)
+    warmed = 0
+    for _ in range(warmup_steps):
+        try:
+            next(iterator)
+        except StopIteration:
+            break
+        warmed += 1
+    steps = samples = 0
+    start = time.perf_counter()
+    for _ in range(num_steps):
+        try:
+            element = next(iterator)
+        except StopIteration:
+            break
+        steps += 1
+        samples += _batch_size_of(element)
+    elapsed_s = time.perf_counter() - start
+    if steps == 0:
+        raise ValueError(
+            f"the dataset ran out during the {warmed} warm-up batches: nothing left to time. Use fewer "
+            f"warmup_steps (got {warmup_steps}) or a longer dataset (e.g. dataset.repeat()).")
+    elapsed_s = max(elapsed_s, 1e-9)
+    return BenchmarkResult(num_steps=steps, num_samples=samples, elapsed_s=elapsed_s,
+                           batches_per_s=steps / elapsed_s, samples_per_s=samples / elapsed_s,
+                           warmup_steps=warmed)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# optimize
+
+# Top-level ops whose state lives outside the graph (variables, tables, seed generators, Python callbacks):
+# rebuilding the pipeline from its graph would copy or lose that state, so such graphs are not rebuilt.
+_STATE_OPS = {"VarHandleOp", "AssignVariableOp", "HashTableV2", "MutableHashTableV2", "AnonymousSeedGenerator",
+              "DummySeedGenerator", "AnonymousRandomSeedGenerator"}
+
+
+def _rebuild_blockers(pipe: _Pipeline) -> List[str]:
+    reasons = []
+    for node in pipe.graph_def.node:
+        if node.op == "Const" and node.attr["dtype"].type == tf.resource.as_datatype_enum:
+            reasons.append(f"'{node.name}' is a resource (shuffle seed generator or other state)")
+        elif node.op in _STATE_OPS or (node.op not in ("Const", "_Retval", "Identity") and not _is_dataset_op(node.op)):
+            reasons.append(f"'{node.name}' ({node.op}) holds state outside the graph")
+    for node in pipe.dataset_nodes():
+        if pipe.ops_of(node) & _PY_FUNC:
+            reasons.append(f"'{node.name}' calls Python")
+    return reasons
+
+
+def optimize(dataset: tf.data.Dataset, *, parallelize_stateful: bool = False) -> Tuple[tf.data.Dataset, List[str]]:
+    """Apply the safe speed fixes to a pipeline; returns ``(dataset, changes)``.
+
+    1. Sequential maps TensorFlow will not parallelize by itself (functions that capture outer tensors, or
+       stateful ones when ``parallelize_stateful=True``) are rewritten in the graph into parallel maps with
+       ``num_parallel_calls=AUTOTUNE`` and deterministic order, and the pipeline is rebuilt from that graph.
+       This is done only when the graph holds no outside state (variables, lookup tables, shuffle seed
+       generators, Python functions), because a rebuilt copy would not share it; otherwise the change list says
+       why and what to write instead.
+    2. ``tf.data.Options``: ``map_parallelization`` on (TensorFlow's rewrite for stateless maps), autotune on,
+       ``deterministic=True`` unless you set it.
+    3. A trailing ``prefetch(tf.data.AUTOTUNE)`` if the pipeline does not end with one.
+
+    Elements and their order are unchanged (for stateless map functions; with ``parallelize_stateful=True`` a
+    random op's draws may land on different elements). Entries of ``changes`` starting with ``"not changed:"``
+    explain what was left alone.
+
+    Example:
+        >>> mean = tf.constant([0.5, 0.5])
+        >>> ds = tf.data.Dataset.from_tensor_slices(tf.ones([8, 2])).map(lambda x: x - mean).batch(4)
+        >>> fast, changes = optimize(ds)
+        >>> for c in changes:
+        ...     print(c)  # doctest: +SKIP
+        parallelized map 'MapDataset/_3' (num_parallel_calls=AUTOTUNE, deterministic order)
+        tf.data.Options: map_parallelization=True, autotune.enabled=True, deterministic=True
+        appended prefetch(tf.data.AUTOTUNE) after BatchDatasetV2 'BatchDatasetV2/_6'
+    """
+    _require_dataset(dataset, "optimize")
+    pipe = _Pipeline(pipeline_graph(dataset))
+    opts = pipe.options()
+    changes: List[str] = []
+
+    # 1. sequential maps that TF's own rewrite skips
+    targets, skipped = [], []
+    for node in pipe.dataset_nodes():
+        if node.op not in _SEQUENTIAL_MAP:
+            continue
+        if pipe.ops_of(node) & _PY_FUNC:
+            skipped.append(f"not changed: map '{node.name}' calls Python ({sorted(pipe.ops_of(node) & _PY_FUNC)}); "
+                           "parallel calls would serialize on the GIL — rewrite it with TensorFlow ops")
+            continue
+        stateful = pipe.stateful_ops(node)
+        if stateful and not parallelize_stateful:
+            skipped.append(f"not changed: map '{node.name}' has stateful ops {stateful}; parallel calls would "
+                           "hand random draws to different elements. Pass parallelize_stateful=True if that is "
+                           "fine, or use tf.random.stateless_* ops")
+            continue
+        if not stateful and not pipe.captured_inputs(node):
+            continue  # TF's map_parallelization (enabled below) handles it at runtime
+        targets.append(node)
+    if targets:
+        blockers = _rebuild_blockers(pipe)
+        if blockers:
+            for node in targets:
+                skipped.append(
+                    f"not changed: map '{node.name}' stays sequential — the pipeline cannot be rebuilt from its "
+                    f"graph without losing state ({'; '.join(blockers[:3])}). Write "
+                    ".map(fn, num_parallel_calls=tf.data.AUTOTUNE) in your code")
+        else:
+            rebuilt = _rebuild_with_parallel_maps(pipe, targets, dataset.element_spec)
+            if rebuilt is not None:
+                dataset = rebuilt
+                changes.extend(f"parallelized map '{n.name}' (num_parallel_calls=AUTOTUNE, deterministic order)"
+                               for n in targets)
+            else:
+                skipped.extend(f"not changed: map '{n.name}' — rebuilding the pipeline failed" for n in targets)
+
+    # 2. options
+    options = tf.data.Options()
+    set_parts = []
+    opt = opts.optimization_options
+    if not (opt.WhichOneof("optional_map_parallelization") and opt.map_parallelization):
+        options.experimental_optimization.map_parallelization = True
+        set_parts.append("map_parallelization=True")
+    if opts.autotune_options.WhichOneof("optional_enabled") and not opts.autotune_options.enabled:
+        skipped.append("not changed: autotune is off in your tf.data.Options; AUTOTUNE values fall back to "
+                       "defaults")
+    elif not opts.autotune_options.WhichOneof("optional_enabled"):
+        options.autotune.enabled = True
+        set_parts.append("autotune.enabled=True")
+    if opts.WhichOneof("optional_deterministic") is None:
+        options.deterministic = True
+        set_parts.append("deterministic=True")
+    elif not opts.deterministic:
+        skipped.append("not changed: deterministic=False in your tf.data.Options (element order may vary)")
+    if set_parts:
+        dataset = dataset.with_options(options)
+        changes.append("tf.data.Options: " + ", ".join(set_parts))
+
+    # 3. trailing prefetch
+    last = pipe.last_transformation()
+    if last.op not in _PREFETCH:
+        dataset = dataset.prefetch(tf.data.AUTOTUNE)
+        changes.append(f"appended prefetch(tf.data.AUTOTUNE) after {last.op} '{last.name}'")
+    return dataset, changes + skipped
+
+
+def _rebuild_with_parallel_maps(pipe: _Pipeline, targets: Sequence[Any], element_spec: Any) -> Optional[tf.data.Dataset]:
+    graph_def = tf.compat.v1.GraphDef()
+    graph_def.CopyFrom(pipe.graph_def)
+    wanted = {n.name for n in targets}
+    for node in list(graph_def.node):
+        if node.name not in wanted:
+            continue
+        const = graph_def.node.add()
+        const.name = node.name + "/keras_scale_num_parallel_calls"
+        const.op = "Const"
+        const.attr["dtype"].type = tf.int64.as_datatype_enum
+        const.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(AUTOTUNE, tf.int64))
+        control = [i for i in node.input if i.startswith("^")]
+        data = [i for i in node.input if not i.startswith("^")]
+        del node.input[:]
+        node.input.extend(data + [const.name] + control)
+        node.op = "ParallelMapDatasetV2"
+        if "force_synchronous" in node.attr:
+            del node.attr["force_synchronous"]
+        node.attr["deterministic"].s = b"true"
+        node.attr["use_unbounded_threadpool"].b = False
+    try:
+        variant = tf.raw_ops.DatasetFromGraph(graph_def=graph_def.SerializeToString())
+        rebuilt = tf.data.experimental.from_variant(variant, element_spec)
+        original_n = pipe.cardinality(pipe.sink)
+        new_n = int(rebuilt.cardinality())
+        if original_n is not None and original_n != math.inf and new_n != original_n:
+            return None
+        return rebuilt
+    except Exception:  # noqa: BLE001 - keep the original pipeline
+        return None

@@ -1,0 +1,323 @@
+"""keras_scale.data: each lint fires on a bad pipeline and stays silent on the fixed one; optimize() keeps the
+elements and their order; benchmark() counts what it timed. Every dataset here is real and built in the test."""
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_scale
+from keras_scale import data
+
+AUTOTUNE = tf.data.AUTOTUNE
+
+
+def codes(dataset, **kwargs):
+    return [f.code for f in data.check(dataset, warn=False, **kwargs)]
+
+
+def finding(dataset, code, **kwargs):
+    found = [f for f in data.check(dataset, warn=False, **kwargs) if f.code == code]
+    assert len(found) == 1, f"expected one {code!r} finding, got {found}"
+    return found[0]
+
+
+def heavy(x):
+    """A graph-native, deterministic map with many ops (no Python, no state)."""
+    v = tf.cast(tf.range(64), tf.float32) + tf.cast(x, tf.float32)
+    for _ in range(10):
+        v = tf.math.cumsum(tf.sin(v))
+    return v
+
+
+def good_pipeline():
+    return (tf.data.Dataset.range(64).shuffle(64, seed=1).map(heavy, num_parallel_calls=AUTOTUNE)
+            .cache().batch(8, drop_remainder=True).prefetch(AUTOTUNE))
+
+
+def test_reachable_from_package():
+    assert keras_scale.data is data
+
+
+def test_good_pipeline_is_silent_under_strategy_and_xla():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", data.PipelineWarning)
+        assert data.check(good_pipeline(), num_replicas=8, jit_compile=True) == []
+
+
+# -- no prefetch ---------------------------------------------------------------------------------------------
+
+
+def test_no_prefetch_fires_and_names_last_op():
+    f = finding(tf.data.Dataset.range(10).batch(2), "no_prefetch")
+    assert f.severity == "warning" and "BatchDatasetV2" in f.message and "prefetch(tf.data.AUTOTUNE)" in f.fix
+
+
+def test_prefetch_at_the_end_is_silent_even_behind_options():
+    options = tf.data.Options()
+    options.threading.private_threadpool_size = 2
+    ds = tf.data.Dataset.range(10).batch(2).prefetch(AUTOTUNE).with_options(options)
+    assert "no_prefetch" not in codes(ds)
+
+
+def test_prefetch_in_the_middle_does_not_count():
+    ds = tf.data.Dataset.range(10).prefetch(2).batch(2)
+    assert "no_prefetch" in codes(ds)
+
+
+# -- sequential map ------------------------------------------------------------------------------------------
+
+
+def test_sequential_map_that_tf_will_not_parallelize_warns():
+    mean = tf.constant(np.arange(4, dtype=np.float32))  # captured tensor: TF's map_parallelization skips it
+    ds = tf.data.Dataset.range(10).map(lambda x: tf.cast(x, tf.float32) - mean).prefetch(1)
+    f = finding(ds, "sequential_map")
+    assert f.severity == "warning" and "captures 1 outer tensor" in f.message and "num_parallel_calls" in f.fix
+
+
+def test_sequential_stateful_map_warns():
+    ds = tf.data.Dataset.range(10).map(lambda x: tf.cast(x, tf.float32) + tf.random.uniform(())).prefetch(1)
+    f = finding(ds, "sequential_map")
+    assert f.severity == "warning" and "RandomUniform" in f.message
+
+
+def test_sequential_stateless_map_is_info_because_tf_parallelizes_it():
+    ds = tf.data.Dataset.range(10).map(lambda x: x * 2).prefetch(1)
+    assert finding(ds, "sequential_map").severity == "info"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", data.PipelineWarning)
+        data.check(ds)  # info findings are returned, not warned
+
+
+def test_sequential_map_warns_when_options_turn_parallelization_off():
+    options = tf.data.Options()
+    options.experimental_optimization.map_parallelization = False
+    ds = tf.data.Dataset.range(10).map(lambda x: x * 2).prefetch(1).with_options(options)
+    f = finding(ds, "sequential_map")
+    assert f.severity == "warning" and "map_parallelization is turned off" in f.message
+
+
+def test_parallel_map_is_silent_and_num_parallel_calls_1_is_not():
+    assert "sequential_map" not in codes(tf.data.Dataset.range(10).map(lambda x: x + 1, num_parallel_calls=AUTOTUNE))
+    assert finding(tf.data.Dataset.range(10).map(lambda x: x + 1, num_parallel_calls=1),
+                   "sequential_map").severity == "warning"
+
+
+# -- Python inside map ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("wrapper", ["py_function", "numpy_function"])
+def test_python_in_map_fires(wrapper):
+    call = getattr(tf, wrapper)
+    ds = tf.data.Dataset.range(10).map(lambda x: call(lambda v: v * 2, [x], tf.int64), num_parallel_calls=AUTOTUNE)
+    f = finding(ds, "py_function")
+    assert f.severity == "warning" and "GIL" in f.message
+
+
+def test_python_nested_in_a_called_function_is_found():
+    @tf.function
+    def inner(x):
+        return tf.py_function(lambda v: v + 1, [x], tf.int64)
+
+    ds = tf.data.Dataset.range(10).map(lambda x: inner(x) * 2, num_parallel_calls=AUTOTUNE)
+    assert "py_function" in codes(ds)
+
+
+def test_graph_native_map_has_no_python_finding():
+    assert "py_function" not in codes(tf.data.Dataset.range(10).map(heavy, num_parallel_calls=AUTOTUNE))
+
+
+# -- batch remainder -----------------------------------------------------------------------------------------
+
+
+def test_batch_remainder_fires_with_replicas_or_xla():
+    ds = tf.data.Dataset.range(10).batch(4).prefetch(1)
+    f = finding(ds, "batch_remainder", num_replicas=2)
+    assert "10 elements, 2 left over" in f.message and "drop_remainder=True" in f.fix
+    assert "XLA" in finding(ds, "batch_remainder", num_replicas=1, jit_compile=True).message
+
+
+def test_batch_remainder_silent_when_single_replica_dropped_or_divisible():
+    assert "batch_remainder" not in codes(tf.data.Dataset.range(10).batch(4), num_replicas=1)
+    assert "batch_remainder" not in codes(tf.data.Dataset.range(10).batch(4, drop_remainder=True), num_replicas=2)
+    assert "batch_remainder" not in codes(tf.data.Dataset.range(12).batch(4), num_replicas=2, jit_compile=True)
+
+
+def test_batch_remainder_defaults_to_the_active_strategy(mirrored):
+    ds = tf.data.Dataset.range(10).batch(4)
+    assert "batch_remainder" not in codes(ds)
+    with mirrored.scope():
+        assert "batch_remainder" in codes(ds)
+
+
+def test_padded_batch_is_checked_too():
+    ds = tf.data.Dataset.range(10).map(lambda x: tf.fill([x], x), num_parallel_calls=AUTOTUNE).padded_batch(4)
+    assert "batch_remainder" in codes(ds, num_replicas=2)
+
+
+# -- cache ---------------------------------------------------------------------------------------------------
+
+
+def test_cache_missing_fires_on_small_expensive_map():
+    ds = tf.data.Dataset.range(64).map(heavy, num_parallel_calls=AUTOTUNE).batch(8).prefetch(1)
+    f = finding(ds, "cache_missing")
+    assert "64 elements" in f.message and ".cache()" in f.fix
+
+
+def test_cache_missing_fires_on_image_decoding():
+    png = tf.io.encode_png(tf.zeros([16, 16, 3], tf.uint8))
+    ds = (tf.data.Dataset.from_tensors(png).repeat(32)
+          .map(lambda s: tf.image.resize(tf.io.decode_png(s, channels=3), [8, 8]), num_parallel_calls=AUTOTUNE)
+          .batch(8).prefetch(1))
+    assert "DecodePng" in finding(ds, "cache_missing").message
+
+
+def test_cache_missing_silent_when_cached_cheap_large_or_random():
+    cached = tf.data.Dataset.range(64).map(heavy, num_parallel_calls=AUTOTUNE).cache().batch(8).prefetch(1)
+    cheap = tf.data.Dataset.range(64).map(lambda x: x + 1, num_parallel_calls=AUTOTUNE).batch(8).prefetch(1)
+    large = tf.data.Dataset.range(64).map(heavy, num_parallel_calls=AUTOTUNE)
+    random = tf.data.Dataset.range(64).map(lambda x: heavy(x) * tf.random.uniform(()), num_parallel_calls=AUTOTUNE)
+    assert "cache_missing" not in codes(cached)
+    assert "cache_missing" not in codes(cheap)
+    assert "cache_missing" not in codes(large, cache_max_bytes=64 * 256 - 1)  # 64 x 64 float32 = 16 KiB
+    assert "cache_missing" in codes(large, cache_max_bytes=64 * 256)
+    assert "cache_missing" not in codes(random)  # caching would freeze the augmentation
+
+
+def test_cache_before_the_map_does_not_count():
+    ds = tf.data.Dataset.range(64).cache().map(heavy, num_parallel_calls=AUTOTUNE)
+    assert "cache_missing" in codes(ds)
+
+
+# -- shuffle buffer ------------------------------------------------------------------------------------------
+
+
+def test_small_shuffle_buffer_fires_with_the_numbers():
+    f = finding(tf.data.Dataset.range(5000).shuffle(4), "small_shuffle_buffer")
+    assert "5000 elements through a buffer of 4" in f.message and ".shuffle(5000)" in f.fix
+
+
+def test_shuffle_buffer_silent_when_large_enough_or_size_unknown():
+    assert "small_shuffle_buffer" not in codes(tf.data.Dataset.range(5000).shuffle(5000))
+    assert "small_shuffle_buffer" not in codes(tf.data.Dataset.range(5000).shuffle(50))  # 1 %
+    assert "small_shuffle_buffer" not in codes(tf.data.Dataset.range(5000).repeat().shuffle(4))  # infinite input
+    filtered = tf.data.Dataset.range(5000).filter(lambda x: x % 2 == 0).shuffle(4)  # unknown cardinality
+    assert "small_shuffle_buffer" not in codes(filtered)
+
+
+def test_shuffle_and_repeat_counts_the_elements_before_repeat():
+    ds = tf.data.Dataset.range(5000).shuffle(4).repeat()
+    assert "small_shuffle_buffer" in codes(ds)
+
+
+# -- the warnings and bad input ------------------------------------------------------------------------------
+
+
+def test_check_warns_for_each_warning_finding():
+    ds = tf.data.Dataset.range(5000).shuffle(4).batch(3)
+    with pytest.warns(data.PipelineWarning) as record:
+        found = data.check(ds, num_replicas=2)
+    warned = sorted(str(w.message) for w in record)
+    assert len(warned) == len([f for f in found if f.severity == "warning"]) == 3
+    assert any("small_shuffle_buffer" in w for w in warned)
+
+
+def test_bad_input_is_rejected_with_the_value():
+    with pytest.raises(TypeError, match="numpy.ndarray"):
+        data.check(np.zeros(3))
+    with pytest.raises(ValueError, match="num_replicas .* got 0"):
+        data.check(tf.data.Dataset.range(3), num_replicas=0)
+    with pytest.raises(ValueError, match="num_steps .* got 0"):
+        data.benchmark(tf.data.Dataset.range(3), num_steps=0)
+
+
+# -- optimize ------------------------------------------------------------------------------------------------
+
+
+def as_list(ds):
+    return [tuple(np.asarray(x).ravel().tolist()) for x in ds.as_numpy_iterator()]
+
+
+def test_optimize_parallelizes_a_map_tf_skips_and_keeps_elements_in_order():
+    mean = tf.constant(np.linspace(0, 1, 64, dtype=np.float32))
+    slow = tf.data.Dataset.range(37).map(lambda x: heavy(x) - mean).batch(5)
+    fast, changes = data.optimize(slow)
+    assert as_list(fast) == as_list(slow)
+    assert any(c.startswith("parallelized map 'MapDataset") for c in changes)
+    assert any("appended prefetch" in c for c in changes)
+    after = data.check(fast, warn=False)
+    assert not [f for f in after if f.code in ("sequential_map", "no_prefetch")]
+    ops = {n.op for n in data.pipeline_graph(fast).node}
+    assert "ParallelMapDatasetV2" in ops and "MapDataset" not in ops
+
+
+def test_optimize_stateless_map_relies_on_tf_rewrite_and_keeps_order():
+    slow = tf.data.Dataset.range(50).map(lambda x: x * 3).batch(4)
+    fast, changes = data.optimize(slow)
+    assert as_list(fast) == as_list(slow)
+    assert any("map_parallelization=True" in c for c in changes)
+    assert fast.options().experimental_optimization.map_parallelization is True
+    assert fast.options().deterministic is True
+
+
+def test_optimize_leaves_stateful_map_sequential_unless_asked():
+    def noisy(x):  # stateful op whose value does not change the element
+        return x + tf.cast(0.0 * tf.random.uniform(()), tf.int64)
+
+    slow = tf.data.Dataset.range(30).map(noisy)
+    fast, changes = data.optimize(slow)
+    assert any("not changed" in c and "RandomUniform" in c for c in changes)
+    assert "MapDataset" in {n.op for n in data.pipeline_graph(fast).node}
+    fast, changes = data.optimize(slow, parallelize_stateful=True)
+    assert as_list(fast) == as_list(slow)
+    assert "MapDataset" not in {n.op for n in data.pipeline_graph(fast).node}
+
+
+def test_optimize_does_not_rebuild_a_pipeline_that_reads_a_variable():
+    scale = tf.Variable(2.0)
+    slow = tf.data.Dataset.range(6).map(lambda x: tf.cast(x, tf.float32) * scale)
+    fast, changes = data.optimize(slow)
+    assert any("not changed" in c for c in changes)
+    scale.assign(10.0)  # the optimized pipeline must still read the live variable
+    assert [float(x) for x in fast] == [10.0 * i for i in range(6)]
+
+
+def test_optimize_keeps_a_seeded_shuffle_and_user_determinism():
+    slow = tf.data.Dataset.range(40).shuffle(40, seed=3, reshuffle_each_iteration=False).batch(4)
+    fast, _ = data.optimize(slow)
+    assert as_list(fast) == as_list(slow)
+    options = tf.data.Options()
+    options.deterministic = False
+    _, changes = data.optimize(slow.with_options(options))
+    assert any("deterministic=False" in c for c in changes)
+
+
+def test_optimize_does_not_add_a_second_prefetch():
+    _, changes = data.optimize(tf.data.Dataset.range(4).prefetch(2))
+    assert not any("prefetch" in c for c in changes)
+
+
+# -- benchmark -----------------------------------------------------------------------------------------------
+
+
+def test_benchmark_counts_batches_and_samples():
+    result = data.benchmark(tf.data.Dataset.range(1000).batch(10), num_steps=30, warmup_steps=3)
+    assert (result.num_steps, result.num_samples, result.warmup_steps) == (30, 300, 3)
+    assert result.elapsed_s > 0 and result.batches_per_s > 0
+    assert result.samples_per_s == pytest.approx(10 * result.batches_per_s)
+
+
+def test_benchmark_on_short_dataset_times_what_exists():
+    result = data.benchmark(tf.data.Dataset.range(25).batch(10), num_steps=100, warmup_steps=1)
+    assert (result.num_steps, result.num_samples) == (2, 15)  # batches of 10 and 5 after one warm-up batch
+    with pytest.raises(ValueError, match="ran out during the 3 warm-up"):
+        data.benchmark(tf.data.Dataset.range(25).batch(10), num_steps=5, warmup_steps=5)
+
+
+def test_benchmark_sees_a_slower_pipeline_as_slower():
+    # Not a timing assertion on absolute numbers: the same pipeline with ~20x more work per element.
+    light = tf.data.Dataset.range(200).map(lambda x: tf.reduce_sum(tf.sort(tf.random.stateless_uniform([64], [x, x])))).batch(10)
+    heavy_ds = tf.data.Dataset.range(200).map(lambda x: tf.reduce_sum(tf.sort(tf.random.stateless_uniform([200_000], [x, x])))).batch(10)
+    fast = data.benchmark(light, num_steps=10, warmup_steps=2)
+    slow = data.benchmark(heavy_ds, num_steps=10, warmup_steps=2)
+    assert slow.batches_per_s < fast.batches_per_s
