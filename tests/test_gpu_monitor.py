@@ -1,0 +1,372 @@
+"""GpuMonitor: sampling thread, aggregation, step timing, advice rules, TensorBoard output, no-GPU behaviour.
+
+NVML is faked (tests/fakes/fake_nvml.py); the no-NVML test uses the real pynvml on this GPU-less machine.
+"""
+import glob
+import os
+import threading
+import time
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_scale import nvml as nvml_lib
+from keras_scale.callbacks import gpu_monitor as gm
+from keras_scale.callbacks.gpu_monitor import AdviceThresholds, EpochStats, GpuMonitor
+from keras_scale.nvml import GpuProcess, GpuSample
+from tests.fakes.fake_nvml import FakeNvml
+
+THREAD_NAME = "keras_scale-GpuMonitor"
+
+
+class _SlowSteps(keras.callbacks.Callback):
+    """Makes each step last a few ms so the sampler gets readings inside the epoch's steps."""
+
+    def __init__(self, sleep_s):
+        super().__init__()
+        self.sleep_s = sleep_s
+
+    def on_train_batch_begin(self, batch, logs=None):
+        time.sleep(self.sleep_s)
+
+
+def _fit(monitor, epochs=2, steps=8, sleep_s=0.004, batch_size=8, **fit_kwargs):
+    x = np.random.RandomState(0).rand(steps * batch_size, 4).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    history = model.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0,
+                        callbacks=[_SlowSteps(sleep_s), monitor], **fit_kwargs)
+    return model, history
+
+
+def _monitor_threads():
+    return [t for t in threading.enumerate() if t.name == THREAD_NAME and t.is_alive()]
+
+
+@pytest.fixture(autouse=True)
+def _no_visible_devices_env(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("TF_FORCE_GPU_ALLOW_GROWTH", raising=False)
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+
+
+# --------------------------------------------------------------------------------------- construction
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(interval_s=0), "interval_s"), (dict(interval_s=-1.0), "interval_s"), (dict(interval_s="1"), "interval_s"),
+    (dict(interval_s=float("nan")), "interval_s"), (dict(devices="gpu0"), "devices"), (dict(devices=[]), "devices"),
+    (dict(devices=[-1]), "devices"), (dict(devices=[0.5]), "devices"), (dict(batch_size=0), "batch_size"),
+    (dict(batch_size=2.5), "batch_size"), (dict(advice=[1, 2]), "advice"), (dict(log_dir=3), "log_dir"),
+])
+def test_bad_arguments_fail_at_construction_with_the_value(kwargs, match):
+    with pytest.raises(ValueError, match=match) as e:
+        GpuMonitor(**kwargs)
+    assert repr(next(iter(kwargs.values())))[:4] in str(e.value)
+
+
+def test_unknown_device_index_fails_at_fit_start():
+    with pytest.raises(ValueError, match=r"GPU\(s\) \[5\] do not exist; NVML sees \[0, 1\]"):
+        _fit(GpuMonitor(devices=[0, 5], nvml=FakeNvml.with_gpus(2)), epochs=1)
+    assert not _monitor_threads()
+
+
+# ---------------------------------------------------------------------------------- pure aggregation
+def test_aggregate_samples_mean_max_and_throttle_fractions():
+    samples = [
+        GpuSample(0, 0.0, util_gpu_pct=20.0, mem_used_mb=1000.0, mem_total_mb=8000.0, power_w=100.0,
+                  throttle_thermal=False, throttle_power_cap=True, throttle_hw_slowdown=False),
+        GpuSample(0, 1.0, util_gpu_pct=40.0, mem_used_mb=3000.0, mem_total_mb=8000.0, power_w=None,
+                  throttle_thermal=True, throttle_power_cap=True, throttle_hw_slowdown=False),
+        GpuSample(0, 2.0, util_gpu_pct=90.0, mem_used_mb=2000.0, mem_total_mb=8000.0, power_w=200.0,
+                  throttle_thermal=False, throttle_power_cap=False, throttle_hw_slowdown=False),
+        GpuSample(0, 3.0, util_gpu_pct=10.0, mem_used_mb=2000.0, mem_total_mb=8000.0, power_w=150.0,
+                  throttle_thermal=False, throttle_power_cap=False, throttle_hw_slowdown=False),
+    ]
+    a = gm.aggregate_samples(samples)
+    assert a["util_mean"] == 40.0 and a["util_max"] == 90.0
+    assert a["mem_mean_mb"] == 2000.0 and a["mem_max_mb"] == 3000.0 and a["mem_total_mb"] == 8000.0
+    assert a["power_mean_w"] == 150.0 and a["power_max_w"] == 200.0  # the missing reading is skipped
+    assert a["throttle_thermal_frac"] == 0.25 and a["throttle_power_cap_frac"] == 0.5
+    assert a["throttle_hw_slowdown_frac"] == 0.0
+    assert a["throttle_frac"] == 0.5  # samples 0 and 1 have at least one reason
+    assert "temp_mean_c" not in a  # never reported -> absent, not 0
+    assert gm.aggregate_samples([]) == {}
+
+
+def test_step_timing_skips_first_step_and_counts_steps_per_execution():
+    ends = [(1, 5.0), (3, 5.2), (5, 5.4), (7, 5.8)]  # steps_per_execution=2: hooks every 2 steps
+    t = gm.step_timing(ends, epoch_begin_s=0.0, batch_size=64)
+    assert t["step_time_mean_ms"] == pytest.approx(800.0 / 6)  # 0.8 s over 6 steps; the slow first call left out
+    assert t["step_time_max_ms"] == pytest.approx(200.0)
+    assert t["samples_per_s"] == pytest.approx(64 * 6 / 0.8)
+    one = gm.step_timing([(3, 2.0)], epoch_begin_s=1.0)
+    assert one["step_time_mean_ms"] == pytest.approx(250.0) and "samples_per_s" not in one
+    assert gm.step_timing([], 0.0) == {}
+
+
+# --------------------------------------------------------------------------------------- advice rules
+TH = AdviceThresholds()
+
+
+def _stats(util=None, cpu=None, mem=None, total=16000.0, meaningful=True, mixed=False, jit=False, **gpu):
+    g = dict(gpu)
+    if util is not None:
+        g["util_mean"] = util
+    if mem is not None:
+        g.update(mem_max_mb=mem, mem_total_mb=total)
+    return EpochStats(epoch=0, gpus={0: g}, host_cpu_mean_pct=cpu, timing={"steps_per_s": 4.0,
+                      "step_time_mean_ms": 250.0}, mixed_precision=mixed, jit_compile=jit,
+                      memory_readings_meaningful=meaningful)
+
+
+@pytest.mark.parametrize("rule,stats,fires", [
+    (gm.input_bound_rule, _stats(util=20, cpu=95), True),
+    (gm.input_bound_rule, _stats(util=20, cpu=30), False),  # host idle: not the input pipeline's CPU
+    (gm.input_bound_rule, _stats(util=80, cpu=95), False),  # GPU busy
+    (gm.input_bound_rule, _stats(util=20, cpu=None), False),  # no host reading: say nothing
+    (gm.gpu_idle_rule, _stats(util=20, cpu=30), True),
+    (gm.gpu_idle_rule, _stats(util=20, cpu=95), False),
+    (gm.gpu_idle_rule, _stats(util=70, cpu=10), False),
+    (gm.compute_bound_rule, _stats(util=97), True),
+    (gm.compute_bound_rule, _stats(util=97, mixed=True), True),  # XLA still off
+    (gm.compute_bound_rule, _stats(util=97, mixed=True, jit=True), False),  # nothing left to suggest
+    (gm.compute_bound_rule, _stats(util=60), False),
+    (gm.memory_rule, _stats(mem=15800.0), True),
+    (gm.memory_rule, _stats(mem=15800.0, meaningful=False), False),  # TF reserved it all: says nothing
+    (gm.memory_rule, _stats(mem=8000.0), False),
+    (gm.throttle_rule, _stats(throttle_thermal_frac=0.5, temp_max_c=91.0), True),
+    (gm.throttle_rule, _stats(throttle_power_cap_frac=0.3, power_max_w=299.0, power_limit_w=300.0), True),
+    (gm.throttle_rule, _stats(throttle_hw_slowdown_frac=0.25), True),
+    (gm.throttle_rule, _stats(throttle_thermal_frac=0.1, throttle_power_cap_frac=0.05), False),
+    (gm.throttle_rule, _stats(util=99), False),
+])
+def test_each_rule_fires_and_stays_silent(rule, stats, fires):
+    advice = rule(stats, TH)
+    assert bool(advice) == fires
+    for a in advice:
+        assert a.message and a.kind
+
+
+def test_advice_messages_point_to_the_fix():
+    (inp,) = gm.input_bound_rule(_stats(util=20, cpu=95), TH)
+    assert "prefetch" in inp.message and "num_parallel_calls" in inp.message and "ProfileWindow" in inp.message
+    assert "keras_scale.data.benchmark" in inp.message and "4.00 steps/s" in inp.message
+    (cb,) = gm.compute_bound_rule(_stats(util=97, mixed=True), TH)
+    assert "jit_compile=True" in cb.message and "mixed" not in cb.message.split("less work per sample")[1]
+    (mem,) = gm.memory_rule(_stats(mem=15800.0), TH)
+    assert "accum" in mem.message and "99%" in mem.message and mem.gpu_index == 0
+    (thr,) = gm.throttle_rule(_stats(throttle_thermal_frac=0.5, temp_max_c=91.0), TH)
+    assert "cooling" in thr.message and "91 C" in thr.message and "power limit" not in thr.message
+    (pwr,) = gm.throttle_rule(_stats(throttle_power_cap_frac=0.5), TH)
+    assert "power limit" in pwr.message and "cooling" not in pwr.message
+
+
+def test_thresholds_are_configurable():
+    assert gm.input_bound_rule(_stats(util=40, cpu=95), AdviceThresholds(low_util_pct=30.0)) == []
+    assert gm.input_bound_rule(_stats(util=20, cpu=95), AdviceThresholds(low_util_pct=30.0))
+
+
+# ------------------------------------------------------------------------------ the callback in fit
+def test_fit_logs_per_epoch_mean_max_from_background_thread():
+    # util alternates 20 / 60 per reading on GPU 0, constant 90 on GPU 1
+    def metrics(index, n):
+        return {"util_gpu_pct": (20.0 if n % 2 == 0 else 60.0) if index == 0 else 90.0,
+                "mem_used_mb": 1000.0 + 10 * index}
+
+    fake = FakeNvml(FakeNvml.with_gpus(2).devices(), metrics=metrics)
+    monitor = GpuMonitor(interval_s=0.002, nvml=fake, batch_size=8, advice=False)
+    _, history = _fit(monitor, epochs=2, steps=10)
+    h = history.history
+    assert len(h["gpu0_util_mean"]) == 2
+    for epoch in range(2):
+        assert 20.0 <= h["gpu0_util_mean"][epoch] <= 60.0
+        assert h["gpu0_util_max"][epoch] == 60.0
+        assert h["gpu1_util_mean"][epoch] == 90.0
+        assert h["gpu1_mem_max_mb"][epoch] == 1010.0 and h["gpu0_mem_total_mb"][epoch] == 16000.0
+        assert h["samples_per_s"][epoch] == pytest.approx(8 * h["steps_per_s"][epoch])
+        assert h["steps_per_s"][epoch] == pytest.approx(1000.0 / h["step_time_mean_ms"][epoch])
+        assert monitor.history[epoch]["num_samples"] >= 2
+    # summary keys only by default; every metric in monitor.history
+    assert "gpu0_sm_clock_mean_mhz" not in h and "sm_clock_mean_mhz" in monitor.history[0]["gpu0"]
+    # sampled by the background thread (at most one fallback reading per GPU per epoch elsewhere)
+    threads = [name for _, name in fake.sample_calls]
+    assert threads.count(THREAD_NAME) >= 4
+    assert len(threads) - threads.count(THREAD_NAME) <= 2 * 2
+    # the thread stopped at train end and samples no more; an NVML object passed in is not closed
+    assert not _monitor_threads()
+    calls = len(fake.sample_calls)
+    time.sleep(0.05)
+    assert len(fake.sample_calls) == calls
+    assert fake.closed is False
+
+
+def test_full_logs_puts_every_metric_in_logs_and_factory_nvml_is_closed():
+    fakes = []
+
+    def factory():
+        fakes.append(FakeNvml.with_gpus(1, throttle_thermal=True))
+        return fakes[-1]
+
+    _, history = _fit(GpuMonitor(interval_s=0.002, nvml=factory, full_logs=True, advice=False), epochs=1)
+    h = history.history
+    for key in ("gpu0_sm_clock_mean_mhz", "gpu0_pcie_rx_max_mb_s", "gpu0_power_limit_w", "gpu0_temp_mean_c",
+                "gpu0_throttle_power_cap_frac"):
+        assert key in h, key
+    assert h["gpu0_throttle_thermal_frac"] == [1.0] and h["gpu0_throttle_frac"] == [1.0]
+    assert "samples_per_s" not in h  # batch size not given: steps/s only
+    assert fakes[0].closed
+
+
+def test_batch_hooks_never_sample_and_train_end_stops_the_thread_promptly():
+    fake = FakeNvml.with_gpus(1)
+    monitor = GpuMonitor(interval_s=3600.0, nvml=fake)  # one reading at start, then the thread waits
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    monitor.set_model(model)
+    monitor.on_train_begin()
+    deadline = time.time() + 10
+    while not fake.sample_calls and time.time() < deadline:
+        time.sleep(0.001)
+    monitor.on_epoch_begin(0)
+    before = len(fake.sample_calls)
+    for step in range(200):
+        monitor.on_train_batch_begin(step)
+        monitor.on_train_batch_end(step, {"loss": 1.0})
+    assert len(fake.sample_calls) == before == 1
+    assert len(monitor._batch_ends) == 200
+    monitor.on_train_end()  # must wake the thread from its 1-hour wait
+    assert not _monitor_threads()
+
+
+def test_sampling_error_on_one_gpu_does_not_break_training():
+    fake = FakeNvml(FakeNvml.with_gpus(2).devices(), fail_sample_for=[1])
+    _, history = _fit(GpuMonitor(interval_s=0.002, nvml=fake, advice=False), epochs=1)
+    assert history.history["gpu0_util_mean"] == [50.0]
+    assert "gpu1_util_mean" not in history.history
+
+
+def test_leftover_processes_are_listed_with_the_fix_and_own_process_ignored():
+    procs = {0: [GpuProcess(0, 999999, "python old_train.py", 10240.0),
+                 GpuProcess(0, os.getpid(), "me", 500.0)]}
+    fake = FakeNvml.with_gpus(2, processes=procs)
+    monitor = GpuMonitor(interval_s=0.01, nvml=fake, advice=False)
+    with pytest.warns(RuntimeWarning) as record:
+        _fit(monitor, epochs=1)
+    text = "\n".join(str(w.message) for w in record)
+    assert "GPU 0: pid 999999 (python old_train.py) holds 10240 MiB" in text
+    assert "kill 999999" in text and "CUDA_VISIBLE_DEVICES=1" in text
+    assert f"pid {os.getpid()} " not in text
+    assert [p.pid for p in monitor.leftover_processes] == [999999]
+
+
+def test_no_leftover_warning_when_gpus_are_free():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        _fit(GpuMonitor(interval_s=0.01, nvml=FakeNvml.with_gpus(1), advice=False), epochs=1)
+
+
+def test_cuda_visible_devices_selects_the_gpus_sampled(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
+    fake = FakeNvml.with_gpus(3)
+    monitor = GpuMonitor(interval_s=0.002, nvml=fake, advice=False)
+    _, history = _fit(monitor, epochs=1)
+    assert monitor.gpu_indices == [2]
+    assert "gpu2_util_mean" in history.history and "gpu0_util_mean" not in history.history
+    assert {i for i, _ in fake.sample_calls} == {2}
+
+
+def test_cuda_visible_devices_empty_means_one_warning_and_nothing_else(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    fake = FakeNvml.with_gpus(2)
+    with pytest.warns(RuntimeWarning, match="hides all 2 GPU"):
+        _, history = _fit(GpuMonitor(nvml=fake), epochs=1)
+    assert fake.sample_calls == [] and not any(k.startswith("gpu") for k in history.history)
+
+
+# ------------------------------------------------------------------------------------ no NVML at all
+def test_without_nvml_one_warning_then_nothing():
+    try:
+        nvml_lib.open_nvml().close()
+        pytest.skip("this machine has a GPU; the no-GPU path is covered on GPU-less machines")
+    except nvml_lib.NvmlUnavailable:
+        pass
+    monitor = GpuMonitor(interval_s=0.001, log_dir=None)  # the real pynvml, which finds no driver here
+    with pytest.warns(RuntimeWarning, match="GPU metrics are off") as record:
+        _, history = _fit(monitor, epochs=2)
+    assert len([w for w in record if "GpuMonitor" in str(w.message)]) == 1
+    assert "no NVIDIA driver found" in str(record[0].message)
+    assert monitor.unavailable_reason and monitor.history == []
+    assert monitor._batch_ends == []  # batch hooks did nothing
+    assert not _monitor_threads()
+    assert set(history.history) == {"loss"}
+    with warnings.catch_warnings():  # a second fit with the same monitor: no second warning
+        warnings.simplefilter("error", RuntimeWarning)
+        _fit(monitor, epochs=1)
+
+
+# ---------------------------------------------------------------------------------------- advice in fit
+def test_advice_printed_once_per_fit_and_recorded_each_epoch(monkeypatch, capsys):
+    monkeypatch.setenv("TF_FORCE_GPU_ALLOW_GROWTH", "true")  # NVML memory readings mean something
+    fake = FakeNvml.with_gpus(1, mem_used_mb=15900.0, util_gpu_pct=60.0, throttle_thermal=True,
+                              temperature_c=92.0)
+    monitor = GpuMonitor(interval_s=0.002, nvml=fake)
+    _fit(monitor, epochs=3)
+    out = capsys.readouterr().out
+    assert out.count("GPU 0 memory is near full") == 1
+    assert out.count("GPU 0 is throttled: thermal 100% of the time (max 92 C") == 1
+    kinds = [a.kind for a in monitor.advice_history]
+    assert kinds.count("memory_full") == 3 and kinds.count("throttling") == 3
+    assert "compute_bound" not in kinds  # 60% util: neither starved nor compute-bound
+
+
+def test_memory_advice_silent_when_tf_reserves_all_memory(capsys):
+    fake = FakeNvml.with_gpus(1, mem_used_mb=15900.0)
+    monitor = GpuMonitor(interval_s=0.002, nvml=fake)
+    _fit(monitor, epochs=1)
+    assert "memory_full" not in [a.kind for a in monitor.advice_history]
+
+
+def test_verbose_zero_and_non_chief_print_no_advice(monkeypatch, capsys):
+    fake = FakeNvml.with_gpus(1, throttle_power_cap=True)
+    quiet = GpuMonitor(interval_s=0.002, nvml=fake, verbose=0)
+    _fit(quiet, epochs=1)
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["localhost:1", "localhost:2"]}, '
+                                    '"task": {"type": "worker", "index": 1}}')
+    worker = GpuMonitor(interval_s=0.002, nvml=FakeNvml.with_gpus(1, throttle_power_cap=True))
+    _fit(worker, epochs=1)
+    assert "throttled" not in capsys.readouterr().out
+    assert [a.kind for a in quiet.advice_history] == ["throttling"]
+    assert [a.kind for a in worker.advice_history] == ["throttling"]  # the worker still computes it
+
+
+# ----------------------------------------------------------------------------------------- TensorBoard
+def _read_scalars(log_dir):
+    scalars = {}
+    for path in glob.glob(os.path.join(log_dir, "events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for v in event.summary.value:
+                scalars.setdefault(v.tag, {})[event.step] = float(tf.make_ndarray(v.tensor))
+    return scalars
+
+
+def test_tensorboard_scalars_one_group_per_gpu(tmp_path):
+    fake = FakeNvml(FakeNvml.with_gpus(2).devices(), metrics=lambda i, n: {"util_gpu_pct": 30.0 + 40 * i})
+    monitor = GpuMonitor(interval_s=0.002, log_dir=str(tmp_path), nvml=fake, batch_size=8, advice=False)
+    _, history = _fit(monitor, epochs=2)
+    scalars = _read_scalars(str(tmp_path))
+    assert scalars["gpu0/util_mean"] == {0: 30.0, 1: 30.0}
+    assert scalars["gpu1/util_mean"] == {0: 70.0, 1: 70.0}
+    assert set(scalars["gpu1/sm_clock_max_mhz"]) == {0, 1}  # every metric, not only the log summary
+    assert scalars["throughput/samples_per_s"][1] == pytest.approx(history.history["samples_per_s"][1], rel=1e-6)
+    assert {t.split("/")[0] for t in scalars} >= {"gpu0", "gpu1", "throughput"}
+
+
+def test_only_the_chief_writes_tensorboard(tmp_path, monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["localhost:1", "localhost:2"]}, '
+                                    '"task": {"type": "worker", "index": 1}}')
+    monitor = GpuMonitor(interval_s=0.002, log_dir=str(tmp_path / "tb"), nvml=FakeNvml.with_gpus(1), advice=False)
+    _, history = _fit(monitor, epochs=1)
+    assert not glob.glob(str(tmp_path / "tb" / "*"))
+    assert "gpu0_util_mean" in history.history  # the worker still samples its own GPUs
