@@ -69,6 +69,13 @@ FIXES = {
         "your steps in tf.profiler.experimental.Trace('train', step_num=step, _r=1)"
     ),
 }
+# xprof groups events by the iterations of any tf.while_loop that runs more than once and then ignores the step
+# markers (xprof group_events.cc, ProcessTensorFlowLoop / CreateEventGroups): no step time at all.
+LOOP_FIX = (
+    "the step runs a tf.while_loop (ops named 'while/...'), and xprof then ignores step markers -- this happens "
+    "with model.compile(steps_per_execution > 1) and keras_scale.wrap(model, accum > 1). Profile a run with "
+    "steps_per_execution=1 (and accum=1) to see the step-time breakdown; the top ops below are still valid"
+)
 
 
 # --------------------------------------------------------------------------------------------------- captures
@@ -328,6 +335,14 @@ def _step_breakdown(overview: List[dict]) -> dict:
     }
 
 
+def _runs_while_loop(op_stats: List[dict]) -> bool:
+    table = _table_with(op_stats, "operation")
+    return any(
+        str(r.get("operation", "")).startswith("while/") or "/while/" in str(r.get("operation", ""))
+        for r in (_rows(table) if table else [])
+    )
+
+
 def _top_ops(op_stats: List[dict], top_n: int) -> List[OpTime]:
     table = _table_with(op_stats, "total_self_time")
     # IDLE is not an op; tf.data iterator stages are reported on their own (slowest input stage)
@@ -396,7 +411,7 @@ def profile_summary(log_dir: str, top_n: int = 5) -> ProfileSummary:
         top_ops=_top_ops(op_stats, top_n),
         slowest_input_stage=_slowest_input_stage(input_tables) if times else None,
         verdict=verdict,
-        fix=FIXES[verdict],
+        fix=LOOP_FIX if verdict == "unknown" and _runs_while_loop(op_stats) else FIXES[verdict],
         xprof_messages=_messages(overview),
     )
 

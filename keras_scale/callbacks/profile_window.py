@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import os
+import time
 import warnings
-from typing import Optional, Set
+from typing import Dict, Optional
 
 import keras
 import tensorflow as tf
@@ -19,11 +20,17 @@ def _check_int(name: str, value, minimum: int, hint: str) -> int:
     return int(value)
 
 
-def _capture_dirs(log_dir: str) -> Set[str]:
+def _capture_dirs(log_dir: str) -> Dict[str, float]:
+    """``{run_dir: newest *.xplane.pb mtime}`` under ``log_dir/plugins/profile``."""
     root = os.path.join(log_dir, "plugins", "profile")
-    if not os.path.isdir(root):
-        return set()
-    return {os.path.join(root, d) for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))}
+    runs: Dict[str, float] = {}
+    if os.path.isdir(root):
+        for name in os.listdir(root):
+            run = os.path.join(root, name)
+            if os.path.isdir(run):
+                stamps = [os.path.getmtime(os.path.join(run, f)) for f in os.listdir(run) if f.endswith(".xplane.pb")]
+                runs[run] = max(stamps, default=0.0)
+    return runs
 
 
 class ProfileWindow(keras.callbacks.Callback):
@@ -97,6 +104,7 @@ class ProfileWindow(keras.callbacks.Callback):
         self.capture_dir: Optional[str] = None  # the run directory this window wrote
         self.profiled_steps: list = []  # the step numbers marked in the capture
         self.summary = None  # keras_scale.profiling.ProfileSummary, once the window closed
+        self.step_times_ms: list = []  # host wall time of each profiled step (hook to hook), measured here
         # state
         self._step = 0  # training steps seen (batches, across fit calls)
         self._done = False  # the one window has been taken (or abandoned)
@@ -104,12 +112,25 @@ class ProfileWindow(keras.callbacks.Callback):
         self._enabled = True  # chief (decided at train begin)
         self._trace = None  # the open step marker
         self._trace_step = 0
+        self._trace_start_s = 0.0
         self._batch_begin = 0
-        self._runs_before: Set[str] = set()
+        self._runs_before: Dict[str, float] = {}
 
     # ------------------------------------------------------------------ hooks (little work, delegate)
     def on_train_begin(self, logs=None):
+        if self._active:  # a previous fit raised inside the window: close that capture first
+            self._drop_unfinished_step()
+            self._stop()
         self._enabled = is_chief(getattr(self.model, "distribute_strategy", None))
+        steps_per_execution = getattr(self.model, "steps_per_execution", 1) or 1
+        if self._enabled and not self._done and int(steps_per_execution) > 1:
+            warnings.warn(
+                f"ProfileWindow: the model runs steps_per_execution={steps_per_execution} steps per call in a "
+                "tf.while_loop, and xprof ignores step markers when a loop runs inside the step: the capture "
+                "will show ops but no step time (ProfileWindow still measures it: step_times_ms). Profile a run "
+                "compiled with steps_per_execution=1 for the step-time breakdown.",
+                stacklevel=2,
+            )
 
     def on_train_batch_begin(self, batch, logs=None):
         self._batch_begin = batch
@@ -121,12 +142,14 @@ class ProfileWindow(keras.callbacks.Callback):
             self._trace_step = self._step
             self._trace = tf.profiler.experimental.Trace("train", step_num=self._step, _r=1)
             self._trace.__enter__()
+            self._trace_start_s = time.perf_counter()
 
     def on_train_batch_end(self, batch, logs=None):
         self._step += max(1, batch - self._batch_begin + 1)
         if self._trace is not None:
             self._trace.__exit__(None, None, None)
             self._trace = None
+            self.step_times_ms.append(1000.0 * (time.perf_counter() - self._trace_start_s))
             self.profiled_steps.append(self._trace_step)
             if len(self.profiled_steps) >= self.num_steps:
                 self._stop()
@@ -161,8 +184,9 @@ class ProfileWindow(keras.callbacks.Callback):
         self._active = False
         self._done = True
         tf.profiler.experimental.stop()
-        new_runs = sorted(_capture_dirs(self.log_dir) - self._runs_before)
-        self.capture_dir = new_runs[-1] if new_runs else None
+        # the run directory the profiler just wrote: new, or (same-second run name) re-written since start
+        written = [(t, run) for run, t in _capture_dirs(self.log_dir).items() if self._runs_before.get(run) != t]
+        self.capture_dir = max(written)[1] if written else None
         if self.print_summary:
             self._print_summary()
 
@@ -187,3 +211,10 @@ class ProfileWindow(keras.callbacks.Callback):
             print(f"ProfileWindow: capture written to {self.capture_dir}. {profiling.INSTALL_HINT}")
             return
         print(self.summary)
+        if not self.summary.step_numbers and self.step_times_ms:
+            mean_ms = sum(self.step_times_ms) / len(self.step_times_ms)
+            print(
+                f"  ProfileWindow measured steps {self.profiled_steps[0]}..{self.profiled_steps[-1]} on the host: "
+                f"{mean_ms:.2f} ms mean step time (min {min(self.step_times_ms):.2f}, "
+                f"max {max(self.step_times_ms):.2f})"
+            )
