@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Sequence, Tuple, Union
 
 
 def tf_config() -> Optional[dict]:
@@ -245,3 +245,283 @@ def patch_keras_multi_worker() -> bool:
     _patch_state.update(applied=True, reason=f"patched Keras {report['keras_version']} (keras-team/keras#20585)")
     log.debug(_patch_state["reason"])
     return True
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Strategy selection
+# --------------------------------------------------------------------------------------------------------------
+
+#: names accepted by :func:`choose_strategy` besides ``"auto"``
+STRATEGY_NAMES = ("default", "mirrored", "multi_worker")
+#: ``all_reduce`` values accepted by :func:`choose_strategy`
+ALL_REDUCE_CHOICES = ("auto", "nccl", "hierarchical_copy", "one_device", "ring")
+
+# A process can configure collectives once: the multi-worker strategy is created once and reused.
+_multi_worker_strategy: dict = {}
+
+
+def slurm_tf_config(environ: Optional[dict] = None, port_base: Optional[int] = None) -> Optional[dict]:
+    """The ``TF_CONFIG`` dict of this Slurm task, or ``None`` outside a multi-task Slurm job step.
+
+    Uses ``tf.distribute.cluster_resolver.SlurmClusterResolver`` (``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``,
+    ``SLURM_STEP_NODELIST``, ``SLURM_STEP_TASKS_PER_NODE``). Ports start at ``port_base`` (default: the
+    ``KERAS_SCALE_PORT_BASE`` variable, else 8888) and count up per task on a node. GPUs are left as Slurm bound
+    them (``srun --gpus-per-task``); every GPU a task sees becomes one of its replicas.
+
+    Example:
+        >>> slurm_tf_config({"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2",
+        ...                  "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_STEP_TASKS_PER_NODE": "1(x2)"})
+        {'cluster': {'worker': ['node1:8888', 'node2:8888']}, 'task': {'type': 'worker', 'index': 1}}
+    """
+    env = os.environ if environ is None else environ
+    try:
+        num_tasks = int(env.get("SLURM_STEP_NUM_TASKS", "0") or 0)
+    except ValueError:
+        raise ValueError(f"SLURM_STEP_NUM_TASKS is not an integer: {env.get('SLURM_STEP_NUM_TASKS')!r}") from None
+    if "SLURM_PROCID" not in env or num_tasks < 2:
+        return None
+    if port_base is None:
+        port_base = int(env.get("KERAS_SCALE_PORT_BASE", "8888"))
+    from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver as scr
+
+    saved = {k: os.environ.get(k) for k in env if k.startswith("SLURM_")} if environ is not None else {}
+    try:
+        if environ is not None:  # the resolver reads os.environ
+            os.environ.update({k: v for k, v in env.items() if k.startswith("SLURM_")})
+        # gpus_per_node/gpus_per_task only feed the resolver's own GPU bookkeeping, which is switched off here
+        resolver = scr.SlurmClusterResolver(port_base=port_base, gpus_per_node=num_tasks, gpus_per_task=1,
+                                            auto_set_gpu=False)
+        spec = resolver.cluster_spec().as_dict()
+        task_type, task_id = resolver.task_type, resolver.task_id
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return {"cluster": spec, "task": {"type": task_type, "index": int(task_id)}}
+
+
+def strategy_plan(strategy: Union[str, Any] = "auto", environ: Optional[dict] = None,
+                  num_gpus: Optional[int] = None) -> Tuple[str, str]:
+    """Which strategy :func:`choose_strategy` would build, and why: ``(kind, reason)``.
+
+    ``kind`` is ``"multi_worker"``, ``"mirrored"`` or ``"default"``. ``"auto"`` picks multi-worker when
+    ``TF_CONFIG`` names a cluster or a Slurm job step has several tasks, mirrored on several local GPUs, else the
+    default (single-device) strategy.
+
+    Example:
+        >>> strategy_plan("auto", environ={}, num_gpus=4)
+        ('mirrored', '4 local GPUs')
+        >>> strategy_plan("auto", environ={}, num_gpus=0)
+        ('default', 'no TF_CONFIG, no multi-task Slurm step, 0 GPUs')
+    """
+    if not isinstance(strategy, str):
+        raise TypeError(
+            f"strategy must be 'auto', one of {STRATEGY_NAMES} or a tf.distribute.Strategy, got {strategy!r}"
+        )
+    if strategy != "auto":
+        if strategy not in STRATEGY_NAMES:
+            raise ValueError(f"unknown strategy {strategy!r}: use 'auto', one of {STRATEGY_NAMES}, or pass a "
+                             "tf.distribute.Strategy object.")
+        return strategy, "requested"
+    env = os.environ if environ is None else environ
+    raw = env.get("TF_CONFIG", "").strip()
+    if raw:
+        try:
+            cluster = (json.loads(raw) or {}).get("cluster", {})
+        except json.JSONDecodeError as e:
+            raise ValueError(f"TF_CONFIG is not valid JSON ({e}): {raw[:200]!r}. Fix the variable or unset it.") from e
+        if cluster:
+            n = sum(len(v) for k, v in cluster.items() if k in ("chief", "worker"))
+            return "multi_worker", f"TF_CONFIG names a cluster of {n} workers"
+    if "SLURM_PROCID" in env and int(env.get("SLURM_STEP_NUM_TASKS", "0") or 0) > 1:
+        return "multi_worker", f"Slurm job step with {env['SLURM_STEP_NUM_TASKS']} tasks"
+    if num_gpus is None:
+        import tensorflow as tf
+
+        num_gpus = len(tf.config.list_physical_devices("GPU"))
+    if num_gpus > 1:
+        return "mirrored", f"{num_gpus} local GPUs"
+    return "default", f"no TF_CONFIG, no multi-task Slurm step, {num_gpus} GPU{'s' if num_gpus != 1 else ''}"
+
+
+def enable_memory_growth() -> int:
+    """Let TensorFlow grow GPU memory on demand instead of grabbing it all; returns how many GPUs were set.
+
+    Must run before TensorFlow initialises the GPUs; afterwards it is a no-op (logged).
+
+    Example:
+        >>> enable_memory_growth()  # 0 on a CPU-only machine
+        0
+    """
+    import logging
+
+    import tensorflow as tf
+
+    done = 0
+    for gpu in tf.config.list_physical_devices("GPU"):
+        try:
+            if not tf.config.experimental.get_memory_growth(gpu):
+                tf.config.experimental.set_memory_growth(gpu, True)
+            done += 1
+        except RuntimeError as e:  # GPUs already initialised
+            logging.getLogger("keras_scale").debug("memory growth not set on %s: %s", gpu.name, e)
+    return done
+
+
+def _cross_device_ops(all_reduce: str):
+    import tensorflow as tf
+
+    return {
+        "nccl": tf.distribute.NcclAllReduce,
+        "hierarchical_copy": tf.distribute.HierarchicalCopyAllReduce,
+        "one_device": tf.distribute.ReductionToOneDevice,
+        "ring": tf.distribute.ReductionToOneDevice,  # no ring for in-process Mirrored; one_device is the fallback
+    }[all_reduce]()
+
+
+def _probe_all_reduce(strategy) -> None:
+    """Run one tiny all-reduce so a broken collective implementation fails here, not mid-training."""
+    import tensorflow as tf
+
+    def step():
+        return tf.distribute.get_replica_context().all_reduce("SUM", tf.ones([2]))
+
+    result = strategy.run(step)
+    value = strategy.experimental_local_results(result)[0]
+    expected = float(strategy.num_replicas_in_sync)
+    if float(tf.reduce_sum(value)) != 2 * expected:
+        raise RuntimeError(f"all-reduce probe returned {value.numpy().tolist()}, expected [{expected}, {expected}]")
+
+
+def mirrored_with_fallback(devices: Optional[Sequence[str]] = None, candidates: Sequence[Any] = (None, "one_device")):
+    """A ``MirroredStrategy`` whose all-reduce works: tries ``candidates`` in order, probing each with one all-reduce.
+
+    A candidate is ``None`` (TensorFlow's default choice, NCCL on GPUs), an ``all_reduce`` name or a
+    ``tf.distribute.CrossDeviceOps``. The failure of each rejected candidate is logged as a warning (the seed's
+    advice: NCCL failing or slow -> ``ReductionToOneDevice``).
+
+    Example:
+        >>> strategy = mirrored_with_fallback(["/cpu:0", "/cpu:1"])
+        >>> strategy.num_replicas_in_sync
+        2
+    """
+    import logging
+
+    import tensorflow as tf
+
+    errors = []
+    for candidate in candidates:
+        ops = _cross_device_ops(candidate) if isinstance(candidate, str) else candidate
+        label = candidate if isinstance(candidate, str) else ("TF's default" if ops is None else type(ops).__name__)
+        strategy = tf.distribute.MirroredStrategy(devices=devices, cross_device_ops=ops)
+        try:
+            _probe_all_reduce(strategy)
+        except Exception as e:  # noqa: BLE001 - any failure of the collective means: try the next one
+            errors.append(f"{label}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+            logging.getLogger("keras_scale").warning(
+                "all-reduce with %s failed (%s); falling back to the next choice", label, errors[-1])
+            continue
+        if errors:
+            logging.getLogger("keras_scale").warning("using all-reduce %s after: %s", label, "; ".join(errors))
+        strategy._keras_scale_all_reduce = label  # noqa: SLF001 - recorded for the fit log
+        return strategy
+    raise RuntimeError(
+        f"no all-reduce implementation worked on devices {devices}: " + " | ".join(errors)
+        + ". Try all_reduce='one_device' (ReductionToOneDevice), which needs no NCCL."
+    )
+
+
+def _multi_worker(all_reduce: str, config: Optional[dict]):
+    import tensorflow as tf
+
+    key = "strategy"
+    if key in _multi_worker_strategy:
+        return _multi_worker_strategy[key]
+    impl = tf.distribute.experimental.CommunicationImplementation
+    implementation = {"auto": impl.AUTO, "nccl": impl.NCCL, "ring": impl.RING,
+                      "one_device": impl.RING, "hierarchical_copy": impl.RING}[all_reduce]
+    if all_reduce in ("one_device", "hierarchical_copy"):
+        import logging
+
+        logging.getLogger("keras_scale").warning(
+            "all_reduce=%r does not exist across workers; using RING collectives (the non-NCCL choice)", all_reduce)
+    if config is not None:
+        os.environ["TF_CONFIG"] = json.dumps(config)  # every later is_chief()/TF_CONFIG reader sees the same cluster
+    try:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy(
+            communication_options=tf.distribute.experimental.CommunicationOptions(implementation=implementation))
+    except RuntimeError as e:
+        if "program startup" in str(e):
+            raise RuntimeError(
+                "MultiWorkerMirroredStrategy must be created before TensorFlow runs anything in this process "
+                "(building a tf.data.Dataset or a model does). Call `strategy = keras_scale.choose_strategy()` at "
+                "the top of the script and pass `strategy=strategy` to keras_scale.fit, or pass NumPy arrays / a "
+                f"model builder so fit creates it first. ({e})"
+            ) from e
+        raise
+    strategy._keras_scale_all_reduce = all_reduce  # noqa: SLF001
+    _multi_worker_strategy[key] = strategy
+    return strategy
+
+
+def choose_strategy(strategy: Union[str, Any] = "auto", all_reduce: str = "auto",
+                    devices: Optional[Sequence[str]] = None) -> Any:
+    """The ``tf.distribute.Strategy`` to train with.
+
+    ``"auto"``: ``TF_CONFIG`` naming a cluster, or a Slurm job step with several tasks (translated to ``TF_CONFIG``
+    through ``SlurmClusterResolver``) -> ``MultiWorkerMirroredStrategy``; several local GPUs ->
+    ``MirroredStrategy``; else the default strategy. A name (``"default"``, ``"mirrored"``, ``"multi_worker"``) forces
+    the kind; a strategy object is returned as is. GPU memory growth is switched on first. The multi-worker strategy
+    is created once per process and reused.
+
+    Args:
+        strategy: ``"auto"``, a name from :data:`STRATEGY_NAMES`, or a ``tf.distribute.Strategy``.
+        all_reduce: ``"auto"`` (TensorFlow's default; for ``MirroredStrategy`` a failing default falls back to
+            ``ReductionToOneDevice`` with a warning saying why), ``"nccl"``, ``"hierarchical_copy"``,
+            ``"one_device"`` (``ReductionToOneDevice``) or ``"ring"`` (multi-worker RING collectives).
+        devices: devices for ``MirroredStrategy`` (default: all local GPUs).
+
+    Example:
+        >>> strategy = choose_strategy()                     # at the top of the training script
+        >>> type(strategy).__name__                          # doctest: +SKIP
+        'MultiWorkerMirroredStrategy'
+        >>> choose_strategy("mirrored", all_reduce="one_device", devices=["/cpu:0", "/cpu:1"]).num_replicas_in_sync
+        2
+    """
+    import logging
+
+    import tensorflow as tf
+
+    if all_reduce not in ALL_REDUCE_CHOICES:
+        raise ValueError(f"unknown all_reduce {all_reduce!r}: use one of {ALL_REDUCE_CHOICES}")
+    if isinstance(strategy, tf.distribute.Strategy):
+        if all_reduce != "auto":
+            raise ValueError(
+                f"all_reduce={all_reduce!r} cannot change a strategy object you built; pass cross_device_ops / "
+                "communication_options when you create it, or pass strategy='auto' or a name instead."
+            )
+        return strategy
+    kind, reason = strategy_plan(strategy)
+    enable_memory_growth()
+    log = logging.getLogger("keras_scale")
+    if kind == "multi_worker":
+        config = None
+        if not tf_config():
+            config = slurm_tf_config()
+            if config is None:
+                raise ValueError(
+                    "strategy='multi_worker' needs a cluster: set TF_CONFIG (see docs/fit.md) or run under "
+                    "`srun` with several tasks."
+                )
+        result = _multi_worker(all_reduce, config)
+    elif kind == "mirrored":
+        candidates = (None, "one_device") if all_reduce == "auto" else (all_reduce,)
+        result = mirrored_with_fallback(devices, candidates)
+    else:
+        if all_reduce != "auto":
+            log.info("all_reduce=%r ignored: the default strategy has one device and no all-reduce", all_reduce)
+        result = tf.distribute.get_strategy()
+    log.info("strategy: %s with %d replicas (%s)", type(result).__name__, result.num_replicas_in_sync, reason)
+    return result
