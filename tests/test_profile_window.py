@@ -199,3 +199,32 @@ def test_log_dir_that_is_a_file_raises(tmp_path):
 def test_start_step_zero_warns_about_tracing():
     with pytest.warns(UserWarning, match="traces the tf.function"):
         ks.ProfileWindow("x", start_step=0)
+
+
+WORKER_SCRIPT = r"""
+import json, sys
+import numpy as np, tensorflow as tf, keras
+import keras_scale as ks
+from keras_scale.distribute import patch_keras_multi_worker, is_chief
+patch_keras_multi_worker()
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+x = np.random.RandomState(0).rand(64, 4).astype("float32"); y = x.sum(1, keepdims=True)
+with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+window = ks.ProfileWindow(sys.argv[1], start_step=1, num_steps=2, print_summary=False)
+model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=1, verbose=0, callbacks=[window])
+print(json.dumps({"chief": is_chief(strategy), "steps": window.profiled_steps, "capture": window.capture_dir}))
+"""
+
+
+@pytest.mark.slow
+def test_multi_worker_only_the_chief_profiles(tmp_path, run_workers):
+    log_dir = str(tmp_path / "shared_profile")
+    outs = [json.loads(r.stdout.strip().splitlines()[-1]) for r in run_workers(WORKER_SCRIPT, args=(log_dir,))]
+    chief, worker = sorted(outs, key=lambda o: not o["chief"])
+    assert chief["steps"] == [1, 2] and worker["steps"] == [] and worker["capture"] is None
+    paths = _xplanes(log_dir)
+    assert len(paths) == 1 and os.path.dirname(paths[0]) == chief["capture"]
+    rows, _ = _overview(paths)
+    assert [r["stepnum"] for r in rows] == ["train 1", "train 2"]
