@@ -428,12 +428,10 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         for number, prefix in candidates:
             try:
                 reader = tf.train.load_checkpoint(prefix)
-            except (tf.errors.OpError, ValueError) as e:
-                failures.append(f"{prefix}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
-                continue
-            self._check_signature(prefix, reader)  # a different model is an error, not a reason to fall back
-            try:
+                self._check_signature(prefix, reader)  # a different model is an error, not a reason to fall back
                 self._checkpoint.read(prefix).expect_partial()
+            except CheckpointMismatchError:
+                raise
             except ValueError as e:
                 if "shape" in str(e) and not reader.has_tensor(_SIGNATURE_KEY):
                     raise CheckpointMismatchError(
@@ -442,8 +440,8 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                     ) from e
                 failures.append(f"{prefix}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
                 continue
-            except tf.errors.OpError as e:
-                failures.append(f"{prefix}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            except Exception as e:  # noqa: BLE001 - torn, truncated or bit-flipped files: try the previous one
+                failures.append(f"{prefix}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
                 continue
             if failures:
                 warnings.warn(

@@ -1,0 +1,388 @@
+"""ChiefCheckpoint: exact resume, crash/corruption fallback, retention, optimizer state, strategies, fail-early.
+
+The SIGKILL kill-and-resume loop lives in tests/test_checkpoint_kill.py.
+"""
+import glob
+import json
+import os
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_scale as ks
+from keras_scale.callbacks.checkpoint import CheckpointMismatchError, list_checkpoints
+
+NUM_SAMPLES, BATCH = 80, 8  # 10 batches per epoch
+X = np.random.RandomState(0).rand(NUM_SAMPLES, 4).astype("float32")
+Y = (X @ np.array([[1.0], [-2.0], [0.5], [3.0]], "float32")).astype("float32")
+
+
+def make_model(width=8, optimizer=None, strategy=None):
+    keras.utils.set_random_seed(7)  # same initial weights every time
+
+    def build():
+        m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(width, activation="relu"), keras.layers.Dense(1)])
+        m.compile(optimizer=optimizer() if optimizer else keras.optimizers.Adam(1e-2), loss="mse")
+        return m
+
+    if strategy is None:
+        return build()
+    with strategy.scope():
+        return build()
+
+
+class StopAfter(keras.callbacks.Callback):
+    """Stops training (gracefully) once the optimizer has applied ``num_steps`` updates in total: a stand-in
+    for a crash point. (Batches a resume skips still fire batch callbacks, so it counts updates, not calls.)"""
+
+    def __init__(self, num_steps):
+        super().__init__()
+        self.num_steps = num_steps
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.optimizer.iterations.numpy()) >= self.num_steps:
+            self.model.stop_training = True
+
+
+def weights(model):
+    return [v.numpy().copy() for v in model.weights]
+
+
+def assert_same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+
+
+def fit(model, callbacks, epochs=3, **kw):
+    kw.setdefault("batch_size", BATCH)
+    kw.setdefault("shuffle", False)
+    return model.fit(X, Y, epochs=epochs, verbose=0, callbacks=callbacks, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference_weights():
+    keras.backend.clear_session()
+    model = make_model()
+    fit(model, [])
+    return weights(model)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_resume_mid_epoch_equals_uninterrupted_run(tmp_path, reference_weights, async_save):
+    d = str(tmp_path / "ckpt")
+    first = make_model()
+    fit(first, [ks.ChiefCheckpoint(d, save_freq=3, async_save=async_save, verbose=0), StopAfter(14)])
+    # 14 batches = epoch 2, batch 4; the last periodic save was at 12, the graceful stop saved 14.
+    assert [n for n, _ in list_checkpoints(d)] == [14, 12, 9]
+
+    resumed = make_model()
+    ckpt = ks.ChiefCheckpoint(d, save_freq=3, async_save=async_save, verbose=0)
+    history = fit(resumed, [ckpt])
+    assert ckpt.restored_from.endswith("ckpt-14")
+    assert len(history.epoch) == 2  # epochs 2 and 3 ran; epoch 1 was not trained again
+    assert ckpt.global_step == 30  # 3 epochs x 10 batches, each trained exactly once
+    assert_same(weights(resumed), reference_weights)
+
+
+def test_resume_from_an_older_checkpoint_skips_exactly_the_applied_batches(tmp_path, reference_weights):
+    d = str(tmp_path / "ckpt")
+    fit(make_model(), [ks.ChiefCheckpoint(d, save_freq=3, max_to_keep=10, verbose=0), StopAfter(17)])
+    # Simulate a crash right after the save at batch 15 (epoch 2, batch 5): drop the newer files.
+    for f in glob.glob(os.path.join(d, "ckpt-17.*")):
+        os.remove(f)
+    resumed = make_model()
+    ckpt = ks.ChiefCheckpoint(d, save_freq=3, verbose=0)
+    fit(resumed, [ckpt])
+    assert ckpt.restored_from.endswith("ckpt-15")
+    assert_same(weights(resumed), reference_weights)
+
+
+def test_epoch_saves_with_steps_per_epoch_over_a_repeated_dataset(tmp_path):
+    # With steps_per_epoch and repeat(), Keras continues one data iterator across epochs; a resume must too.
+    ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(BATCH).repeat()
+    kw = dict(steps_per_epoch=7, batch_size=None, shuffle=False)
+    ref = make_model()
+    ref.fit(ds, epochs=3, verbose=0, **kw)
+
+    d = str(tmp_path / "ckpt")
+    first = make_model()
+
+    class StopAtEpochEnd(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 0:
+                self.model.stop_training = True
+
+    first.fit(ds, epochs=3, verbose=0, callbacks=[ks.ChiefCheckpoint(d, verbose=0), StopAtEpochEnd()], **kw)
+    resumed = make_model()
+    ckpt = ks.ChiefCheckpoint(d, verbose=0)
+    resumed.fit(ds, epochs=3, verbose=0, callbacks=[ckpt], **kw)
+    assert ckpt.restored_from.endswith("ckpt-7")
+    assert_same(weights(resumed), weights(ref))
+
+    # and mid-epoch, at a batch that is not a multiple of the epoch length
+    d2 = str(tmp_path / "ckpt2")
+    make_model().fit(ds, epochs=3, verbose=0, callbacks=[ks.ChiefCheckpoint(d2, save_freq=4, verbose=0),
+                                                         StopAfter(10)], **kw)
+    resumed = make_model()
+    make_it = ks.ChiefCheckpoint(d2, save_freq=4, verbose=0)
+    resumed.fit(ds, epochs=3, verbose=0, callbacks=[make_it], **kw)
+    assert make_it.restored_from.endswith("ckpt-10")
+    assert_same(weights(resumed), weights(ref))
+
+
+def test_resume_with_steps_per_execution(tmp_path):
+    def model():
+        m = make_model()
+        m.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", steps_per_execution=2)
+        return m
+
+    ref = model()
+    fit(ref, [])
+    d = str(tmp_path / "ckpt")
+    fit(model(), [ks.ChiefCheckpoint(d, save_freq=4, verbose=0), StopAfter(12)])  # 6 calls
+    resumed = model()
+    ckpt = ks.ChiefCheckpoint(d, save_freq=4, verbose=0)
+    fit(resumed, [ckpt])
+    assert ckpt.restored_from.endswith("ckpt-12")
+    assert_same(weights(resumed), weights(ref))
+
+
+def test_corrupt_newest_checkpoint_is_reported_and_the_previous_one_used(tmp_path):
+    d = str(tmp_path / "ckpt")
+    snapshots = {}
+
+    class Snapshot(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            snapshots[len(snapshots) + 1] = weights(self.model)
+
+    fit(make_model(), [ks.ChiefCheckpoint(d, save_freq=2, verbose=0), Snapshot(), StopAfter(6)], epochs=1)
+    data_file = glob.glob(os.path.join(d, "ckpt-6.data-*"))[0]
+    with open(data_file, "r+b") as f:  # flip bytes in the middle of the tensor data
+        f.seek(os.path.getsize(data_file) // 2)
+        f.write(b"\xff\x00\xff\x00\xff\x00\xff\x00")
+
+    resumed = make_model()
+    ckpt = ks.ChiefCheckpoint(d, save_freq=2, verbose=0)
+    with pytest.warns(RuntimeWarning, match=r"ckpt-6.*Resumed from .*ckpt-4"):
+        fit(resumed, [ckpt, StopAfter(5)], epochs=1)
+    assert ckpt.restored_from.endswith("ckpt-4")
+    # The run continued from batch 4's weights: one more step from there, not from the corrupt or initial state.
+    ref = make_model()
+    fit(ref, [StopAfter(5)], epochs=1)
+    assert_same(weights(resumed), weights(ref))
+    assert_same(snapshots[5], weights(ref))
+
+
+def test_truncated_newest_and_missing_state_file_fall_back(tmp_path):
+    d = str(tmp_path / "ckpt")
+    fit(make_model(), [ks.ChiefCheckpoint(d, save_freq=2, verbose=0), StopAfter(6)], epochs=1)
+    os.remove(os.path.join(d, "checkpoint"))  # the state file is gone: every ckpt-N.index is a candidate
+    data_file = glob.glob(os.path.join(d, "ckpt-6.data-*"))[0]
+    with open(data_file, "r+b") as f:
+        f.truncate(os.path.getsize(data_file) // 3)
+    ckpt = ks.ChiefCheckpoint(d, save_freq=2, verbose=0)
+    with pytest.warns(RuntimeWarning, match="ckpt-6"):
+        fit(make_model(), [ckpt, StopAfter(5)], epochs=1)
+    assert ckpt.restored_from.endswith("ckpt-4")
+
+
+def test_a_write_killed_before_it_was_recorded_is_ignored(tmp_path):
+    d = str(tmp_path / "ckpt")
+    fit(make_model(), [ks.ChiefCheckpoint(d, save_freq=2, verbose=0), StopAfter(4)], epochs=1)
+    # What a kill mid-write leaves: a temp dir and files of a checkpoint the state file does not list.
+    os.makedirs(os.path.join(d, "ckpt-6_temp"))
+    with open(os.path.join(d, "ckpt-6.index"), "wb") as f:
+        f.write(b"partial")
+    ckpt = ks.ChiefCheckpoint(d, save_freq=2, verbose=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        fit(make_model(), [ckpt, StopAfter(5)], epochs=1)
+    assert ckpt.restored_from.endswith("ckpt-4")
+    assert not os.path.exists(os.path.join(d, "ckpt-6_temp"))
+
+
+def test_max_to_keep_keeps_the_newest(tmp_path):
+    d = str(tmp_path / "ckpt")
+    fit(make_model(), [ks.ChiefCheckpoint(d, save_freq=1, max_to_keep=2, verbose=0), StopAfter(7)], epochs=1)
+    indexes = sorted(os.path.basename(p) for p in glob.glob(os.path.join(d, "*.index")))
+    assert indexes == ["ckpt-6.index", "ckpt-7.index"]
+    assert [n for n, _ in list_checkpoints(d)] == [7, 6]
+
+
+def test_adam_moments_iterations_and_lr_multiplier_are_restored(tmp_path):
+    d = str(tmp_path / "ckpt")
+
+    def opt():
+        return keras.optimizers.Adam(ks.WarmupCosine(1e-2, total_steps=100, warmup_steps=5))
+
+    first = make_model(optimizer=opt)
+    ks.scale_learning_rate(first.optimizer, 0.25)  # e.g. lowered by a NanGuard rollback
+    fit(first, [ks.ChiefCheckpoint(d, save_freq=5, verbose=0), StopAfter(5)], epochs=1)
+    saved = [v.numpy() for v in first.optimizer.variables]
+    names = [v.path for v in first.optimizer.variables]
+    assert any("momentum" in p for p in names) and any("velocity" in p for p in names)
+
+    second = make_model(optimizer=opt)
+    fit(second, [ks.ChiefCheckpoint(d, save_freq=5, verbose=0)], epochs=1, initial_epoch=0, steps_per_epoch=5)
+    # epochs=1, steps 5: the checkpoint is at the end of that, so nothing more is trained.
+    assert int(second.optimizer.iterations.numpy()) == 5
+    assert len(second.optimizer.variables) == len(saved)
+    for v, value in zip(second.optimizer.variables, saved):
+        np.testing.assert_array_equal(v.numpy(), value, err_msg=v.path)
+    assert float(ks.schedules.lr_multiplier(second.optimizer).numpy()) == 0.25
+    assert_same(weights(second), weights(first))
+
+
+def test_loss_scale_optimizer_state_is_restored(tmp_path):
+    d = str(tmp_path / "ckpt")
+
+    def opt():
+        return keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-2), initial_scale=2.0**10,
+                                                   dynamic_growth_steps=2)
+
+    first = make_model(optimizer=opt)
+    fit(first, [ks.ChiefCheckpoint(d, save_freq=5, verbose=0), StopAfter(5)], epochs=1)
+    saved = [v.numpy() for v in first.optimizer.variables]
+    assert float(first.optimizer.dynamic_scale.numpy()) != 2.0**10  # it grew: something to restore
+
+    second = make_model(optimizer=opt)
+    fit(second, [ks.ChiefCheckpoint(d, verbose=0)], epochs=1, steps_per_epoch=5)
+    assert len(second.optimizer.variables) == len(saved)
+    for v, value in zip(second.optimizer.variables, saved):
+        np.testing.assert_array_equal(v.numpy(), value, err_msg=v.path)
+
+
+def test_mirrored_strategy_resume_equals_uninterrupted(tmp_path, mirrored):
+    ref = make_model(strategy=mirrored)
+    fit(ref, [], epochs=2)
+    d = str(tmp_path / "ckpt")
+    fit(make_model(strategy=mirrored), [ks.ChiefCheckpoint(d, save_freq=3, async_save=True, verbose=0),
+                                        StopAfter(7)], epochs=2)
+    resumed = make_model(strategy=mirrored)
+    ckpt = ks.ChiefCheckpoint(d, save_freq=3, async_save=True, verbose=0)
+    fit(resumed, [ckpt], epochs=2)
+    assert ckpt.restored_from.endswith("ckpt-7")
+    assert_same(weights(resumed), weights(ref))
+    for v in resumed.weights:  # both replicas hold the restored values
+        values = [t.numpy() for t in mirrored.experimental_local_results(v.value)]
+        np.testing.assert_array_equal(values[0], values[1])
+
+
+def test_unwritable_directory_fails_at_fit_start(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    model = make_model()
+    with pytest.raises(PermissionError, match=r"a_file.*Fix"):
+        fit(model, [ks.ChiefCheckpoint(str(blocker / "ckpt"))])
+    assert int(model.optimizer.iterations.numpy()) == 0  # before any step
+
+
+def test_checkpoint_of_a_different_model_fails_at_fit_start(tmp_path):
+    d = str(tmp_path / "ckpt")
+    fit(make_model(width=8), [ks.ChiefCheckpoint(d, save_freq=2, verbose=0), StopAfter(2)], epochs=1)
+    other = make_model(width=16)
+    with pytest.raises(CheckpointMismatchError, match=r"ckpt-2.*shape \(4, 8\).*\(4, 16\).*rm -r"):
+        fit(other, [ks.ChiefCheckpoint(d, verbose=0)])
+    assert int(other.optimizer.iterations.numpy()) == 0
+
+    sgd = make_model(width=8, optimizer=lambda: keras.optimizers.SGD(0.1, momentum=0.9))
+    with pytest.raises(CheckpointMismatchError, match="different optimizer"):
+        fit(sgd, [ks.ChiefCheckpoint(d, verbose=0)])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(save_freq=0), "save_freq.*0"),
+    (dict(save_freq="batch"), "save_freq.*'batch'"),
+    (dict(max_to_keep=0), "max_to_keep.*0"),
+    (dict(keep_every_n_hours=-1), "keep_every_n_hours.*-1"),
+])
+def test_bad_arguments_fail_at_construction(tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ks.ChiefCheckpoint(str(tmp_path), **kwargs)
+
+
+def test_graceful_stop_keeps_files_and_restore_latest_rolls_back(tmp_path):
+    d = str(tmp_path / "ckpt")
+    result = {}
+
+    class Rollback(keras.callbacks.Callback):
+        """What NanGuard's rollback policy does: find the callback on the model, restore the newest checkpoint."""
+
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 4:
+                saved = weights(self.model)
+                for v in self.model.trainable_weights:
+                    v.assign(v * np.nan)
+                result["step"] = self.model._keras_scale_checkpoint.restore_latest()
+                result["restored"] = weights(self.model)
+                result["saved"] = saved
+                self.model.stop_training = True
+
+    model = make_model()
+    fit(model, [ks.ChiefCheckpoint(d, save_freq=5, verbose=0), Rollback()], epochs=1)
+    assert result["step"] == 5
+    assert_same(result["restored"], result["saved"])  # batch index 4 = 5th batch = the checkpoint at 5
+    assert [n for n, _ in list_checkpoints(d)] == [5]  # not deleted at train end
+    assert model._initial_epoch is None
+
+
+def test_only_committed_state_counts_with_async_and_final_flush(tmp_path):
+    d = str(tmp_path / "ckpt")
+    model = make_model()
+    ckpt = ks.ChiefCheckpoint(d, save_freq=1, async_save=True, verbose=0)
+    fit(model, [ckpt], epochs=1)
+    # on_train_end flushed the last background write: it is recorded and loads.
+    assert list_checkpoints(d)[0][0] == 10
+    reader = tf.train.load_checkpoint(os.path.join(d, "ckpt-10"))
+    position = {k.split("/")[1]: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()
+                if k.startswith("keras_scale_position/")}
+    assert position == {"epoch": 0, "step_in_epoch": 10, "stream_pos": 10, "global_step": 10}
+    signature = json.loads(reader.get_tensor("keras_scale_signature/.ATTRIBUTES/VARIABLE_VALUE"))
+    assert [s for _, s in signature["model"]] == [[4, 8], [8], [8, 1], [1]]
+
+
+WORKER_SCRIPT = r"""
+import json, os, sys
+import numpy as np, tensorflow as tf, keras
+import keras_scale as ks
+from keras_scale.distribute import patch_keras_multi_worker, is_chief
+patch_keras_multi_worker()
+directory, epochs = sys.argv[1], int(sys.argv[2])
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+keras.utils.set_random_seed(7)
+x = np.random.RandomState(0).rand(64, 4).astype("float32"); y = x.sum(1, keepdims=True)
+with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+ckpt = ks.ChiefCheckpoint(directory, save_freq=2, verbose=0)
+model.fit(ds, epochs=epochs, verbose=0, callbacks=[ckpt])
+print(json.dumps({"chief": is_chief(strategy), "write_dir": ckpt._write_dir,
+                  "write_dir_exists": os.path.exists(ckpt._write_dir), "restored_from": ckpt.restored_from,
+                  "global_step": ckpt.global_step, "kernel_sum": float(np.sum(model.weights[0].numpy()))}))
+"""
+
+
+@pytest.mark.slow
+def test_multi_worker_only_the_chief_writes_into_the_directory(tmp_path, run_workers):
+    d = str(tmp_path / "shared_ckpt")
+    outs = [json.loads(r.stdout.strip().splitlines()[-1]) for r in run_workers(WORKER_SCRIPT, args=(d, 1))]
+    chief, worker = sorted(outs, key=lambda o: not o["chief"])
+    assert chief["chief"] and not worker["chief"]
+    assert chief["write_dir"] == d and worker["write_dir"] != d
+    assert not worker["write_dir_exists"]  # the worker's private copy is removed
+    assert not worker["write_dir"].startswith(d)
+    files = sorted(os.listdir(d))
+    assert files == ["checkpoint", "ckpt-2.data-00000-of-00001", "ckpt-2.index",
+                     "ckpt-4.data-00000-of-00001", "ckpt-4.index"]
+    assert chief["kernel_sum"] == worker["kernel_sum"]
+
+    # Both workers resume from the chief's checkpoint and continue in step.
+    outs = [json.loads(r.stdout.strip().splitlines()[-1]) for r in run_workers(WORKER_SCRIPT, args=(d, 2))]
+    assert all(o["restored_from"] == os.path.join(d, "ckpt-4") for o in outs)
+    assert all(o["global_step"] == 8 for o in outs)
+    assert outs[0]["kernel_sum"] == outs[1]["kernel_sum"]
