@@ -81,6 +81,16 @@ def batch_arithmetic(num_replicas: int, per_replica_batch_size: Optional[int] = 
     return glob // (num_replicas * accum), glob
 
 
+def _key_line(message: str) -> str:
+    """The informative line of a TensorFlow runtime error (which task died), not "Graph execution error:"."""
+    lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
+    for key in ("unhealthy", "aborted", "unreachable", "Socket closed", "Connection reset"):
+        for i, line in enumerate(lines):
+            if key in line:
+                return " ".join(lines[i:i + 2])[:400]
+    return (lines[-1] if lines else "")[:400]
+
+
 def _say(message: str, verbose: Any = 1, strategy: Any = None) -> None:
     """Log once, and print on the chief so the line shows up next to Keras's progress bar."""
     log.info(message)
@@ -530,9 +540,23 @@ def fit(
         if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
             raise RuntimeError(
                 f"multi-worker training stopped: a worker of the cluster failed or became unreachable "
-                f"({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}). Check the other workers' "
+                f"({type(e).__name__}: {_key_line(str(e))}). Check the other workers' "
                 "logs, then rerun the same command on every worker"
                 + (" (it resumes from checkpoint_dir)." if checkpoint_dir else
                    "; pass checkpoint_dir= to resume instead of restarting.")
             ) from e
         raise
+
+
+class _CallableModule(type(logging)):
+    """``keras_scale.fit`` is both this module and the function: once ``keras_scale.fit`` the module has been
+    imported (``from keras_scale.fit import prepare_dataset``), Python binds the package attribute to the module, so
+    the module forwards calls to :func:`fit`."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> keras.callbacks.History:
+        return fit(*args, **kwargs)
+
+
+import sys as _sys  # noqa: E402
+
+_sys.modules[__name__].__class__ = _CallableModule
