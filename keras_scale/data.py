@@ -213,6 +213,10 @@ class _Pipeline:
         value = tf.make_ndarray(source.attr["value"].tensor)
         return value.item() if value.size == 1 else value
 
+    def consumers_of(self, name: str) -> List[str]:
+        """Names of all nodes (dataset or not) taking ``name`` as a data input."""
+        return [n.name for n in self.graph_def.node if any(_clean(i) == name for i in n.input)]
+
     def downstream(self, name: str) -> List[Any]:
         """Dataset nodes fed (directly or not) by ``name``, nearest first."""
         seen, order, frontier = set(), [], [name]
@@ -386,8 +390,8 @@ def _auto_parallel_blockers(pipe: _Pipeline, node: Any, opts: dataset_options_pb
     stateful = pipe.stateful_ops(node)
     if stateful:
         reasons.append(f"its function has stateful ops {stateful}")
-    if pipe.captured_inputs(node):
-        reasons.append(f"its function captures {len(pipe.captured_inputs(node))} outer tensor(s)")
+    if node.attr["force_synchronous"].b:
+        reasons.append("it was built with synchronous=True")
     return reasons
 
 
@@ -410,8 +414,8 @@ def check(
     Checks:
       - ``no_prefetch``: the last transformation is not ``prefetch`` (input and training do not overlap).
       - ``sequential_map``: ``map`` without ``num_parallel_calls`` (or with 1). ``severity="info"`` when
-        TensorFlow's default ``map_parallelization`` will parallelize it anyway (stateless function, no captured
-        tensors, option not turned off); ``"warning"`` when it will not.
+        TensorFlow's default ``map_parallelization`` rewrite will parallelize it at runtime (stateless function,
+        autotune and the option not turned off); ``"warning"`` when it will not (e.g. ``tf.random.uniform`` in it).
       - ``py_function``: ``tf.py_function``/``tf.numpy_function`` inside a map/filter/interleave function
         (holds the Python GIL: does not scale with ``num_parallel_calls``).
       - ``batch_remainder``: ``batch`` without ``drop_remainder=True`` while a multi-replica strategy or XLA is
@@ -484,7 +488,7 @@ def check(
                     "sequential_map", "info",
                     f"'{node.name}' is a {what}; TensorFlow's default map_parallelization rewrite will "
                     "parallelize it at runtime (stateless function), but that silently stops once the function "
-                    "gains a stateful op or captured tensor.",
+                    "gains a stateful op (e.g. tf.random.uniform) or someone turns the option off.",
                     "Say it explicitly: .map(fn, num_parallel_calls=tf.data.AUTOTUNE).",
                     node.name))
         # -- batch remainder under a multi-replica strategy / XLA
@@ -565,7 +569,7 @@ def _check_cache(pipe: _Pipeline, node: Any, cache_max_bytes: int, expensive_op_
     count = sum(pipe.function_node_count(fn) for fn in pipe.node_functions(node))
     if not heavy and count < expensive_op_count:
         return []
-    if pipe.stateful_ops(node) or pipe.captured_inputs(node):
+    if pipe.stateful_ops(node):
         return []  # random augmentation / variables: caching would freeze or stale the result
     if any(n.op in _CACHE for n in pipe.downstream(node.name)):
         return []
@@ -679,93 +683,114 @@ def benchmark(dataset: tf.data.Dataset, num_steps: int = 100, warmup_steps: int 
 # ------------------------------------------------------------------------------------------------------------
 # optimize
 
-# Top-level ops whose state lives outside the graph (variables, tables, seed generators, Python callbacks):
-# rebuilding the pipeline from its graph would copy or lose that state, so such graphs are not rebuilt.
+# Top-level ops whose state lives outside the graph (variables, tables, Python callbacks): rebuilding the
+# pipeline from its graph would copy or lose that state, so such graphs are not rebuilt.
 _STATE_OPS = {"VarHandleOp", "AssignVariableOp", "HashTableV2", "MutableHashTableV2", "AnonymousSeedGenerator",
               "DummySeedGenerator", "AnonymousRandomSeedGenerator"}
 
 
-def _rebuild_blockers(pipe: _Pipeline) -> List[str]:
-    reasons = []
+def _is_random_op(op: str) -> bool:
+    return op.startswith("Random") or op in {"TruncatedNormal", "Multinomial", "ParameterizedTruncatedNormal"}
+
+
+def _rebuild_blockers(pipe: _Pipeline) -> Tuple[List[str], List[str]]:
+    """``(blockers, notes)``: why the graph cannot be rebuilt without losing state, and what a rebuild changes."""
+    reasons, notes = [], []
     for node in pipe.graph_def.node:
         if node.op == "Const" and node.attr["dtype"].type == tf.resource.as_datatype_enum:
-            reasons.append(f"'{node.name}' is a resource (shuffle seed generator or other state)")
+            users = pipe.consumers_of(node.name)
+            if users and all(pipe.nodes[u].op in _SHUFFLE for u in users):
+                notes.extend(f"shuffle '{u}' draws a different permutation than the original pipeline (still "
+                             "seeded and reshuffled each epoch as configured)" for u in users)
+            else:
+                reasons.append(f"'{node.name}' is a resource used by {users}")
         elif node.op in _STATE_OPS or (node.op not in ("Const", "_Retval", "Identity") and not _is_dataset_op(node.op)):
             reasons.append(f"'{node.name}' ({node.op}) holds state outside the graph")
     for node in pipe.dataset_nodes():
         if pipe.ops_of(node) & _PY_FUNC:
             reasons.append(f"'{node.name}' calls Python")
-    return reasons
+    return reasons, notes
 
 
-def optimize(dataset: tf.data.Dataset, *, parallelize_stateful: bool = False) -> Tuple[tf.data.Dataset, List[str]]:
+def optimize(dataset: tf.data.Dataset, *, parallelize_random: bool = False) -> Tuple[tf.data.Dataset, List[str]]:
     """Apply the safe speed fixes to a pipeline; returns ``(dataset, changes)``.
 
-    1. Sequential maps TensorFlow will not parallelize by itself (functions that capture outer tensors, or
-       stateful ones when ``parallelize_stateful=True``) are rewritten in the graph into parallel maps with
-       ``num_parallel_calls=AUTOTUNE`` and deterministic order, and the pipeline is rebuilt from that graph.
-       This is done only when the graph holds no outside state (variables, lookup tables, shuffle seed
-       generators, Python functions), because a rebuilt copy would not share it; otherwise the change list says
-       why and what to write instead.
-    2. ``tf.data.Options``: ``map_parallelization`` on (TensorFlow's rewrite for stateless maps), autotune on,
-       ``deterministic=True`` unless you set it.
-    3. A trailing ``prefetch(tf.data.AUTOTUNE)`` if the pipeline does not end with one.
+    1. ``tf.data.Options``: ``map_parallelization=True`` (TensorFlow's own rewrite of sequential maps with
+       stateless functions into parallel, order-keeping ones), ``autotune.enabled=True``, and
+       ``deterministic=True`` unless you set it. These are TensorFlow's defaults; setting them re-enables them
+       where a pipeline turned them off and pins them.
+    2. A trailing ``prefetch(tf.data.AUTOTUNE)`` if the pipeline does not end with one.
+    3. With ``parallelize_random=True``: sequential maps whose only stateful ops are random-number ops
+       (``tf.random.uniform``, ``tf.image.random_*``, ... which TensorFlow's rewrite refuses) are rewritten in the
+       graph into ``ParallelMapDatasetV2(num_parallel_calls=AUTOTUNE, deterministic=true)`` and the pipeline is
+       rebuilt from the graph. Element order is kept, but which random draw goes to which element then depends
+       on thread timing (a seeded run is no longer bit-reproducible), and a rebuilt ``shuffle`` draws a
+       different (still seeded) permutation — hence opt-in. Graphs holding outside state (variables, lookup
+       tables, Python functions) are never rebuilt, since the copy would not share that state.
 
-    Elements and their order are unchanged (for stateless map functions; with ``parallelize_stateful=True`` a
-    random op's draws may land on different elements). Entries of ``changes`` starting with ``"not changed:"``
-    explain what was left alone.
+    Entries of ``changes`` starting with ``"not changed:"`` explain what was left alone and what to write
+    instead.
 
     Example:
-        >>> mean = tf.constant([0.5, 0.5])
-        >>> ds = tf.data.Dataset.from_tensor_slices(tf.ones([8, 2])).map(lambda x: x - mean).batch(4)
-        >>> fast, changes = optimize(ds)
+        >>> ds = tf.data.Dataset.range(64).map(lambda x: x + tf.random.uniform((), 0, 2, tf.int64)).batch(8)
+        >>> fast, changes = optimize(ds, parallelize_random=True)
         >>> for c in changes:
         ...     print(c)  # doctest: +SKIP
-        parallelized map 'MapDataset/_3' (num_parallel_calls=AUTOTUNE, deterministic order)
+        parallelized map 'MapDataset/_4' (num_parallel_calls=AUTOTUNE, deterministic order; random ops ['RandomUniformInt'])
         tf.data.Options: map_parallelization=True, autotune.enabled=True, deterministic=True
-        appended prefetch(tf.data.AUTOTUNE) after BatchDatasetV2 'BatchDatasetV2/_6'
+        appended prefetch(tf.data.AUTOTUNE) after BatchDatasetV2 'BatchDatasetV2/_7'
     """
     _require_dataset(dataset, "optimize")
     pipe = _Pipeline(pipeline_graph(dataset))
     opts = pipe.options()
     changes: List[str] = []
 
-    # 1. sequential maps that TF's own rewrite skips
+    # 3. (done first, since it rebuilds the dataset) sequential maps that TF's own rewrite skips
     targets, skipped = [], []
     for node in pipe.dataset_nodes():
         if node.op not in _SEQUENTIAL_MAP:
             continue
-        if pipe.ops_of(node) & _PY_FUNC:
-            skipped.append(f"not changed: map '{node.name}' calls Python ({sorted(pipe.ops_of(node) & _PY_FUNC)}); "
-                           "parallel calls would serialize on the GIL — rewrite it with TensorFlow ops")
-            continue
+        py_ops = sorted(pipe.ops_of(node) & _PY_FUNC)
         stateful = pipe.stateful_ops(node)
-        if stateful and not parallelize_stateful:
-            skipped.append(f"not changed: map '{node.name}' has stateful ops {stateful}; parallel calls would "
-                           "hand random draws to different elements. Pass parallelize_stateful=True if that is "
-                           "fine, or use tf.random.stateless_* ops")
-            continue
-        if not stateful and not pipe.captured_inputs(node):
-            continue  # TF's map_parallelization (enabled below) handles it at runtime
-        targets.append(node)
+        if py_ops:
+            skipped.append(f"not changed: map '{node.name}' calls Python ({py_ops}); parallel calls would "
+                           "serialize on the GIL. Rewrite it with TensorFlow ops")
+        elif node.attr["force_synchronous"].b:
+            skipped.append(f"not changed: map '{node.name}' was built with synchronous=True")
+        elif not stateful:
+            continue  # TF's map_parallelization (pinned on below) parallelizes it at runtime
+        elif not all(_is_random_op(op) or op == "ReadVariableOp" for op in stateful):
+            skipped.append(f"not changed: map '{node.name}' has stateful ops {stateful} whose result depends on "
+                           "call order. Parallelize it yourself if that is fine: "
+                           ".map(fn, num_parallel_calls=tf.data.AUTOTUNE)")
+        elif "ReadVariableOp" in stateful:  # reads are order-free, but a rebuilt copy would not share the variable
+            targets.append((node, stateful))
+        elif not parallelize_random:
+            skipped.append(f"not changed: map '{node.name}' stays sequential: its random ops {stateful} stop "
+                           "TensorFlow's map_parallelization. optimize(ds, parallelize_random=True) parallelizes it "
+                           "(order kept; draws no longer bit-reproducible), or use tf.random.stateless_* ops")
+        else:
+            targets.append((node, stateful))
     if targets:
-        blockers = _rebuild_blockers(pipe)
+        blockers, notes = _rebuild_blockers(pipe)
         if blockers:
-            for node in targets:
+            for node, _ in targets:
                 skipped.append(
-                    f"not changed: map '{node.name}' stays sequential — the pipeline cannot be rebuilt from its "
+                    f"not changed: map '{node.name}' stays sequential: the pipeline cannot be rebuilt from its "
                     f"graph without losing state ({'; '.join(blockers[:3])}). Write "
                     ".map(fn, num_parallel_calls=tf.data.AUTOTUNE) in your code")
         else:
-            rebuilt = _rebuild_with_parallel_maps(pipe, targets, dataset.element_spec)
+            rebuilt = _rebuild_with_parallel_maps(pipe, [n for n, _ in targets], dataset.element_spec)
             if rebuilt is not None:
                 dataset = rebuilt
-                changes.extend(f"parallelized map '{n.name}' (num_parallel_calls=AUTOTUNE, deterministic order)"
-                               for n in targets)
+                changes.extend(f"parallelized map '{n.name}' (num_parallel_calls=AUTOTUNE, deterministic order; "
+                               f"random ops {ops})" for n, ops in targets)
+                changes.extend(notes)
             else:
-                skipped.extend(f"not changed: map '{n.name}' — rebuilding the pipeline failed" for n in targets)
+                skipped.extend(f"not changed: map '{n.name}': rebuilding the pipeline from its graph failed"
+                               for n, _ in targets)
 
-    # 2. options
+    # 1. options
     options = tf.data.Options()
     set_parts = []
     opt = opts.optimization_options
@@ -787,7 +812,7 @@ def optimize(dataset: tf.data.Dataset, *, parallelize_stateful: bool = False) ->
         dataset = dataset.with_options(options)
         changes.append("tf.data.Options: " + ", ".join(set_parts))
 
-    # 3. trailing prefetch
+    # 2. trailing prefetch
     last = pipe.last_transformation()
     if last.op not in _PREFETCH:
         dataset = dataset.prefetch(tf.data.AUTOTUNE)

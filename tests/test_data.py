@@ -68,11 +68,10 @@ def test_prefetch_in_the_middle_does_not_count():
 # -- sequential map ------------------------------------------------------------------------------------------
 
 
-def test_sequential_map_that_tf_will_not_parallelize_warns():
-    mean = tf.constant(np.arange(4, dtype=np.float32))  # captured tensor: TF's map_parallelization skips it
-    ds = tf.data.Dataset.range(10).map(lambda x: tf.cast(x, tf.float32) - mean).prefetch(1)
+def test_sequential_map_built_synchronous_warns():
+    ds = tf.data.Dataset.range(10).map(lambda x: x * 2, synchronous=True).prefetch(1)
     f = finding(ds, "sequential_map")
-    assert f.severity == "warning" and "captures 1 outer tensor" in f.message and "num_parallel_calls" in f.fix
+    assert f.severity == "warning" and "synchronous=True" in f.message and "num_parallel_calls" in f.fix
 
 
 def test_sequential_stateful_map_warns():
@@ -82,7 +81,8 @@ def test_sequential_stateful_map_warns():
 
 
 def test_sequential_stateless_map_is_info_because_tf_parallelizes_it():
-    ds = tf.data.Dataset.range(10).map(lambda x: x * 2).prefetch(1)
+    mean = tf.constant(np.arange(4, dtype=np.float32))  # a captured tensor does not stop TF's rewrite
+    ds = tf.data.Dataset.range(10).map(lambda x: tf.cast(x, tf.float32) - mean).prefetch(1)
     assert finding(ds, "sequential_map").severity == "info"
     with warnings.catch_warnings():
         warnings.simplefilter("error", data.PipelineWarning)
@@ -238,46 +238,74 @@ def as_list(ds):
     return [tuple(np.asarray(x).ravel().tolist()) for x in ds.as_numpy_iterator()]
 
 
-def test_optimize_parallelizes_a_map_tf_skips_and_keeps_elements_in_order():
+def map_ops(ds):
+    return sorted(n.op for n in data.pipeline_graph(ds).node if "Map" in n.op)
+
+
+def noisy(x):
+    """Heavy map with a stateful random op that does not change the value (so outputs can be compared)."""
+    return heavy(x) + 0.0 * tf.random.uniform(())
+
+
+def test_optimize_stateless_map_pins_tf_rewrite_keeps_order_and_adds_prefetch():
     mean = tf.constant(np.linspace(0, 1, 64, dtype=np.float32))
     slow = tf.data.Dataset.range(37).map(lambda x: heavy(x) - mean).batch(5)
     fast, changes = data.optimize(slow)
     assert as_list(fast) == as_list(slow)
-    assert any(c.startswith("parallelized map 'MapDataset") for c in changes)
-    assert any("appended prefetch" in c for c in changes)
-    after = data.check(fast, warn=False)
-    assert not [f for f in after if f.code in ("sequential_map", "no_prefetch")]
-    ops = {n.op for n in data.pipeline_graph(fast).node}
-    assert "ParallelMapDatasetV2" in ops and "MapDataset" not in ops
-
-
-def test_optimize_stateless_map_relies_on_tf_rewrite_and_keeps_order():
-    slow = tf.data.Dataset.range(50).map(lambda x: x * 3).batch(4)
-    fast, changes = data.optimize(slow)
-    assert as_list(fast) == as_list(slow)
     assert any("map_parallelization=True" in c for c in changes)
+    assert any(c.startswith("appended prefetch") for c in changes)
     assert fast.options().experimental_optimization.map_parallelization is True
     assert fast.options().deterministic is True
+    after = {f.code: f.severity for f in data.check(fast, warn=False)}
+    assert "no_prefetch" not in after and after["sequential_map"] == "info"
 
 
-def test_optimize_leaves_stateful_map_sequential_unless_asked():
-    def noisy(x):  # stateful op whose value does not change the element
-        return x + tf.cast(0.0 * tf.random.uniform(()), tf.int64)
-
-    slow = tf.data.Dataset.range(30).map(noisy)
+def test_optimize_reenables_parallelization_a_pipeline_turned_off():
+    options = tf.data.Options()
+    options.experimental_optimization.map_parallelization = False
+    slow = tf.data.Dataset.range(20).map(lambda x: x * 3).with_options(options)
+    assert finding(slow, "sequential_map").severity == "warning"
     fast, changes = data.optimize(slow)
-    assert any("not changed" in c and "RandomUniform" in c for c in changes)
-    assert "MapDataset" in {n.op for n in data.pipeline_graph(fast).node}
-    fast, changes = data.optimize(slow, parallelize_stateful=True)
     assert as_list(fast) == as_list(slow)
-    assert "MapDataset" not in {n.op for n in data.pipeline_graph(fast).node}
+    assert finding(fast, "sequential_map").severity == "info"  # TF's rewrite applies again
+
+
+def test_optimize_parallelizes_random_map_only_when_asked_and_keeps_order():
+    slow = tf.data.Dataset.range(37).map(noisy).batch(5)
+    same, changes = data.optimize(slow)
+    assert map_ops(same) == ["MapDataset"]
+    assert any(c.startswith("not changed") and "RandomUniform" in c and "parallelize_random=True" in c
+               for c in changes)
+    fast, changes = data.optimize(slow, parallelize_random=True)
+    assert map_ops(fast) == ["ParallelMapDatasetV2"]
+    assert any(c.startswith("parallelized map 'MapDataset") for c in changes)
+    assert as_list(fast) == as_list(slow)
+    assert "sequential_map" in codes(slow) and "sequential_map" not in codes(fast)
+
+
+def test_optimize_random_map_after_shuffle_keeps_the_elements():
+    slow = tf.data.Dataset.range(40).shuffle(40, seed=3).map(lambda x: x + tf.cast(0.0 * tf.random.uniform(()), tf.int64))
+    fast, changes = data.optimize(slow, parallelize_random=True)
+    assert map_ops(fast) == ["ParallelMapDatasetV2"]
+    assert any("permutation" in c for c in changes)
+    epoch1, epoch2 = [int(x) for x in fast], [int(x) for x in fast]
+    assert sorted(epoch1) == sorted(epoch2) == list(range(40))
+    assert epoch1 != epoch2  # still reshuffled each epoch
+
+
+def test_optimize_never_parallelizes_order_dependent_state():
+    counter = tf.Variable(0, dtype=tf.int64)
+    slow = tf.data.Dataset.range(6).map(lambda x: x + counter.assign_add(1))
+    fast, changes = data.optimize(slow, parallelize_random=True)
+    assert any(c.startswith("not changed") and "AssignAddVariableOp" in c for c in changes)
+    assert [int(x) for x in fast] == [2 * i + 1 for i in range(6)]  # sequential, and the live variable
 
 
 def test_optimize_does_not_rebuild_a_pipeline_that_reads_a_variable():
     scale = tf.Variable(2.0)
-    slow = tf.data.Dataset.range(6).map(lambda x: tf.cast(x, tf.float32) * scale)
-    fast, changes = data.optimize(slow)
-    assert any("not changed" in c for c in changes)
+    slow = tf.data.Dataset.range(6).map(lambda x: tf.cast(x, tf.float32) * scale + 0.0 * tf.random.uniform(()))
+    fast, changes = data.optimize(slow, parallelize_random=True)
+    assert any(c.startswith("not changed") and "cannot be rebuilt" in c for c in changes)
     scale.assign(10.0)  # the optimized pipeline must still read the live variable
     assert [float(x) for x in fast] == [10.0 * i for i in range(6)]
 
