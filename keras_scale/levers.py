@@ -1,0 +1,375 @@
+"""Speed levers, measured: train the same model a few steps both ways and print which to use.
+
+- :func:`compare_xla`: ``jit_compile=False`` vs ``jit_compile=True``.
+- :func:`compare_precision`: ``float32`` vs a mixed policy (``mixed_float16`` / ``mixed_bfloat16``).
+
+Both runs start from identical initial weights, see the identical batches (the first ``steps + 1`` batches of
+``data``, cached in host memory before either run) and the same random seed. Reported per run: median step time
+after the first step, compile time (first step minus the median: tracing, plus XLA compilation), peak memory
+where measurable (``GPU:0`` peak allocation on a GPU; on CPU the growth of host RSS sampled every step, which
+is approximate because freed memory is reused by the second run) and the per-step losses; the comparison says
+whether the losses agree (largest relative difference of the logged running-mean loss) and recommends one line.
+
+Example:
+    >>> import keras, keras_scale as ks
+    >>> def build():
+    ...     model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64, "relu"), keras.layers.Dense(1)])
+    ...     model.compile(optimizer="adam", loss="mse")
+    ...     return model
+    >>> result = ks.compare_xla(build, (x, y), steps=20)       # doctest: +SKIP
+    xla: use jit_compile=True: 1.84x faster per step (4.10 -> 2.23 ms), +0.9 s compile (pays off after 481 steps), ...
+    >>> result.speedup                                          # doctest: +SKIP
+    1.84
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable, Iterator, List, Optional, Tuple, Union
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_scale.distribute import is_chief
+
+__all__ = ["compare_xla", "compare_precision", "LeverRun", "LeverComparison"]
+
+ModelOrBuilder = Union[keras.Model, Callable[[], keras.Model]]
+
+
+@dataclasses.dataclass
+class LeverRun:
+    """One side of a comparison.
+
+    Example:
+        >>> run = LeverRun("jit_compile=False", median_step_s=0.004, compile_s=0.3, peak_memory_mb=12.0,
+        ...                losses=[1.0, 0.9])
+    """
+
+    label: str
+    median_step_s: float
+    compile_s: float
+    peak_memory_mb: Optional[float]
+    losses: List[float]
+
+
+@dataclasses.dataclass
+class LeverComparison:
+    """What :func:`compare_xla` / :func:`compare_precision` measured, and the recommendation.
+
+    ``speedup`` is baseline median step time / candidate median step time (> 1: the candidate is faster);
+    ``memory_ratio`` is candidate peak / baseline peak (``None`` when not measurable); ``loss_rel_diff`` is the
+    largest relative difference between the two runs' logged losses over the steps.
+
+    Example:
+        >>> result = compare_xla(build, (x, y), steps=10)  # doctest: +SKIP
+        >>> result.use_candidate, result.losses_agree      # doctest: +SKIP
+        (True, True)
+    """
+
+    lever: str
+    baseline: LeverRun
+    candidate: LeverRun
+    speedup: float
+    memory_ratio: Optional[float]
+    memory_source: str
+    loss_rel_diff: float
+    loss_rtol: float
+    losses_agree: bool
+    use_candidate: bool
+    recommendation: str
+
+    def __str__(self) -> str:
+        return f"{self.lever}: {self.recommendation}"
+
+
+# --- data -------------------------------------------------------------------------------------------------------
+def _as_dataset(data: Any, batch_size: int) -> tf.data.Dataset:
+    if isinstance(data, tf.data.Dataset):
+        return data
+    if isinstance(data, (tuple, list)) and 1 <= len(data) <= 3:
+        arrays = tuple(np.asarray(a) for a in data)
+        n = {len(a) for a in arrays}
+        if len(n) != 1:
+            raise ValueError(f"data arrays must have the same length; got lengths {[len(a) for a in arrays]}.")
+        if n.pop() < batch_size:
+            raise ValueError(
+                f"data has {len(arrays[0])} samples, fewer than batch_size={batch_size}; pass more data or a "
+                "smaller batch_size.")
+        return tf.data.Dataset.from_tensor_slices(arrays).batch(batch_size, drop_remainder=True)
+    raise TypeError(
+        f"data must be a batched tf.data.Dataset or an (x, y) / (x, y, sample_weight) tuple of arrays; got "
+        f"{type(data).__name__}.")
+
+
+def _fixed_batches(data: Any, batch_size: int, num_batches: int) -> tf.data.Dataset:
+    """The first ``num_batches`` batches (repeating short data), cached and pre-read: both runs see the same."""
+    dataset = _as_dataset(data, batch_size).repeat().take(num_batches).cache()
+    count = sum(1 for _ in dataset)  # fill the cache now, outside both measurements
+    if count < num_batches:
+        raise ValueError(f"data yielded {count} batches; {num_batches} are needed. Is the dataset empty?")
+    return dataset
+
+
+# --- models -----------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _global_policy(policy: Optional[str]) -> Iterator[None]:
+    if policy is None:
+        yield
+        return
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(policy)
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(previous)
+
+
+def _check_model(model: Any, where: str) -> keras.Model:
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"{where} must return a keras.Model; got {type(model).__name__}.")
+    if not model.compiled:
+        raise ValueError(
+            f"{where}: model {model.name!r} is not compiled. Compile it (optimizer and loss) before comparing, "
+            "e.g. model.compile(optimizer='adam', loss='mse').")
+    return model
+
+
+def _make_model(model_or_builder: ModelOrBuilder, policy: Optional[str], seed: int) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    with _global_policy(policy):
+        if isinstance(model_or_builder, keras.Model):
+            source = _check_model(model_or_builder, "model_or_builder")
+
+            def clone_function(layer: keras.layers.Layer) -> keras.layers.Layer:
+                config = layer.get_config()
+                if policy is not None and "dtype" in config:
+                    config["dtype"] = policy
+                return layer.__class__.from_config(config)
+
+            try:
+                model = keras.models.clone_model(source, clone_function=clone_function)
+            except Exception as e:  # noqa: BLE001 - subclassed models without get_config
+                raise TypeError(
+                    f"cannot clone model {source.name!r} ({type(source).__name__}): {e}. Pass a builder instead: "
+                    "compare_xla(lambda: build_and_compile_model(), data).") from e
+            model.compile(**keras.saving.deserialize_keras_object(source._compile_config.serialize()))
+        elif callable(model_or_builder):
+            model = _check_model(model_or_builder(), "model_or_builder()")
+        else:
+            raise TypeError(
+                f"model_or_builder must be a compiled keras.Model or a function returning one; got "
+                f"{type(model_or_builder).__name__}.")
+        if policy is not None and policy != "float32":
+            from keras_scale.precision import check_float32_outputs
+
+            check_float32_outputs(model, fix=True)
+    return model
+
+
+# --- measuring --------------------------------------------------------------------------------------------------
+def _gpu_name() -> Optional[str]:
+    return "GPU:0" if tf.config.list_logical_devices("GPU") else None
+
+
+class _StepTimer(keras.callbacks.Callback):
+    def __init__(self) -> None:
+        super().__init__()
+        import psutil
+
+        self._process = psutil.Process()
+        self.step_s: List[float] = []
+        self.losses: List[float] = []
+        self.rss_start = 0
+        self.rss_peak = 0
+        self._t0 = 0.0
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        self.rss_start = self.rss_peak = self._process.memory_info().rss
+
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        loss = float((logs or {}).get("loss", float("nan")))  # reading the loss waits for the step to finish
+        self.step_s.append(time.perf_counter() - self._t0)
+        self.losses.append(loss)
+        self.rss_peak = max(self.rss_peak, self._process.memory_info().rss)
+
+
+def _run(model: keras.Model, label: str, dataset: tf.data.Dataset, steps: int, seed: int) -> LeverRun:
+    gpu = _gpu_name()
+    if gpu:
+        tf.config.experimental.reset_memory_stats(gpu)
+    timer = _StepTimer()
+    keras.utils.set_random_seed(seed)
+    model.fit(dataset, epochs=1, steps_per_epoch=steps + 1, shuffle=False, verbose=0, callbacks=[timer])
+    median = statistics.median(timer.step_s[1:])
+    if gpu:
+        peak_mb: Optional[float] = tf.config.experimental.get_memory_info(gpu)["peak"] / 2**20
+    else:
+        peak_mb = (timer.rss_peak - timer.rss_start) / 2**20
+    return LeverRun(label, median_step_s=median, compile_s=max(timer.step_s[0] - median, 0.0),
+                    peak_memory_mb=peak_mb, losses=timer.losses)
+
+
+def _loss_rel_diff(a: List[float], b: List[float]) -> float:
+    diffs = [abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b)]
+    if any(not np.isfinite(x) for x in a + b):
+        return float("inf")
+    return max(diffs) if diffs else float("inf")
+
+
+def _compare(lever: str, baseline: LeverRun, candidate: LeverRun, loss_rtol: float, use_text: str,
+             keep_text: str, min_speedup: float) -> LeverComparison:
+    speedup = baseline.median_step_s / max(candidate.median_step_s, 1e-12)
+    memory_ratio = None
+    if baseline.peak_memory_mb and candidate.peak_memory_mb is not None and baseline.peak_memory_mb > 0:
+        memory_ratio = candidate.peak_memory_mb / baseline.peak_memory_mb
+    rel = _loss_rel_diff(baseline.losses, candidate.losses)
+    agree = rel <= loss_rtol
+    steps_ms = f"{baseline.median_step_s * 1e3:.2f} -> {candidate.median_step_s * 1e3:.2f} ms"
+    memory = "" if memory_ratio is None else f", peak memory x{memory_ratio:.2f}"
+    extra_compile_s = candidate.compile_s - baseline.compile_s
+    if not agree:
+        use, text = False, (f"keep {keep_text}: losses differ by {rel:.2%} (> loss_rtol={loss_rtol:.0%}) within "
+                            f"{len(baseline.losses)} steps; step {steps_ms}")
+    elif speedup >= min_speedup:
+        saved_s = baseline.median_step_s - candidate.median_step_s
+        payoff = f", pays off after {max(extra_compile_s, 0.0) / saved_s:.0f} steps" if extra_compile_s > 0 else ""
+        use, text = True, (f"use {use_text}: {speedup:.2f}x faster per step ({steps_ms}), "
+                           f"{extra_compile_s:+.1f} s compile{payoff}{memory}, losses agree within {rel:.1e}")
+    else:
+        use, text = False, (f"keep {keep_text}: {use_text} is not faster here ({speedup:.2f}x, {steps_ms}), "
+                            f"{extra_compile_s:+.1f} s compile{memory}, losses agree within {rel:.1e}")
+    source = f"{_gpu_name()} peak allocation" if _gpu_name() else "host RSS growth during the run (approximate)"
+    return LeverComparison(lever, baseline, candidate, speedup, memory_ratio, source, rel, loss_rtol, agree, use, text)
+
+
+def _check_common(steps: Any, batch_size: Any, loss_rtol: Any) -> None:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 3:
+        raise ValueError(f"steps must be an integer >= 3 (steps timed after the compile step), got {steps!r}.")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
+    if not isinstance(loss_rtol, (int, float)) or loss_rtol <= 0:
+        raise ValueError(f"loss_rtol must be a number > 0 (e.g. 0.01 for 1%), got {loss_rtol!r}.")
+
+
+def _report(result: LeverComparison, verbose: bool) -> LeverComparison:
+    if verbose and is_chief():
+        print(result, flush=True)
+    return result
+
+
+# --- the levers -------------------------------------------------------------------------------------------------
+def compare_xla(model_or_builder: ModelOrBuilder, data: Any, steps: int = 20, *, batch_size: int = 32,
+                loss_rtol: float = 1e-2, min_speedup: float = 1.05, seed: int = 0, verbose: bool = True
+                ) -> LeverComparison:
+    """Train the same model ``steps`` steps with ``jit_compile=False`` and with ``jit_compile=True``; compare.
+
+    Args:
+        model_or_builder: a compiled functional/Sequential model (it is cloned twice and not trained itself), or
+            a function returning a freshly built and compiled model (called twice; the second gets the first's
+            initial weights).
+        data: a batched ``tf.data.Dataset`` or an ``(x, y)`` tuple of arrays; the first ``steps + 1`` batches
+            are used (repeated if shorter). Use a deterministic dataset (no unseeded shuffle).
+        steps: timed steps after the first (compile) step, >= 3.
+        batch_size: batch size when ``data`` is arrays.
+        loss_rtol: relative loss difference above which the losses "disagree" and XLA is not recommended.
+        min_speedup: the step-time ratio XLA must reach to be recommended.
+        seed: random seed for both runs.
+        verbose: print the one-line recommendation (chief only).
+
+    Returns:
+        A :class:`LeverComparison` (baseline: ``jit_compile=False``, candidate: ``jit_compile=True``).
+
+    Example:
+        >>> result = compare_xla(build, (x, y), steps=20)   # doctest: +SKIP
+        xla: keep jit_compile=False: jit_compile=True is not faster here (0.97x, 1.10 -> 1.13 ms), ...
+    """
+    _check_common(steps, batch_size, loss_rtol)
+    dataset = _fixed_batches(data, batch_size, steps + 1)
+    runs = []
+    initial_weights = None
+    for jit in (False, True):
+        model = _make_model(model_or_builder, None, seed)
+        if initial_weights is None:
+            initial_weights = model.get_weights()
+        else:
+            model.set_weights(initial_weights)
+        model.jit_compile = jit
+        if model.jit_compile != jit:
+            raise ValueError(
+                f"model {model.name!r} does not support jit_compile=True (Keras refused it); nothing to compare.")
+        model.train_function = None
+        runs.append(_run(model, f"jit_compile={jit}", dataset, steps, seed))
+        del model
+        keras.backend.clear_session()
+    result = _compare("xla", runs[0], runs[1], loss_rtol, "jit_compile=True", "jit_compile=False", min_speedup)
+    return _report(result, verbose)
+
+
+def _default_mixed_policy() -> str:
+    from keras_scale.precision import choose_precision
+
+    chosen = choose_precision("auto")
+    return chosen if chosen != "float32" else "mixed_bfloat16"
+
+
+def compare_precision(model_or_builder: ModelOrBuilder, data: Any, steps: int = 20, *, policy: Optional[str] = None,
+                      batch_size: int = 32, loss_rtol: float = 5e-2, min_speedup: float = 1.05, seed: int = 0,
+                      verbose: bool = True) -> LeverComparison:
+    """Train the same model ``steps`` steps in ``float32`` and under a mixed-precision ``policy``; compare.
+
+    The model (or builder) is built under each global dtype policy (a model instance is cloned with every layer
+    set to the policy); output layers are kept in float32 (:func:`keras_scale.precision.check_float32_outputs`);
+    with ``mixed_float16`` Keras wraps the optimizer in a ``LossScaleOptimizer``. Variables stay float32 under
+    mixed policies, so both runs start from identical weights.
+
+    Args:
+        model_or_builder: as in :func:`compare_xla`; a builder must build its layers inside the call (so they
+            pick up the policy).
+        data: a batched ``tf.data.Dataset`` or an ``(x, y)`` tuple of arrays.
+        steps: timed steps after the first, >= 3.
+        policy: ``"mixed_float16"`` or ``"mixed_bfloat16"``; default: :func:`keras_scale.choose_precision`'s
+            choice for the visible GPUs, ``"mixed_bfloat16"`` on CPU.
+        batch_size: batch size when ``data`` is arrays.
+        loss_rtol: relative loss difference above which the mixed policy is not recommended (low precision
+            differs a little by design: 5% by default).
+        min_speedup: the step-time ratio the mixed policy must reach to be recommended.
+        seed: random seed for both runs.
+        verbose: print the one-line recommendation (chief only).
+
+    Returns:
+        A :class:`LeverComparison` (baseline: ``float32``, candidate: ``policy``).
+
+    Example:
+        >>> result = compare_precision(build, (x, y), policy="mixed_float16")   # doctest: +SKIP
+        precision: use policy mixed_float16: 2.71x faster per step (...), peak memory x0.58, ...
+    """
+    _check_common(steps, batch_size, loss_rtol)
+    policy = _default_mixed_policy() if policy is None else policy
+    if policy not in ("mixed_float16", "mixed_bfloat16"):
+        raise ValueError(
+            f"policy must be 'mixed_float16' or 'mixed_bfloat16' (compared against float32), got {policy!r}.")
+    dataset = _fixed_batches(data, batch_size, steps + 1)
+    runs = []
+    initial_weights = None
+    for run_policy in ("float32", policy):
+        model = _make_model(model_or_builder, run_policy, seed)
+        if initial_weights is None:
+            initial_weights = model.get_weights()
+        else:
+            if len(model.get_weights()) != len(initial_weights):
+                raise ValueError(
+                    f"the {run_policy} model has {len(model.get_weights())} weight arrays, the float32 one "
+                    f"{len(initial_weights)}: the builder must build the same architecture each call.")
+            model.set_weights(initial_weights)
+        runs.append(_run(model, f"policy={run_policy}", dataset, steps, seed))
+        del model
+        keras.backend.clear_session()
+    result = _compare("precision", runs[0], runs[1], loss_rtol, f"policy {policy}", "float32", min_speedup)
+    return _report(result, verbose)
