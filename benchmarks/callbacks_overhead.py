@@ -1,0 +1,186 @@
+"""What do GpuMonitor + ProfileWindow cost per training step? Bare fit vs fit with both, side by side.
+
+Both arms train the same small MLP in one process, interleaved (A B, B A, A B, ...) so machine noise hits both.
+Only steady steps are timed: a timing callback (last in the list, present in both arms) reads the clock after
+step ``--skip`` and after the last step, so fit set-up, tracing and the callbacks' train-begin/end work are out.
+ProfileWindow's window is placed outside the timed steps (``start_step`` beyond them): this measures its cost
+when idle, which is what every step of a long run pays. The one-off cost of a window that does open (profiler
+start/stop plus the printed summary) is measured separately at the end and reported, not compared.
+
+GpuMonitor samples the real NVML when a GPU is visible; without one it samples the FAKE NVML from
+tests/fakes/fake_nvml.py (the sampling thread and the batch-hook timestamps run for real; only the driver
+calls are fabricated) -- the output says which.
+
+Floor: the median per-step time with the callbacks is at most 2% above the bare one (ratio <= 1.02).
+
+Usage: python benchmarks/callbacks_overhead.py [--rounds 8] [--steps 300] [--skip 20]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import keras_scale as ks  # noqa: E402
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLOOR_RATIO = 1.02
+BATCH = 128
+
+
+class StepClock(keras.callbacks.Callback):
+    """The duration of each step after step ``skip``: batch-end to batch-end, so every hook of the step is in."""
+
+    def __init__(self, skip: int) -> None:
+        super().__init__()
+        self.skip = skip
+        self.last = 0.0
+        self.durations_s: list = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        now = time.perf_counter()
+        if batch > self.skip:
+            self.durations_s.append(now - self.last)
+        self.last = now
+
+
+class HookTimer:
+    """Wraps the batch hooks of callbacks (instance attributes) and adds up the time spent inside them."""
+
+    def __init__(self, callbacks) -> None:
+        self.total_s = 0.0
+        self.calls = 0
+        for cb in callbacks:
+            for name in ("on_train_batch_begin", "on_train_batch_end"):
+                setattr(cb, name, self._timed(getattr(cb, name)))
+
+    def _timed(self, hook):
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return hook(*args, **kwargs)
+            finally:
+                self.total_s += time.perf_counter() - t
+                self.calls += 1
+
+        return timed
+
+
+def make_model() -> keras.Model:
+    model = keras.Sequential([
+        keras.Input((256,)),
+        keras.layers.Dense(512, activation="relu"),
+        keras.layers.Dense(512, activation="relu"),
+        keras.layers.Dense(10),
+    ])
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def make_dataset(steps: int) -> tf.data.Dataset:
+    rng = np.random.default_rng(0)
+    x = rng.random((BATCH * 64, 256), dtype=np.float32)
+    y = rng.integers(0, 10, BATCH * 64)
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat().take(steps).prefetch(2)
+
+
+def gpu_monitor_nvml():
+    """(nvml argument for GpuMonitor, description): the real NVML with GPUs, else the fake."""
+    from keras_scale import nvml as nvml_lib
+
+    try:
+        real = nvml_lib.open_nvml()
+        if real.device_count() > 0:
+            real.close()
+            return None, "real NVML"
+        real.close()
+    except Exception:  # noqa: BLE001 - no driver / no library: use the fake
+        pass
+    sys.path.insert(0, REPO_ROOT)
+    from tests.fakes.fake_nvml import FakeNvml
+
+    return FakeNvml.with_gpus(1), "FAKE NVML (no GPU here; tests/fakes/fake_nvml.py)"
+
+
+def run_arm(model, steps, skip, callbacks) -> list:
+    clock = StepClock(skip)
+    model.fit(make_dataset(steps), epochs=1, verbose=0, callbacks=[*callbacks, clock])
+    return clock.durations_s
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=300, help="steps per fit call")
+    parser.add_argument("--skip", type=int, default=20, help="untimed steps at the start of each fit call")
+    args = parser.parse_args(argv)
+
+    nvml, nvml_desc = gpu_monitor_nvml()
+    bare_model, cb_model = make_model(), make_model()
+    log_dir = tempfile.mkdtemp(prefix="callbacks_overhead_")
+    far = 10 ** 9  # the window never opens inside the timed runs
+    monitor = ks.GpuMonitor(interval_s=0.1, verbose=0, nvml=nvml)
+    window = ks.ProfileWindow(log_dir, start_step=far, num_steps=5)
+    callbacks = [monitor, window]
+
+    hooks = HookTimer(callbacks)
+
+    # warm-up both (tracing, first-call costs), untimed
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run_arm(bare_model, args.skip + 5, args.skip, [])
+        run_arm(cb_model, args.skip + 5, args.skip, callbacks)
+
+        bare, with_cb = [], []
+        for r in range(args.rounds):
+            order = [("bare", bare_model, []), ("cb", cb_model, callbacks)]
+            if r % 2:
+                order.reverse()
+            for name, model, cbs in order:
+                (bare if name == "bare" else with_cb).append(run_arm(model, args.steps, args.skip, cbs))
+
+    # Median step time of each arm over all its timed steps: robust to the bursts of load that other processes
+    # on a shared machine cause (a burst slows a few steps of one arm, not the median).
+    ratios = [statistics.median(c) / statistics.median(b) for b, c in zip(bare, with_cb)]
+    bare_ms = 1000 * statistics.median([d for r in bare for d in r])
+    cb_ms = 1000 * statistics.median([d for r in with_cb for d in r])
+    ratio = cb_ms / bare_ms
+    print(f"GpuMonitor(interval_s=0.1) on {nvml_desc}; ProfileWindow idle (window outside the timed steps)")
+    print(f"{args.rounds} interleaved rounds x {args.steps - args.skip - 1} timed steps, batch {BATCH}, "
+          f"MLP 256-512-512-10 on {tf.config.list_logical_devices()[0].device_type}")
+    print(f"  bare fit                   : {bare_ms:8.3f} ms/step (median of all timed steps)")
+    print(f"  + GpuMonitor + ProfileWindow: {cb_ms:8.3f} ms/step (median of all timed steps)")
+    print(f"  ratio: {ratio:.4f}   per-round ratios of medians: " + " ".join(f"{x:.3f}" for x in ratios)
+          + f"   (median {statistics.median(ratios):.4f})")
+    hook_us = 1e6 * hooks.total_s / (hooks.calls / 2)  # two hooks per step
+    print(f"  time inside the two callbacks' batch hooks: {hook_us:.1f} us/step = "
+          f"{100 * hook_us / (1000 * bare_ms):.3f}% of the bare step (direct, insensitive to machine load)")
+    ok = ratio <= FLOOR_RATIO
+    print(f"  floor <= {FLOOR_RATIO:.2f}: {'PASS' if ok else 'FAIL'}")
+
+    # One-off cost of a window that opens (profiler start/stop + xprof summary), for the docs; not compared.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t = time.perf_counter()
+        run_arm(bare_model, args.skip + 10, args.skip, [])
+        t_bare = time.perf_counter() - t
+        opened = ks.ProfileWindow(log_dir, start_step=args.skip, num_steps=5, print_summary=True)
+        t = time.perf_counter()
+        run_arm(cb_model, args.skip + 10, args.skip, [opened])
+        t_window = time.perf_counter() - t
+    print(f"  one 5-step window that opens (start, 5 marked steps, stop, summary): +{t_window - t_bare:.2f} s once")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
