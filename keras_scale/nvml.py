@@ -57,7 +57,15 @@ class NvmlUnavailable(RuntimeError):
         ...     open_nvml()
         ... except NvmlUnavailable as e:
         ...     print(f"GPU metrics off: {e}")  # doctest: +SKIP
+
+    ``kind`` says which case it is, for callers that decide on it: ``"no_module"`` (pynvml missing),
+    ``"no_driver"`` (no NVML library: no GPU or no driver), ``"driver_not_loaded"``, ``"no_permission"``,
+    ``"version_mismatch"`` (driver updated without reboot) or ``"other"``.
     """
+
+    def __init__(self, message: str, kind: str = "other") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -321,29 +329,32 @@ def open_nvml() -> Nvml:
         import pynvml
     except ImportError as e:
         raise NvmlUnavailable(
-            f"the pynvml module is not installed ({e}); install it with `pip install nvidia-ml-py`") from e
+            f"the pynvml module is not installed ({e}); install it with `pip install nvidia-ml-py`",
+            "no_module") from e
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as e:
-        raise NvmlUnavailable(_explain_init_error(pynvml, e)) from e
+        raise NvmlUnavailable(*_explain_init_error(e)) from e
     except OSError as e:  # a broken libnvidia-ml.so
         raise NvmlUnavailable(f"the NVML library could not be loaded ({e}); reinstall the NVIDIA driver") from e
     return Nvml(pynvml)
 
 
-def _explain_init_error(pynvml: Any, error: Exception) -> str:
+def _explain_init_error(error: Exception) -> Tuple[str, str]:
     name = type(error).__name__
     if name == "NVMLError_LibraryNotFound":
         return ("no NVIDIA driver found (NVML library libnvidia-ml.so is not installed): no GPU is present "
-                "or the driver is not installed")
+                "or the driver is not installed", "no_driver")
     if name == "NVMLError_DriverNotLoaded":
-        return "the NVIDIA kernel driver is not loaded (no GPU, or the driver is broken: check `nvidia-smi`)"
+        return ("the NVIDIA kernel driver is not loaded (no GPU, or the driver is broken: check `nvidia-smi`)",
+                "driver_not_loaded")
     if name == "NVMLError_NoPermission":
-        return "no permission to talk to the NVIDIA driver (in a container: run with --gpus / the NVIDIA runtime)"
+        return ("no permission to talk to the NVIDIA driver (in a container: run with --gpus / the NVIDIA "
+                "runtime)", "no_permission")
     if name == "NVMLError_LibRmVersionMismatch":
         return ("the NVIDIA driver library and kernel module versions differ (driver updated without a "
-                "reboot): reboot or reload the nvidia kernel module")
-    return f"NVML failed to initialise: {name}: {error}"
+                "reboot): reboot or reload the nvidia kernel module", "version_mismatch")
+    return f"NVML failed to initialise: {name}: {error}", "other"
 
 
 def visible_gpu_indices(devices: Sequence[GpuInfo], env: Optional[Mapping[str, str]] = None) -> List[int]:
