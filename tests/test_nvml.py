@@ -47,14 +47,34 @@ def test_real_library_not_found_is_explained_as_no_gpu(monkeypatch):
         raise pynvml.NVMLError_LibraryNotFound(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
 
     monkeypatch.setattr(pynvml, "nvmlInit", not_found)
-    with pytest.raises(nvml.NvmlUnavailable, match="no NVIDIA driver found"):
+    with pytest.raises(nvml.NvmlUnavailable, match="no NVIDIA driver found") as e:
         nvml.open_nvml()
+    assert e.value.kind == "no_driver"
+
+
+@pytest.mark.parametrize("error_name,kind,needle", [
+    ("NVMLError_DriverNotLoaded", "driver_not_loaded", "kernel driver is not loaded"),
+    ("NVMLError_NoPermission", "no_permission", "--gpus"),
+    ("NVMLError_LibRmVersionMismatch", "version_mismatch", "reboot"),
+    ("NVMLError_Unknown", "other", "NVMLError_Unknown"),
+])
+def test_real_init_errors_are_explained(monkeypatch, error_name, kind, needle):
+    import pynvml
+
+    def fail():
+        raise getattr(pynvml, error_name)()
+
+    monkeypatch.setattr(pynvml, "nvmlInit", fail)
+    with pytest.raises(nvml.NvmlUnavailable, match=needle) as e:
+        nvml.open_nvml()
+    assert e.value.kind == kind
 
 
 def test_missing_pynvml_module_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)
-    with pytest.raises(nvml.NvmlUnavailable, match="pip install nvidia-ml-py"):
+    with pytest.raises(nvml.NvmlUnavailable, match="pip install nvidia-ml-py") as e:
         nvml.open_nvml()
+    assert e.value.kind == "no_module"
 
 
 def test_sample_converts_raw_nvml_units():
