@@ -386,3 +386,23 @@ def test_multi_worker_only_the_chief_writes_into_the_directory(tmp_path, run_wor
     assert all(o["restored_from"] == os.path.join(d, "ckpt-4") for o in outs)
     assert all(o["global_step"] == 8 for o in outs)
     assert outs[0]["kernel_sum"] == outs[1]["kernel_sum"]
+
+
+def test_keras_scale_step_state_is_saved_and_restored(tmp_path):
+    step = pytest.importorskip("keras_scale.step")
+    if not hasattr(step, "state_variables"):
+        pytest.skip("keras_scale.step.state_variables is not available")
+    d = str(tmp_path / "ckpt")
+
+    class SetCounters(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            for v in step.state_variables(self.model).values():
+                v.assign(tf.cast(3, v.dtype))
+
+    first = make_model()
+    fit(first, [ks.ChiefCheckpoint(d, verbose=0), SetCounters(), StopAfter(2)], epochs=1)
+    saved = {k: v.numpy() for k, v in step.state_variables(first).items()}
+    assert saved, "no state variables to check"
+    second = make_model()
+    fit(second, [ks.ChiefCheckpoint(d, verbose=0)], epochs=1, steps_per_epoch=2)
+    assert {k: v.numpy() for k, v in step.state_variables(second).items()} == saved
