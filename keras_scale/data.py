@@ -462,7 +462,8 @@ def check(
         # -- Python inside a function-carrying transformation
         py_ops = sorted(pipe.ops_of(node) & _PY_FUNC)
         if py_ops:
-            kind = "from_generator" if "generator" in _map_fn_name(pipe, node) else op
+            kind = (f"{op} (the op tf.data.Dataset.from_generator reads a Python generator with)"
+                    if op == "FlatMapDataset" else op)
             findings.append(Finding(
                 "py_function", "warning",
                 f"{kind} '{node.name}' runs Python ({', '.join(py_ops)}) in function {_map_fn_name(pipe, node)}: "
@@ -495,7 +496,7 @@ def check(
         if op in _BATCH and (num_replicas > 1 or jit_compile):
             drop = pipe.const(node, "drop_remainder")
             batch_size = pipe.const(node, "batch_size")
-            if drop is False or (drop is not None and not bool(drop)):
+            if drop is not None and not bool(drop):
                 upstream = pipe.dataset_inputs(node)
                 n_in = pipe.cardinality(upstream[0]) if upstream else None
                 divides = (n_in is not None and n_in != math.inf and isinstance(batch_size, int) and batch_size > 0
@@ -783,7 +784,9 @@ def optimize(dataset: tf.data.Dataset, *, parallelize_random: bool = False) -> T
             rebuilt = _rebuild_with_parallel_maps(pipe, [n for n, _ in targets], dataset.element_spec)
             if rebuilt is not None:
                 dataset = rebuilt
-                changes.extend(f"parallelized map '{n.name}' (num_parallel_calls=AUTOTUNE, deterministic order; "
+                order = ("deterministic order" if not opts.WhichOneof("optional_deterministic") or opts.deterministic
+                         else "order not kept: your options say deterministic=False")
+                changes.extend(f"parallelized map '{n.name}' (num_parallel_calls=AUTOTUNE, {order}; "
                                f"random ops {ops})" for n, ops in targets)
                 changes.extend(notes)
             else:
@@ -839,7 +842,7 @@ def _rebuild_with_parallel_maps(pipe: _Pipeline, targets: Sequence[Any], element
         node.op = "ParallelMapDatasetV2"
         if "force_synchronous" in node.attr:
             del node.attr["force_synchronous"]
-        node.attr["deterministic"].s = b"true"
+        node.attr["deterministic"].s = b"default"  # follows Options.deterministic, which optimize() pins to True
         node.attr["use_unbounded_threadpool"].b = False
     try:
         variant = tf.raw_ops.DatasetFromGraph(graph_def=graph_def.SerializeToString())

@@ -349,3 +349,19 @@ def test_benchmark_sees_a_slower_pipeline_as_slower():
     fast = data.benchmark(light, num_steps=10, warmup_steps=2)
     slow = data.benchmark(heavy_ds, num_steps=10, warmup_steps=2)
     assert slow.batches_per_s < fast.batches_per_s
+
+
+def test_optimized_dataset_trains_under_mirrored_strategy(mirrored):
+    import keras
+
+    x = np.linspace(-1, 1, 64, dtype=np.float32).reshape(32, 2)
+    y = x.sum(axis=1, keepdims=True)
+    slow = (tf.data.Dataset.from_tensor_slices((x, y))
+            .map(lambda a, b: (a + 0.0 * tf.random.uniform(()), b)).batch(8, drop_remainder=True))
+    fast, changes = data.optimize(slow, parallelize_random=True)
+    assert any(c.startswith("parallelized map") for c in changes)
+    with mirrored.scope():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    history = model.fit(fast, epochs=3, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
