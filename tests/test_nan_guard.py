@@ -1,0 +1,202 @@
+"""NanGuard: non-finite steps never reach the weights; the user is told why."""
+import numpy as np
+import pytest
+import keras
+import tensorflow as tf
+
+import keras_scale as ks
+from keras_scale.callbacks.nan_guard import NanGuardGaveUp
+
+BATCH = 16
+
+
+def _data(n=128, d=6, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, d)).astype("float32")
+    w = rng.normal(size=(d, 1)).astype("float32")
+    return x, (x @ w).astype("float32")
+
+
+def _model(bn=False):
+    layers = [keras.Input((6,)), keras.layers.Dense(8, activation="tanh")]
+    if bn:
+        layers.append(keras.layers.BatchNormalization())
+    layers.append(keras.layers.Dense(1))
+    model = keras.Sequential(layers)
+    model.set_weights([np.linspace(-0.4, 0.4, w.size, dtype="float32").reshape(w.shape) for w in model.get_weights()])
+    return model
+
+
+def _poison(x, batch_index, value=np.nan, count=3):
+    x = x.copy()
+    x[batch_index * BATCH: batch_index * BATCH + count, 0] = value
+    return x
+
+
+def _finite(model):
+    return all(np.isfinite(w).all() for w in model.get_weights())
+
+
+@pytest.mark.parametrize("accum", [None, 4])
+def test_skip_nan_input_batch(accum):
+    x, y = _data()
+    x = _poison(x, batch_index=2)
+    inner = _model()
+    model = ks.wrap(inner, accum=accum) if accum else inner
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    guard = ks.NanGuard(verbose=0)
+    history = model.fit(x, y, batch_size=BATCH, epochs=3, verbose=0, shuffle=False, callbacks=[guard])
+    assert _finite(inner)
+    assert guard.skipped_steps == 3  # once per epoch, exactly
+    assert history.history["nan_skipped"] == [1, 1, 1]
+    assert np.isfinite(history.history["loss"]).all()  # the bad batch did not poison the logged loss
+    assert int(model.optimizer.iterations.numpy()) == 3 * 8 - 3  # no iterations bump on a skipped step
+    assert len(guard.reports) == 3
+    report = guard.reports[0]
+    assert report.source == "inputs" and "inputs[0]: 3 non-finite values" in report.details[0]
+    assert "clean the data" in report.advice
+
+
+def test_skipped_step_is_exactly_a_no_op():
+    """Training with a poisoned batch skipped == training on the data without that batch."""
+    x, y = _data()
+    bad = _poison(x, batch_index=3)
+    guarded = _model(bn=True)
+    guarded.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    guarded.fit(bad, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False, callbacks=[ks.NanGuard(verbose=0)])
+    keep = np.r_[0:3 * BATCH, 4 * BATCH:len(x)]
+    reference = _model(bn=True)
+    reference.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    reference.fit(x[keep], y[keep], batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+    # weights, BatchNorm moving statistics and Adam moments all as if the batch never happened
+    for a, b in zip(guarded.weights, reference.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+    for a, b in zip(guarded.optimizer.variables, reference.optimizer.variables):
+        np.testing.assert_allclose(np.asarray(a.numpy()), np.asarray(b.numpy()), rtol=1e-5, atol=1e-6)
+
+
+def test_stop_keeps_the_last_good_weights():
+    x, y = _data()
+    bad = _poison(x, batch_index=5)
+    model = _model()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    guard = ks.NanGuard(policy="stop", verbose=0)
+    model.fit(bad, y, batch_size=BATCH, epochs=3, verbose=0, shuffle=False, callbacks=[guard])
+    reference = _model()
+    reference.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    reference.fit(x[:5 * BATCH], y[:5 * BATCH], batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+    assert model.stop_training
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    assert int(model.optimizer.iterations.numpy()) == 5
+
+
+def test_rollback_recovers_from_lr_explosion_and_converges():
+    x, y = _data(n=256)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+    # lr 3.0 diverges on this least-squares problem: weights blow up to inf within ~40 updates
+    schedule = ks.WarmupCosine(peak_lr=3.0, total_steps=10_000, warmup_steps=0)
+    model.compile(optimizer=keras.optimizers.SGD(schedule), loss="mse")
+    guard = ks.NanGuard(policy="rollback", max_consecutive=2, lr_factor=0.1, snapshot_every_n_steps=4, verbose=0)
+    history = model.fit(x, y, batch_size=BATCH, epochs=12, verbose=0, shuffle=False, callbacks=[guard])
+    assert guard.rollbacks >= 1
+    assert float(ks.schedules.lr_multiplier(model.optimizer).numpy()) == pytest.approx(0.1 ** guard.rollbacks)
+    assert _finite(model)
+    assert history.history["loss"][-1] < 1e-3  # converged after lowering the LR
+
+
+def test_rollback_gives_up_with_a_clear_error():
+    x, y = _data()
+    x[:] = np.nan  # every step is bad: nothing can help
+    model = _model()
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    guard = ks.NanGuard(policy="rollback", max_consecutive=1, max_rollbacks=2, verbose=0)
+    with pytest.raises(NanGuardGaveUp, match="gave up after 2 rollbacks"):
+        model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[guard])
+    assert _finite(model)
+
+
+def test_fp16_overflow_handled_by_loss_scaler_is_not_an_incident():
+    x, y = _data()
+    y = y * 100.0
+    model = _model()
+    opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=2.0 ** 127)
+    model.compile(optimizer=opt, loss="mse")
+    guard = ks.NanGuard(verbose=0)
+    history = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False, callbacks=[guard])
+    assert float(opt.dynamic_scale.numpy()) < 2.0 ** 127  # the scaler skipped and lowered its scale
+    assert guard.skipped_steps == 0 and guard.reports == []
+    assert np.isfinite(history.history["loss"]).all() and _finite(model)
+
+
+def test_nan_loss_under_loss_scaling_is_an_incident_with_scale_state():
+    x, y = _data()
+    y = y.copy()
+    y[2 * BATCH] = np.nan
+    model = _model()
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+    guard = ks.NanGuard(verbose=0)
+    history = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False, callbacks=[guard])
+    assert guard.skipped_steps == 1
+    assert guard.reports[0].source == "targets" and guard.reports[0].loss_scale is not None
+    assert np.isfinite(history.history["loss"]).all() and _finite(model)
+
+
+@pytest.mark.parametrize("accum", [None, 2])
+def test_all_replicas_take_the_same_decision(mirrored, accum):
+    x, y = _data()
+    # poison only samples that land on replica 1 (the second half of batch 4)
+    x = x.copy()
+    x[4 * BATCH + BATCH - 2, 1] = np.inf
+    with mirrored.scope():
+        inner = _model(bn=True)
+        model = ks.wrap(inner, accum=accum) if accum else inner
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    guard = ks.NanGuard(verbose=0)
+    model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False, callbacks=[guard])
+    assert guard.skipped_steps == 2
+    for v in inner.weights:  # every replica's copy is finite ...
+        copies = [c.numpy() for c in mirrored.experimental_local_results(v.value)]
+        assert all(np.isfinite(c).all() for c in copies)
+        if v.trainable:  # ... and the trained weights identical (Keras 3 keeps BN moving stats per replica)
+            np.testing.assert_array_equal(copies[0], copies[1])
+    assert guard.reports[0].source == "inputs"
+
+
+def test_gradient_source_is_reported():
+    x, y = _data()
+
+    class Exploding(keras.layers.Layer):
+        def call(self, inputs):  # finite forward, infinite gradient at 0: d/dx sqrt(|x|)
+            return tf.sqrt(tf.abs(inputs))
+
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4, kernel_initializer="zeros"),
+                              Exploding(), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    guard = ks.NanGuard(verbose=0)
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[guard])
+    assert guard.reports and guard.reports[0].source == "gradients"
+    assert any("kernel" in d for d in guard.reports[0].details)
+    assert _finite(model)
+
+
+def test_guard_is_switched_off_after_fit_and_logs_to_tensorboard(tmp_path):
+    x, y = _data()
+    model = _model()
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(_poison(x, 1), y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False,
+              callbacks=[ks.NanGuard(verbose=0, log_dir=str(tmp_path))])
+    assert "train_step" not in vars(model)  # the plain step is back
+    events = list((tmp_path / "nan_guard").glob("events.out.tfevents.*"))
+    assert events
+    values = [v.tensor for e in tf.compat.v1.train.summary_iterator(str(events[0])) for v in e.summary.value
+              if v.tag == "nan_guard/skipped_steps"]
+    assert [int(tf.make_ndarray(t)) for t in values] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(policy="ignore"), dict(max_consecutive=0), dict(lr_factor=0.0), dict(lr_factor=2.0),
+               dict(max_rollbacks=-1), dict(snapshot_every_n_steps=0)])
+def test_bad_input(kwargs):
+    with pytest.raises(ValueError):
+        ks.NanGuard(**kwargs)
