@@ -60,6 +60,7 @@ def _no_visible_devices_env(monkeypatch):
     (dict(interval_s=float("nan")), "interval_s"), (dict(devices="gpu0"), "devices"), (dict(devices=[]), "devices"),
     (dict(devices=[-1]), "devices"), (dict(devices=[0.5]), "devices"), (dict(batch_size=0), "batch_size"),
     (dict(batch_size=2.5), "batch_size"), (dict(advice=[1, 2]), "advice"), (dict(log_dir=3), "log_dir"),
+    (dict(input_batches_per_s=0.0), "input_batches_per_s"), (dict(input_batches_per_s="fast"), "input_batches_per_s"),
 ])
 def test_bad_arguments_fail_at_construction_with_the_value(kwargs, match):
     with pytest.raises(ValueError, match=match) as e:
@@ -111,7 +112,8 @@ def test_step_timing_skips_first_step_and_counts_steps_per_execution():
 TH = AdviceThresholds()
 
 
-def _stats(util=None, cpu=None, mem=None, total=16000.0, meaningful=True, mixed=False, jit=False, **gpu):
+def _stats(util=None, cpu=None, mem=None, total=16000.0, meaningful=True, mixed=False, jit=False,
+           input_rate=None, **gpu):
     g = dict(gpu)
     if util is not None:
         g["util_mean"] = util
@@ -119,7 +121,7 @@ def _stats(util=None, cpu=None, mem=None, total=16000.0, meaningful=True, mixed=
         g.update(mem_max_mb=mem, mem_total_mb=total)
     return EpochStats(epoch=0, gpus={0: g}, host_cpu_mean_pct=cpu, timing={"steps_per_s": 4.0,
                       "step_time_mean_ms": 250.0}, mixed_precision=mixed, jit_compile=jit,
-                      memory_readings_meaningful=meaningful)
+                      memory_readings_meaningful=meaningful, input_batches_per_s=input_rate)
 
 
 @pytest.mark.parametrize("rule,stats,fires", [
@@ -127,6 +129,11 @@ def _stats(util=None, cpu=None, mem=None, total=16000.0, meaningful=True, mixed=
     (gm.input_bound_rule, _stats(util=20, cpu=30), False),  # host idle: not the input pipeline's CPU
     (gm.input_bound_rule, _stats(util=80, cpu=95), False),  # GPU busy
     (gm.input_bound_rule, _stats(util=20, cpu=None), False),  # no host reading: say nothing
+    (gm.input_bound_rule, _stats(util=20, cpu=95, input_rate=40.0), False),  # pipeline measured 10x faster
+    (gm.input_bound_rule, _stats(util=20, cpu=95, input_rate=5.0), True),
+    (gm.input_rate_rule, _stats(util=20, input_rate=4.5), True),  # 4.5 batches/s vs 4 steps/s
+    (gm.input_rate_rule, _stats(util=20, input_rate=20.0), False),
+    (gm.input_rate_rule, _stats(util=20), False),  # not measured: silent
     (gm.gpu_idle_rule, _stats(util=20, cpu=30), True),
     (gm.gpu_idle_rule, _stats(util=20, cpu=95), False),
     (gm.gpu_idle_rule, _stats(util=70, cpu=10), False),
@@ -370,3 +377,15 @@ def test_only_the_chief_writes_tensorboard(tmp_path, monkeypatch):
     _, history = _fit(monitor, epochs=1)
     assert not glob.glob(str(tmp_path / "tb" / "*"))
     assert "gpu0_util_mean" in history.history  # the worker still samples its own GPUs
+
+
+def test_input_rate_from_a_real_data_benchmark_feeds_the_advice():
+    data = pytest.importorskip("keras_scale.data")
+    ds = tf.data.Dataset.range(64).batch(8).repeat()
+    result = data.benchmark(ds, num_steps=20, warmup_steps=2)
+    monitor = GpuMonitor(nvml=FakeNvml.with_gpus(1), input_batches_per_s=result)
+    assert monitor.input_batches_per_s == pytest.approx(result.batches_per_s)
+    # a pipeline that is barely faster than training is reported as the limit
+    slow = _stats(util=30, input_rate=1.1 * 4.0)
+    (advice,) = gm.input_rate_rule(slow, TH)
+    assert "4.4 batches/s" in advice.message and "4.0 steps/s" in advice.message

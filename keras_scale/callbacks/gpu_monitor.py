@@ -30,7 +30,7 @@ from keras_scale.distribute import is_chief
 
 __all__ = [
     "GpuMonitor", "EpochStats", "Advice", "AdviceThresholds", "aggregate_samples", "step_timing",
-    "DEFAULT_RULES", "input_bound_rule", "gpu_idle_rule", "compute_bound_rule", "memory_rule", "throttle_rule",
+    "DEFAULT_RULES", "input_bound_rule", "input_rate_rule", "gpu_idle_rule", "compute_bound_rule", "memory_rule", "throttle_rule",
 ]
 
 NvmlLike = Any  # anything with the keras_scale.nvml.Nvml methods (devices, sample, processes, close)
@@ -140,6 +140,7 @@ class AdviceThresholds:
 
     low_util_pct: float = 50.0
     busy_host_cpu_pct: float = 80.0
+    input_rate_margin: float = 1.25  # pipeline alone <= 1.25x the step rate: the pipeline is the limit
     high_util_pct: float = 85.0
     memory_full_frac: float = 0.95
     throttle_frac: float = 0.2
@@ -165,6 +166,7 @@ class EpochStats:
     mixed_precision: bool = False
     jit_compile: bool = False
     memory_readings_meaningful: bool = True
+    input_batches_per_s: Optional[float] = None  # the pipeline alone (keras_scale.data.benchmark), when given
 
 
 @dataclass(frozen=True)
@@ -209,13 +211,41 @@ def input_bound_rule(stats: EpochStats, th: AdviceThresholds) -> List[Advice]:
     cpu = stats.host_cpu_mean_pct
     if util is None or cpu is None or util >= th.low_util_pct or cpu < th.busy_host_cpu_pct:
         return []
+    if _input_ahead(stats, th):
+        return []  # measured: the pipeline alone is far faster than the steps, so it is not what starves the GPU
     return [Advice("input_bound", None, (
         f"Input-bound: GPU utilisation is {util:.0f}% while the host CPU is {cpu:.0f}% busy{_rate_text(stats)}. "
         "The GPU waits for data. Fix the tf.data pipeline: `.map(f, num_parallel_calls=tf.data.AUTOTUNE)`, "
         "`.prefetch(tf.data.AUTOTUNE)` at the end, `.cache()` after expensive decoding, no py_function in map "
         "(`keras_scale.data.check(ds)` lists these). Measure the pipeline alone with "
-        "`keras_scale.data.benchmark(ds, steps=...)` and compare with the step rate; "
+        "`keras_scale.data.benchmark(ds, num_steps=...)` and compare with the step rate; "
         "`keras_scale.ProfileWindow` shows the input-wait share per step."))]
+
+
+def _input_ahead(stats: EpochStats, th: AdviceThresholds) -> bool:
+    steps = stats.timing.get("steps_per_s")
+    return bool(stats.input_batches_per_s and steps and stats.input_batches_per_s > 2 * th.input_rate_margin * steps)
+
+
+def input_rate_rule(stats: EpochStats, th: AdviceThresholds) -> List[Advice]:
+    """The pipeline alone (``keras_scale.data.benchmark``) is barely faster than training: input is the limit.
+
+    Only speaks when ``GpuMonitor(input_batches_per_s=...)`` was given.
+
+    Example:
+        >>> s = EpochStats(0, {0: {"util_mean": 40.0}}, timing={"steps_per_s": 10.0}, input_batches_per_s=11.0)
+        >>> [a.kind for a in input_rate_rule(s, AdviceThresholds())]
+        ['input_rate']
+    """
+    steps = stats.timing.get("steps_per_s")
+    rate = stats.input_batches_per_s
+    if not rate or not steps or rate > th.input_rate_margin * steps:
+        return []
+    return [Advice("input_rate", None, (
+        f"Input-limited: the input pipeline alone delivers {rate:.1f} batches/s and training runs at "
+        f"{steps:.1f} steps/s, so the steps cannot go faster than the data. Speed up the pipeline "
+        "(`keras_scale.data.optimize(ds)`: parallel map, prefetch; `.cache()` after expensive decoding) "
+        "and measure again with `keras_scale.data.benchmark(ds, num_steps=...)`."))]
 
 
 def gpu_idle_rule(stats: EpochStats, th: AdviceThresholds) -> List[Advice]:
@@ -234,7 +264,7 @@ def gpu_idle_rule(stats: EpochStats, th: AdviceThresholds) -> List[Advice]:
         "Likely causes: steps too small to fill the GPU (raise the batch size, or `steps_per_execution`), a "
         "single-threaded input (a Python generator uses one core; use tf.data with parallel map), or reading "
         "from slow storage. `keras_scale.ProfileWindow` tells these apart; "
-        "`keras_scale.data.benchmark(ds, steps=...)` measures the input alone."))]
+        "`keras_scale.data.benchmark(ds, num_steps=...)` measures the input alone."))]
 
 
 def compute_bound_rule(stats: EpochStats, th: AdviceThresholds) -> List[Advice]:
@@ -318,8 +348,8 @@ def throttle_rule(stats: EpochStats, th: AdviceThresholds) -> List[Advice]:
     return out
 
 
-DEFAULT_RULES: Tuple[Rule, ...] = (input_bound_rule, gpu_idle_rule, compute_bound_rule, memory_rule,
-                                   throttle_rule)
+DEFAULT_RULES: Tuple[Rule, ...] = (input_bound_rule, input_rate_rule, gpu_idle_rule, compute_bound_rule,
+                                   memory_rule, throttle_rule)
 
 
 # ---------------------------------------------------------------------------------------------- sampling
@@ -421,6 +451,8 @@ class GpuMonitor(keras.callbacks.Callback):
         advice: True (default rules), False, an :class:`AdviceThresholds`, or a list of rule functions.
         full_logs: put every metric into ``logs``, not only the summary above.
         verbose: 0 silences the printed advice (warnings still go through ``warnings``).
+        input_batches_per_s: the input pipeline's own rate, e.g. ``keras_scale.data.benchmark(ds).batches_per_s``
+            (a number, or the benchmark result itself); lets the advice tell input-bound from other stalls.
         nvml: an object with the :class:`keras_scale.nvml.Nvml` methods, or a callable returning one; default
             :func:`keras_scale.nvml.open_nvml`. An object passed in is not closed by the monitor.
 
@@ -440,6 +472,7 @@ class GpuMonitor(keras.callbacks.Callback):
         advice: Union[bool, AdviceThresholds, Sequence[Rule]] = True,
         full_logs: bool = False,
         verbose: int = 1,
+        input_batches_per_s: Any = None,
         nvml: Optional[Union[NvmlLike, Callable[[], NvmlLike]]] = None,
     ) -> None:
         super().__init__()
@@ -478,6 +511,12 @@ class GpuMonitor(keras.callbacks.Callback):
                 raise ValueError(f"advice must be True/False, an AdviceThresholds, or a list of rule functions "
                                  f"(stats, thresholds) -> list[Advice]; got {advice!r}")
             self.thresholds, self.rules = AdviceThresholds(), rules
+        rate = getattr(input_batches_per_s, "batches_per_s", input_batches_per_s)
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or
+                                 not math.isfinite(rate) or rate <= 0):
+            raise ValueError(f"input_batches_per_s must be a positive number (batches/s) or the result of "
+                             f"keras_scale.data.benchmark(ds), got {input_batches_per_s!r}")
+        self.input_batches_per_s = None if rate is None else float(rate)
         self.interval_s = float(interval_s)
         self.log_dir = None if log_dir is None else os.fspath(log_dir)
         self.batch_size = batch_size
@@ -658,7 +697,8 @@ class GpuMonitor(keras.callbacks.Callback):
         gpus = {i: aggregate_samples(v) for i, v in per_gpu.items()}
         timing = step_timing(ends, self._epoch_begin_s, self.batch_size)
         host_cpu = sum(cpu_in) / len(cpu_in) if cpu_in else None
-        stats = EpochStats(epoch=epoch, gpus=gpus, host_cpu_mean_pct=host_cpu, timing=timing, **self._context)
+        stats = EpochStats(epoch=epoch, gpus=gpus, host_cpu_mean_pct=host_cpu, timing=timing,
+                           input_batches_per_s=self.input_batches_per_s, **self._context)
         record: Dict[str, Any] = {"epoch": epoch, "num_samples": len(in_window), "timing": timing,
                                   "host_cpu_mean_pct": host_cpu, "stats": stats}
         record.update({f"gpu{i}": g for i, g in gpus.items()})
