@@ -466,6 +466,20 @@ def _multi_worker(all_reduce: str, config: Optional[dict]):
     return strategy
 
 
+def strategy_name(strategy: Any) -> str:
+    """The user-facing class name of a strategy (``MultiWorkerMirroredStrategy``, not its alias's).
+
+    Example:
+        >>> strategy_name(tf.distribute.get_strategy())
+        '_DefaultDistributionStrategy'
+    """
+    import tensorflow as tf
+
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return "MultiWorkerMirroredStrategy"
+    return type(strategy).__name__
+
+
 def choose_strategy(strategy: Union[str, Any] = "auto", all_reduce: str = "auto",
                     devices: Optional[Sequence[str]] = None) -> Any:
     """The ``tf.distribute.Strategy`` to train with.
@@ -523,5 +537,5 @@ def choose_strategy(strategy: Union[str, Any] = "auto", all_reduce: str = "auto"
         if all_reduce != "auto":
             log.info("all_reduce=%r ignored: the default strategy has one device and no all-reduce", all_reduce)
         result = tf.distribute.get_strategy()
-    log.info("strategy: %s with %d replicas (%s)", type(result).__name__, result.num_replicas_in_sync, reason)
+    log.info("strategy: %s with %d replicas (%s)", strategy_name(result), result.num_replicas_in_sync, reason)
     return result

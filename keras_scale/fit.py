@@ -27,7 +27,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_scale.distribute import choose_strategy, is_chief, patch_keras_multi_worker
+from keras_scale.distribute import choose_strategy, is_chief, patch_keras_multi_worker, strategy_name
 
 __all__ = ["fit", "batch_arithmetic", "prepare_dataset"]
 
@@ -279,7 +279,7 @@ def _rebuild(model: keras.Model, strategy: Any, verbose: Any) -> keras.Model:
         clone.compile_from_config(compile_config)
     iterations = int(model.optimizer.iterations.numpy()) if model.optimizer is not None else 0
     note = f"; its optimizer state after {iterations} updates is NOT carried over" if iterations else ""
-    _say(f"model {model.name!r} was built outside the {type(strategy).__name__} scope: rebuilt inside it with "
+    _say(f"model {model.name!r} was built outside the {strategy_name(strategy)} scope: rebuilt inside it with "
          f"its weights and compile configuration{note}", verbose, strategy)
     return clone
 
@@ -487,7 +487,7 @@ def fit(
     replicas = strategy.num_replicas_in_sync
     per_replica, global_batch = batch_arithmetic(replicas, per_replica_batch_size, global_batch_size, accum)
     _say(f"global batch {global_batch} = {per_replica} per replica x {replicas} replica{'s' if replicas > 1 else ''}"
-         f" x accum {accum} ({type(strategy).__name__}, precision {policy})", verbose, strategy)
+         f" x accum {accum} ({strategy_name(strategy)}, precision {policy})", verbose, strategy)
 
     model = _build_in_scope(model_or_builder, strategy, policy, verbose)
     for finding in check_float32_outputs(model, fix=True):
