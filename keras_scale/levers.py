@@ -4,11 +4,13 @@
 - :func:`compare_precision`: ``float32`` vs a mixed policy (``mixed_float16`` / ``mixed_bfloat16``).
 
 Both runs start from identical initial weights, see the identical batches (the first ``steps + 1`` batches of
-``data``, cached in host memory before either run) and the same random seed. Reported per run: median step time
-after the first step, compile time (first step minus the median: tracing, plus XLA compilation), peak memory
-where measurable (``GPU:0`` peak allocation on a GPU; on CPU the growth of host RSS sampled every step, which
-is approximate because freed memory is reused by the second run) and the per-step losses; the comparison says
-whether the losses agree (largest relative difference of the logged running-mean loss) and recommends one line.
+``data``, cached in host memory before either run) and the same random seed. The timed steps run in alternating
+chunks (baseline, candidate, baseline, ...; 4 rounds at most), so a burst of load on a shared machine hits both
+sides alike. Reported per run: median step time after the first step, compile time (first step minus the
+median: tracing, plus XLA compilation), peak memory where measurable (during each side's first chunk, on top of
+what was in use before it: ``GPU:0`` peak allocation on a GPU; on CPU the growth of host RSS sampled every step,
+approximate because freed memory gets reused) and the per-step losses (the running mean Keras logs, restarted
+each chunk); the comparison says whether the losses agree (largest relative difference) and recommends one line.
 
 Example:
     >>> import keras, keras_scale as ks
@@ -200,20 +202,57 @@ class _StepTimer(keras.callbacks.Callback):
         self.rss_peak = max(self.rss_peak, self._process.memory_info().rss)
 
 
-def _run(model: keras.Model, label: str, dataset: tf.data.Dataset, steps: int, seed: int) -> LeverRun:
-    gpu = _gpu_name()
-    if gpu:
-        tf.config.experimental.reset_memory_stats(gpu)
-    timer = _StepTimer()
-    keras.utils.set_random_seed(seed)
-    model.fit(dataset, epochs=1, steps_per_epoch=steps + 1, shuffle=False, verbose=0, callbacks=[timer])
-    median = statistics.median(timer.step_s[1:])
-    if gpu:
-        peak_mb: Optional[float] = tf.config.experimental.get_memory_info(gpu)["peak"] / 2**20
-    else:
-        peak_mb = (timer.rss_peak - timer.rss_start) / 2**20
-    return LeverRun(label, median_step_s=median, compile_s=max(timer.step_s[0] - median, 0.0),
-                    peak_memory_mb=peak_mb, losses=timer.losses)
+class _Side:
+    """One variant being measured: its model, its steps' times and losses, its first-chunk peak memory."""
+
+    def __init__(self, model: keras.Model, label: str) -> None:
+        self.model, self.label = model, label
+        self.step_s: List[float] = []
+        self.losses: List[float] = []
+        self.peak_memory_mb: Optional[float] = None
+
+    def run_chunk(self, dataset: tf.data.Dataset, first: bool) -> None:
+        gpu = _gpu_name()
+        if first and gpu:
+            tf.config.experimental.reset_memory_stats(gpu)
+            in_use = tf.config.experimental.get_memory_info(gpu)["current"]
+        timer = _StepTimer()
+        self.model.fit(dataset, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
+        self.step_s += timer.step_s
+        self.losses += timer.losses
+        if first:  # memory the run added on top of what was in use before it (the other side's weights, ...)
+            if gpu:
+                self.peak_memory_mb = (tf.config.experimental.get_memory_info(gpu)["peak"] - in_use) / 2**20
+            else:
+                self.peak_memory_mb = (timer.rss_peak - timer.rss_start) / 2**20
+
+    def result(self) -> LeverRun:
+        median = statistics.median(self.step_s[1:])
+        return LeverRun(self.label, median_step_s=median, compile_s=max(self.step_s[0] - median, 0.0),
+                        peak_memory_mb=self.peak_memory_mb, losses=self.losses)
+
+
+def _chunks(steps: int) -> List[Tuple[int, int]]:
+    """``(start, num_batches)`` per round: the first round adds the compile step; 4 rounds at most."""
+    rounds = min(4, steps)
+    sizes = [steps // rounds + (1 if i < steps % rounds else 0) for i in range(rounds)]
+    sizes[0] += 1
+    starts = [sum(sizes[:i]) for i in range(rounds)]
+    return list(zip(starts, sizes))
+
+
+def _measure(make_side: Callable[[int], _Side], dataset: tf.data.Dataset, steps: int) -> List[LeverRun]:
+    """Measure both sides. Side 0's first chunk (compile step included) runs before side 1 is built; then the
+    timed chunks alternate (0, 1, 0, 1, ...), so a burst of load on a shared machine hits both sides alike.
+    Both sides see the same batches in the same order."""
+    chunks = _chunks(steps)
+    sides: List[_Side] = []
+    for round_index, (start, size) in enumerate(chunks):
+        for index in range(2):
+            if round_index == 0:
+                sides.append(make_side(index))
+            sides[index].run_chunk(dataset.skip(start).take(size), first=round_index == 0)
+    return [side.result() for side in sides]
 
 
 def _loss_rel_diff(a: List[float], b: List[float]) -> float:
@@ -292,12 +331,13 @@ def compare_xla(model_or_builder: ModelOrBuilder, data: Any, steps: int = 20, *,
     """
     _check_common(steps, batch_size, loss_rtol)
     dataset = _fixed_batches(data, batch_size, steps + 1)
-    runs = []
-    initial_weights = None
-    for jit in (False, True):
+    initial_weights: list = []
+
+    def make_side(index: int) -> _Side:
+        jit = index == 1
         model = _make_model(model_or_builder, None, seed)
-        if initial_weights is None:
-            initial_weights = model.get_weights()
+        if index == 0:
+            initial_weights.extend(model.get_weights())
         else:
             model.set_weights(initial_weights)
         model.jit_compile = jit
@@ -305,9 +345,9 @@ def compare_xla(model_or_builder: ModelOrBuilder, data: Any, steps: int = 20, *,
             raise ValueError(
                 f"model {model.name!r} does not support jit_compile=True (Keras refused it); nothing to compare.")
         model.train_function = None
-        runs.append(_run(model, f"jit_compile={jit}", dataset, steps, seed))
-        del model
-        keras.backend.clear_session()
+        return _Side(model, f"jit_compile={jit}")
+
+    runs = _measure(make_side, dataset, steps)
     result = _compare("xla", runs[0], runs[1], loss_rtol, "jit_compile=True", "jit_compile=False", min_speedup)
     return _report(result, verbose)
 
@@ -356,20 +396,21 @@ def compare_precision(model_or_builder: ModelOrBuilder, data: Any, steps: int = 
         raise ValueError(
             f"policy must be 'mixed_float16' or 'mixed_bfloat16' (compared against float32), got {policy!r}.")
     dataset = _fixed_batches(data, batch_size, steps + 1)
-    runs = []
-    initial_weights = None
-    for run_policy in ("float32", policy):
+    initial_weights: list = []
+
+    def make_side(index: int) -> _Side:
+        run_policy = ("float32", policy)[index]
         model = _make_model(model_or_builder, run_policy, seed)
-        if initial_weights is None:
-            initial_weights = model.get_weights()
+        if index == 0:
+            initial_weights.extend(model.get_weights())
         else:
             if len(model.get_weights()) != len(initial_weights):
                 raise ValueError(
                     f"the {run_policy} model has {len(model.get_weights())} weight arrays, the float32 one "
                     f"{len(initial_weights)}: the builder must build the same architecture each call.")
             model.set_weights(initial_weights)
-        runs.append(_run(model, f"policy={run_policy}", dataset, steps, seed))
-        del model
-        keras.backend.clear_session()
+        return _Side(model, f"policy={run_policy}")
+
+    runs = _measure(make_side, dataset, steps)
     result = _compare("precision", runs[0], runs[1], loss_rtol, f"policy {policy}", "float32", min_speedup)
     return _report(result, verbose)
