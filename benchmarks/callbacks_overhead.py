@@ -124,31 +124,35 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--steps", type=int, default=65, help="steps per fit call")
+    parser.add_argument("--only", choices=("both", "monitor", "window"), default="both",
+                        help="which callbacks the second arm adds (default both)")
     parser.add_argument("--skip", type=int, default=5, help="untimed steps at the start of each fit call")
     args = parser.parse_args(argv)
 
     nvml, nvml_desc = gpu_monitor_nvml()
-    bare_model, cb_model = make_model(), make_model()
+    # one model for both arms: two model instances can differ by a few % (memory layout), which is not the
+    # callbacks' cost; the step's cost does not depend on the weights' values
+    model = make_model()
     log_dir = tempfile.mkdtemp(prefix="callbacks_overhead_")
     far = 10 ** 9  # the window never opens inside the timed runs
     monitor = ks.GpuMonitor(interval_s=0.1, verbose=0, nvml=nvml)
     window = ks.ProfileWindow(log_dir, start_step=far, num_steps=5)
-    callbacks = [monitor, window]
+    callbacks = {"both": [monitor, window], "monitor": [monitor], "window": [window]}[args.only]
 
     hooks = HookTimer(callbacks)
 
     # warm-up both (tracing, first-call costs), untimed
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        run_arm(bare_model, args.skip + 5, args.skip, [])
-        run_arm(cb_model, args.skip + 5, args.skip, callbacks)
+        run_arm(model, args.skip + 5, args.skip, [])
+        run_arm(model, args.skip + 5, args.skip, callbacks)
 
         bare, with_cb = [], []
         for r in range(args.rounds):
-            order = [("bare", bare_model, []), ("cb", cb_model, callbacks)]
+            order = [("bare", []), ("cb", callbacks)]
             if r % 2:
                 order.reverse()
-            for name, model, cbs in order:
+            for name, cbs in order:
                 (bare if name == "bare" else with_cb).append(run_arm(model, args.steps, args.skip, cbs))
 
     # Per-step times of each arm over all its timed steps. On a machine shared with other processes, load comes
@@ -167,7 +171,7 @@ def main(argv=None) -> int:
           f"MLP 256-512-512-10 on {tf.config.list_logical_devices()[0].device_type}, load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"  bare fit                    : p10 {bare_p10:7.3f} ms/step, median {bare_ms:7.3f} ms/step")
-    print(f"  + GpuMonitor + ProfileWindow: p10 {cb_p10:7.3f} ms/step, median {cb_ms:7.3f} ms/step")
+    print(f"  + {args.only:<26}: p10 {cb_p10:7.3f} ms/step, median {cb_ms:7.3f} ms/step")
     print(f"  ratio p10: {ratio:.4f}   ratio median: {cb_ms / bare_ms:.4f}   per-round ratios of medians: "
           + " ".join(f"{x:.2f}" for x in ratios))
     hook_us = 1e6 * hooks.total_s / (hooks.calls / 2)  # two hooks per step
@@ -182,7 +186,7 @@ def main(argv=None) -> int:
         warnings.simplefilter("ignore")
         opened = ks.ProfileWindow(log_dir, start_step=args.skip, num_steps=5, print_summary=True)
         window_hooks = HookTimer([opened])
-        run_arm(cb_model, args.skip + 10, args.skip, [opened])
+        run_arm(model, args.skip + 10, args.skip, [opened])
     print(f"  one 5-step window that opens (start, markers, stop, summary): {window_hooks.total_s:.2f} s once, "
           "inside its hooks")
     return 0 if ok else 1

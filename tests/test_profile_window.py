@@ -228,3 +228,19 @@ def test_multi_worker_only_the_chief_profiles(tmp_path, run_workers):
     assert len(paths) == 1 and os.path.dirname(paths[0]) == chief["capture"]
     rows, _ = _overview(paths)
     assert [r["stepnum"] for r in rows] == ["train 1", "train 2"]
+
+
+def test_fit_that_raises_inside_the_window_is_closed_by_the_next_fit(tmp_path):
+    class Boom(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 4:
+                raise RuntimeError("boom")
+
+    window = ks.ProfileWindow(tmp_path, start_step=3, num_steps=10, print_summary=False)
+    model = _model()
+    with pytest.raises(RuntimeError, match="boom"):
+        model.fit(_dataset(8), epochs=1, callbacks=[window, Boom()], verbose=0)
+    assert window._active  # Keras calls no hook on an exception: the session is still open
+    model.fit(_dataset(2), epochs=1, callbacks=[window], verbose=0)
+    assert not window._active and _profiler_is_free()
+    assert window.profiled_steps == [3, 4] and len(_xplanes(tmp_path)) == 1

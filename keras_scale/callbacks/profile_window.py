@@ -183,7 +183,10 @@ class ProfileWindow(keras.callbacks.Callback):
     def _stop(self) -> None:
         self._active = False
         self._done = True
-        tf.profiler.experimental.stop()
+        try:
+            tf.profiler.experimental.stop()
+        except tf.errors.UnavailableError as e:  # someone else stopped the session we started
+            warnings.warn(f"ProfileWindow: the profiler session was already stopped elsewhere ({e}).", stacklevel=2)
         # the run directory the profiler just wrote: new, or (same-second run name) re-written since start
         written = [(t, run) for run, t in _capture_dirs(self.log_dir).items() if self._runs_before.get(run) != t]
         self.capture_dir = max(written)[1] if written else None
@@ -209,6 +212,13 @@ class ProfileWindow(keras.callbacks.Callback):
             self.summary = profiling.profile_summary(self.capture_dir)
         except ImportError:
             print(f"ProfileWindow: capture written to {self.capture_dir}. {profiling.INSTALL_HINT}")
+            return
+        except Exception as e:  # noqa: BLE001 - a summary must never end a training run
+            warnings.warn(
+                f"ProfileWindow: capture written to {self.capture_dir}, but summarizing it failed ({e!r}). "
+                "Open it in TensorBoard's Profile tab.",
+                stacklevel=2,
+            )
             return
         print(self.summary)
         if not self.summary.step_numbers and self.step_times_ms:
