@@ -817,7 +817,8 @@ def format_report(rep: Dict[str, Any], width: int = 110) -> str:
                          + ("" if g["visible"] else "  (hidden by CUDA_VISIBLE_DEVICES)"))
     else:
         why = next((c["detail"] for c in rep["checks"] if c["name"] == "nvidia_driver"), "")
-        lines.append("  GPUs: none. " + (why if why.startswith("No GPU") else "No GPU present. " + why).strip())
+        text = "GPUs: none. " + (why if why.startswith("No GPU") else "No GPU present. " + why).strip()
+        lines.extend("  " + ln for ln in textwrap.wrap(text, width - 2, subsequent_indent="  "))
     lines.append("")
     name_w = max(len(c["name"]) for c in rep["checks"]) + 2
     detail_w = max(40, width - 8 - name_w)
