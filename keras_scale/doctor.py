@@ -346,7 +346,7 @@ def check_tf_build(f: Facts) -> Finding:
             return Finding("tf_build", "error", f"This TensorFlow {f.tf_version} is a CPU-only build, but the "
                            f"machine has {len(f.gpus)} NVIDIA GPU(s).",
                            "pip install 'tensorflow[and-cuda]' (in a clean virtualenv)")
-        return Finding("tf_build", "ok", f"CPU-only TensorFlow build (no GPU on this machine either)")
+        return Finding("tf_build", "ok", "CPU-only TensorFlow build (no GPU on this machine either)")
     return Finding("tf_build", "ok", f"built for CUDA {b.get('cuda_version')}, cuDNN {b.get('cudnn_version')}")
 
 

@@ -3,6 +3,7 @@
 NVML is faked (tests/fakes/fake_nvml.py); the no-NVML test uses the real pynvml on this GPU-less machine.
 """
 import glob
+import json
 import os
 import threading
 import time
@@ -33,13 +34,13 @@ class _SlowSteps(keras.callbacks.Callback):
         time.sleep(self.sleep_s)
 
 
-def _fit(monitor, epochs=2, steps=8, sleep_s=0.004, batch_size=8, **fit_kwargs):
+def _fit(monitor, epochs=2, steps=8, sleep_s=0.004, batch_size=8, callbacks_extra=(), **fit_kwargs):
     x = np.random.RandomState(0).rand(steps * batch_size, 4).astype("float32")
     y = x.sum(axis=1, keepdims=True)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     model.compile(optimizer="sgd", loss="mse")
     history = model.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0,
-                        callbacks=[_SlowSteps(sleep_s), monitor], **fit_kwargs)
+                        callbacks=[_SlowSteps(sleep_s), monitor, *callbacks_extra], **fit_kwargs)
     return model, history
 
 
@@ -389,3 +390,55 @@ def test_input_rate_from_a_real_data_benchmark_feeds_the_advice():
     slow = _stats(util=30, input_rate=1.1 * 4.0)
     (advice,) = gm.input_rate_rule(slow, TH)
     assert "4.4 batches/s" in advice.message and "4.0 steps/s" in advice.message
+
+
+def test_fit_that_raises_leaves_no_thread_after_the_next_fit():
+    class Boom(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 3:
+                raise RuntimeError("boom")
+
+    fake = FakeNvml.with_gpus(1)
+    monitor = GpuMonitor(interval_s=0.01, nvml=fake, advice=False)
+    with pytest.raises(RuntimeError, match="boom"):
+        _fit(monitor, epochs=1, callbacks_extra=[Boom()])
+    assert len(_monitor_threads()) == 1  # Keras calls no hook on an exception: the sampler still runs
+    _, history = _fit(monitor, epochs=1)
+    assert not _monitor_threads() and history.history["gpu0_util_mean"] == [50.0]
+
+
+WORKER_SCRIPT = r"""
+import json, os, sys
+import numpy as np, tensorflow as tf, keras
+import keras_scale as ks
+from keras_scale.distribute import patch_keras_multi_worker, is_chief, task_identity
+from tests.fakes.fake_nvml import FakeNvml
+patch_keras_multi_worker()
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+_, index = task_identity(strategy)
+# each worker's own (fake) GPU: worker 0 at 20% util, worker 1 at 70%; both thermally throttled
+fake = FakeNvml.with_gpus(1, util_gpu_pct=20.0 + 50.0 * index, throttle_thermal=True)
+x = np.random.RandomState(0).rand(64, 4).astype("float32"); y = x.sum(1, keepdims=True)
+with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+monitor = ks.GpuMonitor(interval_s=0.005, log_dir=sys.argv[1], nvml=fake, devices=[0])  # CUDA_VISIBLE_DEVICES="" here
+h = model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=2, verbose=0, callbacks=[monitor])
+print(json.dumps({"chief": is_chief(strategy), "util": h.history["gpu0_util_mean"],
+                  "advice": [a.kind for a in monitor.advice_history]}))
+"""
+
+
+@pytest.mark.slow
+def test_multi_worker_each_samples_its_own_gpu_only_chief_writes_and_prints(tmp_path, run_workers):
+    log_dir = str(tmp_path / "shared_tb")
+    results = run_workers(WORKER_SCRIPT, args=(log_dir,))
+    outs = [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
+    (chief_i,) = [i for i, o in enumerate(outs) if o["chief"]]
+    chief, worker = outs[chief_i], outs[1 - chief_i]
+    assert chief["util"] == [20.0, 20.0] and worker["util"] == [70.0, 70.0]
+    assert chief["advice"].count("throttling") == 2 and worker["advice"].count("throttling") == 2
+    assert "is throttled" in results[chief_i].stdout and "is throttled" not in results[1 - chief_i].stdout
+    files = glob.glob(os.path.join(log_dir, "events.out.tfevents.*"))
+    assert len(files) == 1
+    assert _read_scalars(log_dir)["gpu0/util_mean"] == {0: 20.0, 1: 20.0}  # the chief's own GPU

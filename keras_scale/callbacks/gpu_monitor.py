@@ -14,7 +14,6 @@ Example:
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import threading
