@@ -5,6 +5,8 @@ Pipelines (graph-native maps, no Python; a few seconds each on 2 CPU cores):
               most augmentation code). TensorFlow's map_parallelization rewrite refuses stateful functions, so
               this map runs one element at a time.
   stateless - the same work with a stateless function: TensorFlow already parallelizes it at runtime (control).
+  defaults_off - "stateless" with tf.data.Options(apply_default_optimizations=False), i.e. without that rewrite:
+              shows what TensorFlow's default map_parallelization is worth, and optimize() turning it back on.
 Each is timed as written ("slow"), after optimize(), after optimize(parallelize_random=True), and hand-fixed
 (num_parallel_calls=AUTOTUNE + prefetch), interleaved over several rounds. Ratios are against "slow", median vs
 median and best vs best (on a shared machine the best run is the least disturbed one). The speed-up is bounded
@@ -49,7 +51,12 @@ def pipelines(elements: int):
     def stateless(npc=None):
         return tf.data.Dataset.range(elements).map(expensive, num_parallel_calls=npc).batch(BATCH)
 
-    return {"augment": augmented, "stateless": stateless}
+    def defaults_off(npc=None):
+        options = tf.data.Options()
+        options.experimental_optimization.apply_default_optimizations = False
+        return stateless(npc).with_options(options)
+
+    return {"augment": augmented, "stateless": stateless, "defaults_off": defaults_off}
 
 
 def main(argv=None) -> int:

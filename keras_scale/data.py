@@ -22,7 +22,7 @@ import dataclasses
 import math
 import time
 import warnings
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -69,7 +69,6 @@ _CALL_OPS = {"PartitionedCall", "StatefulPartitionedCall", "If", "StatelessIf", 
 # Ops that are "stateful" by their registration but do not make a function's result depend on call order.
 _HARMLESS_STATEFUL = {"Assert", "PrintV2", "Print"} | _CALL_OPS
 _CODES = ("no_prefetch", "sequential_map", "py_function", "batch_remainder", "cache_missing", "small_shuffle_buffer")
-_SEVERITIES = ("info", "warning", "error")
 
 
 class PipelineWarning(UserWarning):
@@ -307,7 +306,6 @@ class _Pipeline:
         """Effective ``tf.data.Options``: OptionsDataset nodes merged, those nearer the end winning."""
         merged = dataset_options_pb2.Options()
         chain = []
-        node = self.nodes.get(self.sink)
         visited = set()
         # Walk every OptionsDataset upstream of the sink; order them from source to sink.
         stack = [self.sink]
