@@ -221,3 +221,31 @@ def test_multi_input_attention_block_with_dropout_trains_like_plain(policy):
         model.fit(xs, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     assert _max_diff(plain.get_weights(), rematted.get_weights()) < 1e-6
     assert _max_diff(plain.get_weights(), start) > 1e-3
+
+
+def test_subclassed_model_with_remat_blocks_built_on_first_eager_call():
+    class Net(keras.Model):
+        def __init__(self, use):
+            super().__init__()
+            wrap = remat if use else (lambda layer: layer)
+            self.blocks = [wrap(keras.Sequential([keras.layers.Dense(32, activation="relu"), keras.layers.Dense(8)]))
+                           for _ in range(3)]
+            self.head = keras.layers.Dense(1)
+
+        def call(self, x, training=False):
+            for block in self.blocks:
+                x = x + block(x, training=training)
+            return self.head(x)
+
+    x, y = _data()
+    models = []
+    for use in (False, True):
+        keras.utils.set_random_seed(0)
+        model = Net(use)
+        model(x[:2])  # eager first call builds the blocks (outside the recomputed function)
+        models.append(model)
+    models[1].set_weights(models[0].get_weights())
+    for model in models:
+        model.compile(keras.optimizers.SGD(0.01), "mse")
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert _max_diff(models[0].get_weights(), models[1].get_weights()) < 1e-6
