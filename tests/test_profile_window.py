@@ -244,3 +244,20 @@ def test_fit_that_raises_inside_the_window_is_closed_by_the_next_fit(tmp_path):
     model.fit(_dataset(2), epochs=1, callbacks=[window], verbose=0)
     assert not window._active and _profiler_is_free()
     assert window.profiled_steps == [3, 4] and len(_xplanes(tmp_path)) == 1
+
+
+def test_with_gradient_accumulation_the_window_gives_steps_or_says_why_not(tmp_path, capsys):
+    # ks.wrap(accum > 1) accumulates in a tf.while_loop; xprof ignores step markers when such a loop runs. The
+    # user must get either real step times or the explanation plus the host-measured step times, never silence.
+    inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+    model = ks.wrap(inner, accum=4)
+    model.compile(optimizer="sgd", loss="mse")
+    window = ks.ProfileWindow(tmp_path, start_step=2, num_steps=3)
+    model.fit(_dataset(6), epochs=1, callbacks=[window], verbose=0)
+    assert window.profiled_steps == [2, 3, 4] and len(_xplanes(tmp_path)) == 1
+    out = capsys.readouterr().out
+    if window.summary.step_numbers:
+        assert window.summary.step_numbers == [2, 3, 4]
+    else:
+        assert window.summary.verdict == "unknown" and "tf.while_loop" in window.summary.fix
+        assert "ProfileWindow measured steps 2..4 on the host" in out
