@@ -141,6 +141,8 @@ def _probe_tensorflow() -> Dict[str, Any]:
     for g in gpus:
         try:
             out["memory_growth"][g.name] = bool(tf.config.experimental.get_memory_growth(g))
+            # the smoke test must not reserve every GPU's memory under someone else's running job
+            tf.config.experimental.set_memory_growth(g, True)
         except Exception:  # noqa: BLE001
             pass
     targets = [d.name for d in tf.config.list_logical_devices("GPU")] or ["/device:CPU:0"]

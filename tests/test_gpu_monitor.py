@@ -186,7 +186,7 @@ def test_fit_logs_per_epoch_mean_max_from_background_thread():
 
     fake = FakeNvml(FakeNvml.with_gpus(2).devices(), metrics=metrics)
     monitor = GpuMonitor(interval_s=0.002, nvml=fake, batch_size=8, advice=False)
-    _, history = _fit(monitor, epochs=2, steps=10)
+    _, history = _fit(monitor, epochs=2, steps=10, sleep_s=0.01)
     h = history.history
     assert len(h["gpu0_util_mean"]) == 2
     for epoch in range(2):
