@@ -136,12 +136,14 @@ def _shard_and_prefetch(ds: tf.data.Dataset, file_based: bool) -> Tuple[tf.data.
 
 
 def prepare_dataset(x: Any, y: Any = None, sample_weight: Any = None, *, global_batch_size: int,
-                    shuffle: bool = True, drop_remainder: bool = False, seed: int = 1234
-                    ) -> Tuple[tf.data.Dataset, str]:
+                    shuffle: bool = True, drop_remainder: bool = False, seed: int = 1234,
+                    epoch_variable: Optional[tf.Variable] = None) -> Tuple[tf.data.Dataset, str]:
     """A ``tf.data.Dataset`` of global batches for ``model.fit`` under any strategy, and a one-line description.
 
-    - arrays (NumPy, tensors, dicts/tuples of them): sliced, shuffled with a fixed ``seed`` (every worker must
-      shuffle identically for DATA sharding to split the data), batched to ``global_batch_size``;
+    - arrays (NumPy, tensors, dicts/tuples of them): shuffled with a fixed ``seed`` (every worker must shuffle
+      identically for DATA sharding to split the data), batched to ``global_batch_size``. With ``epoch_variable``
+      (an int variable :func:`fit` sets at each epoch begin) the order is a pure function of ``(seed, epoch)``:
+      a resumed run (``ChiefCheckpoint``) sees exactly the batches the interrupted run would have seen;
     - ``tf.data.Dataset``: batched if unbatched, else rebatched to ``global_batch_size``;
     - ``keras.utils.PyDataset``: turned into a ``tf.data.Dataset`` by Keras's adapter, then rebatched.
 
@@ -181,12 +183,16 @@ def prepare_dataset(x: Any, y: Any = None, sample_weight: Any = None, *, global_
         if y is None and sample_weight is not None:
             raise ValueError("sample_weight was given without y; pass y too.")
         n = _num_samples(x)
-        ds = tf.data.Dataset.from_tensor_slices(data)
-        if shuffle:
-            ds = ds.shuffle(n, seed=seed, reshuffle_each_iteration=True)
-        ds = ds.batch(global_batch_size, drop_remainder=drop_remainder)
+        if shuffle and epoch_variable is not None:
+            ds = _epoch_shuffled_batches(data, n, global_batch_size, drop_remainder, seed, epoch_variable)
+        else:
+            ds = tf.data.Dataset.from_tensor_slices(data)
+            if shuffle:
+                ds = ds.shuffle(n, seed=seed, reshuffle_each_iteration=True)
+            ds = ds.batch(global_batch_size, drop_remainder=drop_remainder)
         file_based = False
-        how = f"{n} samples from arrays{', shuffled' if shuffle else ''}, batched"
+        how = f"{n} samples from arrays{', shuffled' if shuffle else ''}" + (
+            " (order fixed per epoch)" if shuffle and epoch_variable is not None else "") + ", batched"
         if drop_remainder and n % global_batch_size:
             how += f" ({n % global_batch_size} samples per epoch dropped: drop_remainder)"
     else:
@@ -196,6 +202,32 @@ def prepare_dataset(x: Any, y: Any = None, sample_weight: Any = None, *, global_
         )
     ds, policy = _shard_and_prefetch(ds, file_based)
     return ds, f"{how} to {global_batch_size}; auto-shard {policy}; prefetch AUTOTUNE"
+
+
+def _epoch_shuffled_batches(data: Any, n: int, global_batch_size: int, drop_remainder: bool, seed: int,
+                            epoch_variable: tf.Variable) -> tf.data.Dataset:
+    """Batches of ``data`` in an order that depends only on ``(seed, epoch_variable)`` read when iteration starts."""
+    tensors = tf.nest.map_structure(tf.convert_to_tensor, data)
+
+    def order(_: Any) -> tf.Tensor:
+        key = tf.stack([tf.constant(seed, tf.int64), tf.cast(epoch_variable.read_value(), tf.int64)])
+        return tf.random.experimental.stateless_shuffle(tf.range(n, dtype=tf.int64), seed=key)
+
+    indices = tf.data.Dataset.range(1).map(order).unbatch().apply(tf.data.experimental.assert_cardinality(n))
+    batches = indices.batch(global_batch_size, drop_remainder=drop_remainder)
+    return batches.map(lambda idx: tf.nest.map_structure(lambda t: tf.gather(t, idx), tensors),
+                       num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+
+class _EpochCounter(keras.callbacks.Callback):
+    """Sets the variable :func:`prepare_dataset` shuffles by to the epoch about to start (before its iterator)."""
+
+    def __init__(self, variable: tf.Variable) -> None:
+        super().__init__()
+        self.variable = variable
+
+    def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+        self.variable.assign(epoch)
 
 
 def _is_array_structure(x: Any) -> bool:
@@ -514,8 +546,9 @@ def fit(
     sample_weight = fit_kwargs.pop("sample_weight", None)
     shuffle = fit_kwargs.pop("shuffle", True)
     drop_remainder = bool(model.jit_compile)  # XLA wants static shapes
+    epoch_variable = tf.Variable(0, dtype=tf.int64, trainable=False, name="keras_scale_data_epoch")
     dataset, how = prepare_dataset(x, y, sample_weight, global_batch_size=global_batch, shuffle=bool(shuffle),
-                                   drop_remainder=drop_remainder)
+                                   drop_remainder=drop_remainder, epoch_variable=epoch_variable)
     _say(f"data: {how}", verbose, strategy)
     validation_data = fit_kwargs.get("validation_data")
     if validation_data is not None and not isinstance(validation_data, tf.data.Dataset) and not isinstance(
@@ -531,6 +564,7 @@ def fit(
 
     # ---- callbacks and training ------------------------------------------------------------------------------
     all_callbacks, added = _default_callbacks(callbacks or [], log_dir, checkpoint_dir, strategy)
+    all_callbacks.insert(0, _EpochCounter(epoch_variable))
     if added:
         _say(f"default callbacks: {', '.join(added)}", verbose, strategy)
     try:

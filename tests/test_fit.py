@@ -98,8 +98,8 @@ def test_bad_model_argument():
 # --- equivalence and the log ---------------------------------------------------------------------------------
 
 def test_two_replicas_equal_one_device_at_the_same_global_batch(mirrored, capsys):
-    ref = reference()
-    hist = ks.fit(build(), X, Y, per_replica_batch_size=8, epochs=2, strategy=mirrored, shuffle=False, verbose=1)
+    ref = ks.fit(build(), X, Y, global_batch_size=16, epochs=2, strategy="default", verbose=0)  # shuffled
+    hist = ks.fit(build(), X, Y, per_replica_batch_size=8, epochs=2, strategy=mirrored, verbose=1)
     out = capsys.readouterr().out
     assert "global batch 16 = 8 per replica x 2 replicas x accum 1" in out
     assert out.count("global batch") == 1  # stated once
@@ -260,6 +260,19 @@ def test_checkpoint_dir_resumes_with_chief_checkpoint(mirrored, tmp_path):
     again = ks.fit(build(), X, Y, per_replica_batch_size=8, epochs=2, strategy=mirrored, shuffle=False, verbose=0,
                    checkpoint_dir=ckpt)
     assert max_diff(first.model, again.model) < 1e-6
+
+
+def test_resumed_run_sees_the_same_shuffled_batches_as_an_uninterrupted_one(mirrored, tmp_path):
+    if importlib.util.find_spec("keras_scale.callbacks.checkpoint") is None:
+        pytest.skip("ChiefCheckpoint not there yet")
+    straight = ks.fit(build(), X, Y, per_replica_batch_size=8, epochs=3, strategy=mirrored, verbose=0)
+    ckpt = str(tmp_path / "ckpt")
+    ks.fit(build(), X, Y, per_replica_batch_size=8, epochs=2, strategy=mirrored, verbose=0, checkpoint_dir=ckpt)
+    resumed = ks.fit(build(), X, Y, per_replica_batch_size=8, epochs=3, strategy=mirrored, verbose=0,
+                     checkpoint_dir=ckpt)
+    assert len(resumed.history["loss"]) == 1  # only epoch 3 was trained
+    assert resumed.history["loss"][0] == pytest.approx(straight.history["loss"][2], rel=1e-5)
+    assert max_diff(straight.model, resumed.model) < 1e-5  # epoch 3 shuffled exactly as without the restart
 
 
 # --- synchronized BatchNorm ----------------------------------------------------------------------------------
