@@ -68,7 +68,8 @@ _CALL_OPS = {"PartitionedCall", "StatefulPartitionedCall", "If", "StatelessIf", 
              "Case", "StatelessCase"}
 # Ops that are "stateful" by their registration but do not make a function's result depend on call order.
 _HARMLESS_STATEFUL = {"Assert", "PrintV2", "Print"} | _CALL_OPS
-_CODES = ("no_prefetch", "sequential_map", "py_function", "batch_remainder", "cache_missing", "small_shuffle_buffer")
+_CODES = ("no_prefetch", "sequential_map", "py_function", "batch_remainder", "cache_missing", "large_memory_cache",
+          "small_shuffle_buffer")
 
 
 class PipelineWarning(UserWarning):
@@ -421,6 +422,8 @@ def check(
         replicas unequal or empty shards).
       - ``cache_missing``: an expensive, deterministic map whose output fits in ``cache_max_bytes`` is recomputed
         every epoch (no ``cache()`` after it).
+      - ``large_memory_cache``: ``cache()`` without a filename over more than ``cache_max_bytes`` of data (or
+        an infinite input): host memory grows through the first epoch until it holds all of it.
       - ``small_shuffle_buffer``: ``shuffle`` buffer smaller than ``min_shuffle_fraction`` of the elements it
         shuffles (and < 10 000): batches stay nearly in file order.
 
@@ -428,7 +431,8 @@ def check(
         dataset: the ``tf.data.Dataset`` given to ``model.fit``.
         num_replicas: replicas training in sync; default: ``tf.distribute.get_strategy().num_replicas_in_sync``.
         jit_compile: whether the model is compiled with XLA (``model.compile(jit_compile=True)``).
-        cache_max_bytes: a mapped dataset up to this size counts as "small" (cacheable in RAM).
+        cache_max_bytes: data up to this size counts as "small" (cacheable in RAM); an in-memory cache over more
+            is flagged.
         expensive_op_count: a map function with at least this many non-trivial ops counts as expensive (decode,
             parse, resize, file-read and Python ops count as expensive on their own).
         min_shuffle_fraction: shuffle buffers below this fraction of the shuffled elements are flagged.
@@ -533,6 +537,23 @@ def check(
         # -- cache missing after an expensive deterministic map
         if op in _SEQUENTIAL_MAP | _PARALLEL_MAP:
             findings.extend(_check_cache(pipe, node, cache_max_bytes, expensive_op_count))
+        # -- in-memory cache of more than the budget
+        if op in _CACHE and pipe.const(node, "filename") == b"":
+            upstream = pipe.dataset_inputs(node)
+            n_in = pipe.cardinality(upstream[0]) if upstream else None
+            per_element = pipe.element_bytes(node)
+            total = n_in * per_element if isinstance(n_in, int) and per_element is not None else None
+            if n_in == math.inf or (total is not None and total > cache_max_bytes):
+                size = ("an infinite input (repeat() before cache())" if n_in == math.inf
+                        else f"{n_in} elements, {total / 2**20:.4g} MiB > {cache_max_bytes / 2**20:.4g} MiB")
+                findings.append(Finding(
+                    "large_memory_cache", "warning",
+                    f"'{node.name}' caches in host memory {size}: "
+                    + ("host memory grows without bound." if n_in == math.inf else
+                       "host memory grows through the first epoch until it holds all of it (or runs out)."),
+                    "Cache to disk with .cache('/fast/local/path/cache') or cache a smaller, earlier stage "
+                    "(before decoding); put repeat() after cache().",
+                    node.name))
 
     # -- no prefetch at the end
     last = pipe.last_transformation()

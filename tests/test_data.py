@@ -189,6 +189,23 @@ def test_cache_before_the_map_does_not_count():
     assert "cache_missing" in codes(ds)
 
 
+# -- in-memory cache larger than the budget ------------------------------------------------------------------
+
+
+def test_large_memory_cache_fires_for_big_or_infinite_input():
+    big = tf.data.Dataset.range(1000).map(lambda x: tf.zeros([256]), num_parallel_calls=AUTOTUNE).cache()
+    f = finding(big, "large_memory_cache", cache_max_bytes=1000 * 256 * 4 - 1)
+    assert "1000 elements" in f.message and "cache('/" in f.fix
+    assert "without bound" in finding(tf.data.Dataset.range(10).repeat().cache(), "large_memory_cache").message
+
+
+def test_large_memory_cache_silent_within_budget_or_on_disk(tmp_path):
+    big = tf.data.Dataset.range(1000).map(lambda x: tf.zeros([256]), num_parallel_calls=AUTOTUNE)
+    assert "large_memory_cache" not in codes(big.cache(), cache_max_bytes=1000 * 256 * 4)
+    assert "large_memory_cache" not in codes(big.cache(str(tmp_path / "c")), cache_max_bytes=1)
+    assert "large_memory_cache" not in codes(tf.data.Dataset.range(10).cache().repeat())
+
+
 # -- shuffle buffer ------------------------------------------------------------------------------------------
 
 
