@@ -87,7 +87,7 @@ class Finding:
 
     Attributes:
         code: stable identifier, one of ``no_prefetch``, ``sequential_map``, ``py_function``,
-            ``batch_remainder``, ``cache_missing``, ``small_shuffle_buffer``.
+            ``batch_remainder``, ``cache_missing``, ``large_memory_cache``, ``small_shuffle_buffer``.
         severity: ``"warning"`` (slows or breaks training) or ``"info"`` (TensorFlow already works around it at
             runtime, but being explicit is better).
         message: what is wrong, naming the dataset op and the values read from the graph.
