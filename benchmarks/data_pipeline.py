@@ -8,9 +8,9 @@ Pipelines (graph-native maps, no Python; a few seconds each on 2 CPU cores):
   defaults_off - "stateless" with tf.data.Options(apply_default_optimizations=False), i.e. without that rewrite:
               shows what TensorFlow's default map_parallelization is worth, and optimize() turning it back on.
 Each is timed as written ("slow"), after optimize(), after optimize(parallelize_random=True), and hand-fixed
-(num_parallel_calls=AUTOTUNE + prefetch), interleaved over several rounds. Ratios are against "slow", median vs
-median and best vs best (on a shared machine the best run is the least disturbed one). The speed-up is bounded
-by the free CPU cores (x2 at best on a 2-core machine).
+(num_parallel_calls=AUTOTUNE + prefetch), one after the other in each of several rounds. The ratio is the median
+over rounds of (variant / slow in the same round), which cancels slow drifts in machine load; "best run" compares
+the least disturbed run of each. The speed-up is bounded by the free CPU cores (x2 at best on 2 cores).
 
 Usage: python benchmarks/data_pipeline.py [--rounds 7] [--elements 768]
 """
@@ -85,11 +85,13 @@ def main(argv=None) -> int:
         for _ in range(args.rounds):
             for label, ds in variants.items():
                 rates[label].append(data.benchmark(ds, num_steps=num_steps, warmup_steps=2).batches_per_s)
-        base, base_best = statistics.median(rates["slow"]), max(rates["slow"])
+        base_best = max(rates["slow"])
         for label, values in rates.items():
             med, best = statistics.median(values), max(values)
-            print(f"{label:>17}: median {med:6.1f} batches/s ({med * BATCH:6.0f} samples/s) x{med / base:.2f} | "
-                  f"best {best:6.1f} batches/s x{best / base_best:.2f}   (runs: {', '.join(f'{v:.0f}' for v in values)})")
+            paired = statistics.median(v / s for v, s in zip(values, rates["slow"]))
+            print(f"{label:>17}: median {med:6.1f} batches/s ({med * BATCH:6.0f} samples/s) | x{paired:.2f} vs slow "
+                  f"(median of per-round ratios) | best run x{best / base_best:.2f}   "
+                  f"(runs: {', '.join(f'{v:.0f}' for v in values)})")
     print(f"\nload average at end {os.getloadavg()[0]:.1f} (other processes on these cores skew the ratios)")
     return 0
 
