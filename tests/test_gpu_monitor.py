@@ -69,6 +69,11 @@ def test_bad_arguments_fail_at_construction_with_the_value(kwargs, match):
     assert repr(next(iter(kwargs.values())))[:4] in str(e.value)
 
 
+def test_numpy_integers_are_accepted():
+    m = GpuMonitor(devices=np.array([1, 0]), batch_size=np.int64(32), interval_s=np.float32(0.5))
+    assert m.devices == [0, 1] and m.batch_size == 32 and m.interval_s == 0.5
+
+
 def test_unknown_device_index_fails_at_fit_start():
     with pytest.raises(ValueError, match=r"GPU\(s\) \[5\] do not exist; NVML sees \[0, 1\]"):
         _fit(GpuMonitor(devices=[0, 5], nvml=FakeNvml.with_gpus(2)), epochs=1)

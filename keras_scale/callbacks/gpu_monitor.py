@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import threading
 import time
@@ -475,7 +476,7 @@ class GpuMonitor(keras.callbacks.Callback):
         nvml: Optional[Union[NvmlLike, Callable[[], NvmlLike]]] = None,
     ) -> None:
         super().__init__()
-        if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) or not (
+        if isinstance(interval_s, bool) or not isinstance(interval_s, numbers.Real) or not (
                 math.isfinite(interval_s) and interval_s > 0):
             raise ValueError(f"interval_s must be a number of seconds > 0, got {interval_s!r}. "
                              "Use e.g. interval_s=1.0.")
@@ -490,11 +491,11 @@ class GpuMonitor(keras.callbacks.Callback):
                 devs = list(devices)
             except TypeError:
                 raise ValueError(f"devices must be 'all' or a list of NVML GPU indices, got {devices!r}") from None
-            if not devs or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in devs):
+            if not devs or any(isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 0 for d in devs):
                 raise ValueError(f"devices must be 'all' or a non-empty list of GPU indices >= 0 (as nvidia-smi "
                                  f"numbers them), got {devices!r}")
-            self.devices = sorted(set(devs))
-        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+            self.devices = sorted({int(d) for d in devs})
+        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral)
                                        or batch_size <= 0):
             raise ValueError(f"batch_size must be a positive integer (global samples per step) or None, "
                              f"got {batch_size!r}")
@@ -511,14 +512,14 @@ class GpuMonitor(keras.callbacks.Callback):
                                  f"(stats, thresholds) -> list[Advice]; got {advice!r}")
             self.thresholds, self.rules = AdviceThresholds(), rules
         rate = getattr(input_batches_per_s, "batches_per_s", input_batches_per_s)
-        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, numbers.Real) or
                                  not math.isfinite(rate) or rate <= 0):
             raise ValueError(f"input_batches_per_s must be a positive number (batches/s) or the result of "
                              f"keras_scale.data.benchmark(ds), got {input_batches_per_s!r}")
         self.input_batches_per_s = None if rate is None else float(rate)
         self.interval_s = float(interval_s)
         self.log_dir = None if log_dir is None else os.fspath(log_dir)
-        self.batch_size = batch_size
+        self.batch_size = None if batch_size is None else int(batch_size)
         self.full_logs = bool(full_logs)
         self.verbose = int(verbose)
         self._nvml_source = nvml
