@@ -88,12 +88,13 @@ def test_block_is_recomputed_in_backward_pass():
     assert counts[True] == counts[False] + 1
 
 
-def test_fit_matches_plain_model_single_device():
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_fit_matches_plain_model_single_device(jit_compile):
     x, y = _data()
     plain, rematted = _mlp(False), _mlp(True)
     rematted.set_weights(plain.get_weights())
     for m in (plain, rematted):
-        m.compile(keras.optimizers.SGD(0.1), "mse")
+        m.compile(keras.optimizers.SGD(0.1), "mse", jit_compile=jit_compile)
         m.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     assert _max_diff(plain.get_weights(), rematted.get_weights()) < 1e-6
     assert _max_diff(plain.get_weights(), _mlp(False).get_weights()) > 1e-3  # it did train
