@@ -357,30 +357,31 @@ class ComposedStep:
             self.halted.assign(tf.maximum(self.halted, halt))
 
         names: List[str] = []
-        parts: List[tf.Tensor] = []
+        tensors: List[Any] = []  # what each diagnosis slot counts; counted only on a bad step (inside the cond)
 
         def add(name, value):
             names.append(name)
-            parts.append(tf.reshape(tf.cast(value, tf.float32), []))
+            tensors.append(value)
 
         for i, t in enumerate(_flat(x)[:64]):
-            add(f"inputs[{i}]", _nonfinite_count(t))
+            add(f"inputs[{i}]", t)
         for i, t in enumerate(_flat(y)[:64]):
-            add(f"targets[{i}]", _nonfinite_count(t))
+            add(f"targets[{i}]", t)
         for i, t in enumerate(_flat(sample_weight)[:16]):
-            add(f"sample_weight[{i}]", _nonfinite_count(t))
+            add(f"sample_weight[{i}]", t)
         add("predictions", pred_bad)
         add("loss", loss_bad)
         budget = DIAG_CAPACITY - len(names)
         for i, g in zip(present[:budget], local_grads[:budget]):
-            add(f"gradient:{trainable[i].path}", _nonfinite_count(g))
+            add(f"gradient:{trainable[i].path}", g)
         self.diag_names = names
 
         first_incident = tf.logical_and(bad, tf.equal(self.incidents, 0))
 
         def write_diag():
-            vec = tf.stack(parts)
-            vec = tf.pad(vec, [[0, DIAG_CAPACITY - len(parts)]])
+            counts = [t if name in ("predictions", "loss") else _nonfinite_count(t) for name, t in zip(names, tensors)]
+            vec = tf.stack([tf.reshape(tf.cast(c, tf.float32), []) for c in counts])
+            vec = tf.pad(vec, [[0, DIAG_CAPACITY - len(counts)]])
             self.diag.assign(vec)
             return tf.constant(True)
 
