@@ -1,10 +1,15 @@
-"""Who am I in the cluster, and which strategy to use.
+"""Who am I in the cluster, which strategy to use, and the small Keras multi-worker fix.
 
-Chief-only behaviour (who writes files, who prints) is decided here, in :func:`is_chief`, and nowhere else.
+- Chief-only behaviour (who writes files, who prints) is decided here, in :func:`is_chief`, and nowhere else.
+- :func:`choose_strategy`: ``TF_CONFIG`` or a Slurm step -> ``MultiWorkerMirroredStrategy``, several GPUs ->
+  ``MirroredStrategy`` (with an all-reduce that passed a probe), else the default strategy.
+- :func:`patch_keras_multi_worker`: makes Keras 3's ``model.fit`` work under ``MultiWorkerMirroredStrategy``
+  (keras-team/keras#20585), guarded by :func:`keras_internals_report`.
 
 Example:
-    >>> from keras_scale.distribute import is_chief
-    >>> if is_chief():
+    >>> from keras_scale.distribute import choose_strategy, is_chief
+    >>> strategy = choose_strategy()          # first thing in the script: before any TensorFlow op
+    >>> if is_chief(strategy):
     ...     print("I write the checkpoints")
 """
 from __future__ import annotations

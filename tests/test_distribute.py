@@ -127,6 +127,7 @@ def test_explicit_all_reduce_that_fails_raises_with_the_fix():
     assert strategy.num_replicas_in_sync == 2 and strategy._keras_scale_all_reduce == "hierarchical_copy"
 
 
+@pytest.mark.skipif(not tf.config.list_physical_devices("GPU"), reason="needs a GPU")
 def test_memory_growth_on_every_gpu():
     gpus = tf.config.list_physical_devices("GPU")
     assert ksd.enable_memory_growth() == len(gpus)
