@@ -33,6 +33,7 @@ _EXPORTS = {
     "GpuMonitor": "keras_scale.callbacks.gpu_monitor",
     "ProfileWindow": "keras_scale.callbacks.profile_window",
     "HostMemoryWatch": "keras_scale.callbacks.host_memory",
+    "LearningRateLogger": "keras_scale.callbacks.lr_logger",
     # distribution
     "fit": "keras_scale.fit",
     "is_chief": "keras_scale.distribute",

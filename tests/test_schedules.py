@@ -142,3 +142,16 @@ def test_plot_writes_png(tmp_path):
     path = ks.WarmupCosine(1e-3, 100, 10).plot(str(tmp_path / "lr.png"))
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_learning_rate_logger_writes_the_warmup_per_step(tmp_path):
+    x, y = np.random.rand(64, 4).astype("float32"), np.random.rand(64, 1).astype("float32")
+    lr = ks.WarmupCosine(0.4, total_steps=8, warmup_steps=4)
+    model = _tiny_model(lr)
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[ks.LearningRateLogger(str(tmp_path))])
+    events = list((tmp_path / "learning_rate").glob("events.out.tfevents.*"))
+    logged = {e.step: float(tf.make_ndarray(v.tensor)) for e in tf.compat.v1.train.summary_iterator(str(events[0]))
+              for v in e.summary.value if v.tag == "learning_rate"}
+    assert sorted(logged) == list(range(8))
+    for step, value in logged.items():
+        assert value == pytest.approx(float(lr(step)), rel=1e-5)

@@ -1,0 +1,55 @@
+"""LearningRateLogger: the optimizer's learning rate per step, as a TensorBoard scalar.
+
+Keras's TensorBoard callback logs the learning rate once per epoch at most; a warmup or a rollback that lowers
+the LR is only visible per step.
+
+Example:
+    >>> model.fit(ds, callbacks=[ks.LearningRateLogger("runs/lr", every_n_steps=1)])
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Optional
+
+import keras
+import tensorflow as tf
+
+from keras_scale.distribute import is_chief
+
+__all__ = ["LearningRateLogger"]
+
+
+class LearningRateLogger(keras.callbacks.Callback):
+    """Write ``learning_rate`` (the value the optimizer uses for its next update) every ``every_n_steps`` updates.
+
+    Chief only; the x axis is ``optimizer.iterations``.
+
+    Example:
+        >>> logger = LearningRateLogger("runs/quickstart", every_n_steps=10)
+        >>> model.fit(x, y, callbacks=[logger])
+    """
+
+    def __init__(self, log_dir: str, every_n_steps: int = 1) -> None:
+        super().__init__()
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be an integer >= 1, got {every_n_steps!r}")
+        self.log_dir = os.fspath(log_dir)
+        self.every_n_steps = every_n_steps
+        self._writer: Any = None
+
+    def on_train_begin(self, logs: Optional[Dict] = None) -> None:
+        if is_chief(self.model.distribute_strategy):
+            self._writer = tf.summary.create_file_writer(os.path.join(self.log_dir, "learning_rate"))
+
+    def on_train_batch_begin(self, batch: int, logs: Optional[Dict] = None) -> None:
+        if self._writer is None:
+            return
+        step = int(self.model.optimizer.iterations.numpy())
+        if step % self.every_n_steps == 0:
+            with self._writer.as_default():
+                tf.summary.scalar("learning_rate", float(self.model.optimizer.learning_rate), step=step)
+
+    def on_train_end(self, logs: Optional[Dict] = None) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
