@@ -356,6 +356,13 @@ def _apply_lr_scaling(model: keras.Model, lr_scaling: Any, global_batch: int, st
 
     rule, base_batch = lr_scaling
     optimizer = _inner_optimizer(model.optimizer)
+    done = getattr(optimizer, "_keras_scale_lr_scaling", None)
+    if done is not None:  # a second fit() on the same model must not scale again
+        if done != (rule, base_batch, global_batch):
+            warnings.warn(f"the learning rate was already scaled by an earlier fit() with {done}; not scaling it "
+                          f"again for {(rule, base_batch, global_batch)}", stacklevel=3)
+        return
+    optimizer._keras_scale_lr_scaling = (rule, base_batch, global_batch)
     lr = optimizer._learning_rate
     if isinstance(lr, WarmupCosine):
         old = lr.peak_lr
@@ -507,6 +514,11 @@ def fit(
         raise ValueError(f"sync_bn must be 'auto', True or False, got {sync_bn!r}")
     if jit_compile not in ("auto", True, False):
         raise ValueError(f"jit_compile must be 'auto', True or False, got {jit_compile!r}")
+    if fit_kwargs.get("validation_split"):
+        raise ValueError(
+            f"validation_split={fit_kwargs['validation_split']!r} is not supported by keras_scale.fit (Keras cannot "
+            "split a distributed dataset): pass validation_data=(x_val, y_val) instead."
+        )
     verbose = fit_kwargs.get("verbose", "auto")
 
     from keras_scale.precision import check_float32_outputs, choose_precision
@@ -515,7 +527,15 @@ def fit(
 
     # ---- strategy and model ----------------------------------------------------------------------------------
     patch_keras_multi_worker()
+    if isinstance(strategy, str) and strategy == "auto":
+        # a model built inside a strategy scope, or an enclosing scope, already says which strategy to use
+        if isinstance(model_or_builder, keras.Model) and getattr(model_or_builder, "_distribute_strategy", None):
+            strategy = model_or_builder._distribute_strategy
+        elif tf.distribute.has_strategy():
+            strategy = tf.distribute.get_strategy()
     strategy = choose_strategy(strategy, all_reduce)
+    if "verbose" not in fit_kwargs and not is_chief(strategy):
+        fit_kwargs["verbose"] = 0  # one progress bar per cluster, on the chief
     replicas = strategy.num_replicas_in_sync
     per_replica, global_batch = batch_arithmetic(replicas, per_replica_batch_size, global_batch_size, accum)
     _say(f"global batch {global_batch} = {per_replica} per replica x {replicas} replica{'s' if replicas > 1 else ''}"

@@ -299,3 +299,18 @@ def test_sync_bn_auto_leaves_large_per_replica_batches_alone(mirrored, capsys):
     hist = ks.fit(build(batchnorm=True), X, Y, per_replica_batch_size=16, strategy=mirrored, verbose=1)
     assert "synchronized" not in capsys.readouterr().out
     assert not any(getattr(layer, "synchronized", False) for layer in hist.model.layers)
+
+
+def test_auto_strategy_follows_the_scope_the_model_was_built_in_and_scales_lr_once(mirrored, capsys):
+    with mirrored.scope():
+        model = build()()
+    first = ks.fit(model, X, Y, per_replica_batch_size=8, lr_scaling=("linear", 8), verbose=1)  # strategy="auto"
+    assert "16 = 8 per replica x 2 replicas" in capsys.readouterr().out and first.model is model
+    again = ks.fit(model, X, Y, per_replica_batch_size=8, lr_scaling=("linear", 8), verbose=0)
+    assert again.model is model
+    assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(0.05 * 2)  # scaled once, not twice
+
+
+def test_validation_split_is_refused_with_the_alternative():
+    with pytest.raises(ValueError, match="pass validation_data=\\(x_val, y_val\\)"):
+        ks.fit(build(), X, Y, global_batch_size=16, validation_split=0.2)
