@@ -61,6 +61,10 @@ options = tf.data.Options()
 options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
 raw = model.fit(ds.with_options(options), epochs=3, verbose=0)
 dump("raw", history=raw.history, weights=weights(model))
+
+# gradient accumulation across workers: 4 per replica x 2 replicas x accum 2 = the same global batch 16
+acc = ks.fit(build, X, Y, per_replica_batch_size=4, accum=2, epochs=3, strategy=strategy, verbose=0)
+dump("accum", history=acc.history, weights=weights(ks.unwrap(acc.model)))
 '''
 
 
@@ -102,6 +106,11 @@ def test_two_workers_train_like_one_process_with_global_metrics(run_workers, tmp
         assert len(r["history"]["loss"]) == 3
         np.testing.assert_allclose(r["history"]["loss"], reference.history["loss"], rtol=1e-5)
         np.testing.assert_allclose(r["history"]["mae"], reference.history["mae"], rtol=1e-5)
+
+    # with accum=2 (keras_scale.wrap) the update is the same global-batch update
+    for r in _read(tmp_path, "accum"):
+        _assert_same_weights(r["weights"], reference.model)
+        np.testing.assert_allclose(r["history"]["loss"], reference.history["loss"], rtol=1e-5)
 
     # Keras's own model.fit with only patch_keras_multi_worker() (no shuffling there)
     raw = _read(tmp_path, "raw")
