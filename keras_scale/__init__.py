@@ -71,7 +71,12 @@ def __dir__() -> list[str]:
 
 # Modules that register Keras-serializable objects must be imported before `keras.models.load_model`
 # sees a saved model that uses them. Do it eagerly only where Keras is installed.
-if importlib.util.find_spec("keras") is not None and importlib.util.find_spec("tensorflow") is not None:
+# The `keras-scale` command line (doctor, version, ...) skips this: it must start fast and work without TF.
+import os as _os
+import sys as _sys
+
+_cli = _os.path.basename(_sys.argv[0] if _sys.argv else "") in ("keras-scale", "-m")
+if not _cli and importlib.util.find_spec("keras") is not None and importlib.util.find_spec("tensorflow") is not None:
     for _m in ("keras_scale.schedules", "keras_scale.accumulation"):
         if importlib.util.find_spec(_m) is not None:
             importlib.import_module(_m)
