@@ -3,9 +3,10 @@
 Each run trains in its own subprocess (a fresh process, so neither inherits the other's freed memory) with
 ``model.fit`` for ``--steps`` steps after one compile step; runs alternate plain/remat in ABBA order
 (``--repeats`` per variant) and each variant reports its fastest median step time, in wall-clock time and in
-CPU time (all threads; on a machine shared with other jobs the CPU-time ratio is the reliable one). Peak memory: on a GPU, TensorFlow's ``GPU:0`` peak
-allocation; on CPU, the process's peak RSS (``ru_maxrss``) minus its RSS just before ``fit`` (the activations,
-gradients and optimizer state of the training steps; the TensorFlow runtime itself is excluded).
+CPU time (all threads; on a machine shared with other jobs the CPU-time ratio is the reliable one).
+Peak memory: on a GPU, TensorFlow's ``GPU:0`` peak allocation; on CPU, the process's peak RSS (``ru_maxrss``)
+minus its RSS just before ``fit`` (the activations, gradients and optimizer state of the training steps; the
+TensorFlow runtime itself is excluded).
 
     python benchmarks/remat.py                      # defaults sized for a 2-core CPU (1-2 minutes)
     python benchmarks/remat.py --depth 48 --width 1024 --batch 2048 --steps 10    # on a GPU

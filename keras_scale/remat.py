@@ -8,8 +8,9 @@ enabled", keras-team/keras#21207). :func:`remat` wraps a layer so that its call 
 ``training`` flag are captured by the closure). The block's activations are then dropped after the forward
 pass and recomputed during back-propagation: less peak memory, one extra forward pass of the block.
 
-Random layers inside a block (``Dropout``) draw the same numbers in the recomputation as in the forward pass:
-the block's ``SeedGenerator`` states are snapshotted before the forward pass and restored before recomputing.
+State inside a block is handled: random layers (``Dropout``) draw the same numbers in the recomputation as in
+the forward pass, and ``BatchNormalization`` updates its moving statistics once per step, not twice (the block's
+non-trainable variables and seed states are snapshotted before the forward pass and restored before recomputing).
 
 Example:
     >>> import keras, keras_scale as ks
@@ -110,16 +111,20 @@ class Remat(keras.layers.Wrapper):
         leaves = tree.flatten((call_args, kwargs))
         tensor_positions = [i for i, leaf in enumerate(leaves) if _is_tensor(leaf)]
         tensors = [tf.convert_to_tensor(leaves[i]) for i in tensor_positions]
-        seed_states = _seed_states(self.layer)
-        if seed_states:
+        # Non-trainable state the block updates as it runs (BatchNormalization's moving statistics, random-seed
+        # states): snapshot it, and restore it at the start of the block. In the forward pass the restore is a
+        # no-op; in the recomputation it rewinds the state, so the block re-draws the same random numbers and
+        # re-applies the same moving-statistics update (instead of applying it a second time).
+        states = _state_variables(self.layer)
+        if any("float" not in keras.backend.standardize_dtype(state.dtype) for state in states):
             _quiet_integer_watch_warning()
-        seed_snapshots = [tf.identity(state.value) for state in seed_states]
+        snapshots = [tf.identity(state.value) for state in states]
         num_tensors = len(tensors)
         structure: dict = {}
 
         def block(*flat: tf.Tensor) -> Any:
             # Restore the random state of the forward pass (a no-op then; the reset during recomputation).
-            for state, snapshot in zip(seed_states, flat[num_tensors:]):
+            for state, snapshot in zip(states, flat[num_tensors:]):
                 state.assign(snapshot)
             new_leaves = list(leaves)
             for position, tensor in zip(tensor_positions, flat[:num_tensors]):
@@ -130,7 +135,7 @@ class Remat(keras.layers.Wrapper):
             flat_outputs = tree.flatten(outputs)
             return flat_outputs[0] if len(flat_outputs) == 1 else tuple(flat_outputs)
 
-        flat_outputs = tf.recompute_grad(block)(*tensors, *seed_snapshots)
+        flat_outputs = tf.recompute_grad(block)(*tensors, *snapshots)
         if not isinstance(flat_outputs, (list, tuple)):
             flat_outputs = [flat_outputs]
         return tree.pack_sequence_as(structure["outputs"], list(flat_outputs))
@@ -140,12 +145,15 @@ def _has_unbuilt_sublayers(layer: keras.layers.Layer) -> bool:
     return any(not sub.built for sub in layer._flatten_layers(include_self=False))
 
 
-def _seed_states(layer: keras.layers.Layer) -> list:
-    states = []
+def _state_variables(layer: keras.layers.Layer) -> list:
+    """The block's non-trainable variables and random-seed states (the backend ``tf.Variable`` objects)."""
+    found: dict = {}
+    for variable in layer.non_trainable_variables:
+        found.setdefault(id(variable), variable)
     for sub in layer._flatten_layers(include_self=True):
         for generator in getattr(sub, "_seed_generators", []) or []:
-            states.append(generator.state)
-    return states
+            found.setdefault(id(generator.state), generator.state)
+    return list(found.values())
 
 
 class _DropIntegerWatchWarning:

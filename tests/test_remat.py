@@ -250,3 +250,40 @@ def test_subclassed_model_with_remat_blocks_built_on_first_eager_call():
         model.compile(keras.optimizers.SGD(0.01), "mse")
         model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     assert _max_diff(models[0].get_weights(), models[1].get_weights()) < 1e-6
+
+
+def _bn_model(use_remat, synchronized=False):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    block = keras.Sequential([
+        keras.layers.Dense(16),
+        keras.layers.BatchNormalization(momentum=0.5, synchronized=synchronized),
+        keras.layers.Activation("relu"),
+    ])
+    h = (remat(block) if use_remat else block)(inputs)
+    return keras.Model(inputs, keras.layers.Dense(1)(h))
+
+
+@pytest.mark.parametrize("where", ["one_device", "mirrored", "mirrored_sync_bn", "wrap"])
+def test_batchnorm_inside_block_updates_moving_statistics_once(where, mirrored):
+    """The recomputation must not apply the moving-statistics update a second time."""
+    x, y = _data()
+    x = x * 3.0 + 1.0
+    scope = mirrored.scope() if where != "one_device" else tf.distribute.get_strategy().scope()
+    models = []
+    with scope:
+        for use in (False, True):
+            model = _bn_model(use, synchronized=where == "mirrored_sync_bn")
+            if where == "wrap":
+                model = pytest.importorskip("keras_scale.accumulation").wrap(model, accum=2)
+            model.compile(keras.optimizers.SGD(0.05), "mse")
+            models.append(model)
+        models[1].set_weights(models[0].get_weights())
+    start = models[0].get_weights()
+    for model in models:
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    moving = [i for i, v in enumerate(models[0].weights) if "moving" in v.path]
+    assert len(moving) == 2
+    plain, rematted = models[0].get_weights(), models[1].get_weights()
+    assert _max_diff([plain[i] for i in moving], [start[i] for i in moving]) > 1e-2  # statistics did move
+    assert _max_diff(plain, rematted) < 1e-5
