@@ -105,6 +105,18 @@ def test_rollback_recovers_from_lr_explosion_and_converges():
     assert history.history["loss"][-1] < 1e-3  # converged after lowering the LR
 
 
+def test_rollback_restores_from_chief_checkpoint(tmp_path):
+    x, y = _data(n=256)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(ks.WarmupCosine(3.0, total_steps=10_000)), loss="mse")
+    ckpt = ks.ChiefCheckpoint(str(tmp_path / "ckpt"), save_freq=4, max_to_keep=2, verbose=0)
+    guard = ks.NanGuard(policy="rollback", max_consecutive=2, lr_factor=0.1, verbose=0)
+    history = model.fit(x, y, batch_size=BATCH, epochs=12, verbose=0, shuffle=False, callbacks=[ckpt, guard])
+    assert guard.rollbacks >= 1 and guard._snapshot is None  # restored from the checkpoint, no in-memory copy
+    assert guard.skipped_steps >= 2 and _finite(model)
+    assert history.history["loss"][-1] < 1e-3
+
+
 def test_rollback_gives_up_with_a_clear_error():
     x, y = _data()
     x[:] = np.nan  # every step is bad: nothing can help

@@ -262,6 +262,8 @@ class NanGuard(keras.callbacks.Callback):
                 f"NanGuard gave up after {self.max_rollbacks} rollbacks: training keeps producing non-finite "
                 f"steps even at {self.lr_factor ** self.max_rollbacks:g} x the learning rate. Last report:\n"
                 f"{self.reports[-1]}")
+        step = self._step
+        skipped = int(step.skipped_steps.numpy())  # a restore must not rewind the incident count
         source = "checkpoint"
         restored = self._checkpoint.restore_latest() if self._checkpoint is not None else None
         if restored is None:
@@ -272,7 +274,7 @@ class NanGuard(keras.callbacks.Callback):
                 var.assign(value)
         if scale_learning_rate(self.model.optimizer, self.lr_factor):
             self.model.make_train_function(force=True)
-        step = self._step
+        step.skipped_steps.assign(skipped)
         step.halted.assign(0)
         step.consecutive_bad.assign(0)
         if self.verbose:
