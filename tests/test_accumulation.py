@@ -178,15 +178,16 @@ def test_loss_scale_optimizer_skips_an_overflowing_update_once():
     assert _rel_diff(results[None][0], results[4][0]) < RTOL
 
 
-def test_mixed_float16_policy_trains_finite():
-    keras.mixed_precision.set_global_policy("mixed_float16")
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_policies_train_finite(policy):
+    keras.mixed_precision.set_global_policy(policy)
     try:
         x, y = _data()
         inner = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
                                   keras.layers.Dense(1, dtype="float32")])
         model = ks.wrap(inner, accum=4)
         model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
-        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer) == (policy == "mixed_float16")
         h = model.fit(x, y, batch_size=32, epochs=2, verbose=0)
         assert np.isfinite(h.history["loss"]).all()
     finally:

@@ -212,3 +212,15 @@ def test_guard_is_switched_off_after_fit_and_logs_to_tensorboard(tmp_path):
 def test_bad_input(kwargs):
     with pytest.raises(ValueError):
         ks.NanGuard(**kwargs)
+
+
+@pytest.mark.parametrize("accum", [None, 4])
+def test_composes_with_xla(accum):
+    x, y = _data()
+    inner = _model()
+    model = ks.wrap(inner, accum=accum) if accum else inner
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", jit_compile=True)
+    guard = ks.NanGuard(verbose=0)
+    model.fit(_poison(x, 3), y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False, callbacks=[guard])
+    assert guard.skipped_steps == 2 and _finite(inner)
+    assert guard.reports[0].source == "inputs"
