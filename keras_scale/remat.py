@@ -146,11 +146,13 @@ def _has_unbuilt_sublayers(layer: keras.layers.Layer) -> bool:
 
 
 def _state_variables(layer: keras.layers.Layer) -> list:
-    """The block's non-trainable variables and random-seed states (the backend ``tf.Variable`` objects)."""
+    """State the block's call may update: non-trainable variables of its trainable layers (BatchNormalization's
+    moving statistics) and random-seed states. Frozen layers' weights are left out (no copy per step)."""
     found: dict = {}
-    for variable in layer.non_trainable_variables:
-        found.setdefault(id(variable), variable)
     for sub in layer._flatten_layers(include_self=True):
+        if sub.trainable:  # a frozen layer's variables are frozen weights, not state its call updates
+            for variable in getattr(sub, "_non_trainable_variables", []) or []:
+                found.setdefault(id(variable), variable)
         for generator in getattr(sub, "_seed_generators", []) or []:
             found.setdefault(id(generator.state), generator.state)
     return list(found.values())
