@@ -353,6 +353,8 @@ from keras_scale.distribute import patch_keras_multi_worker, is_chief
 patch_keras_multi_worker()
 directory, epochs = sys.argv[1], int(sys.argv[2])
 strategy = tf.distribute.MultiWorkerMirroredStrategy()
+if sys.argv[3:] == ["unshared"] and not is_chief(strategy):
+    directory += "_not_shared"  # what a worker sees when the directory is on the chief's local disk only
 keras.utils.set_random_seed(7)
 x = np.random.RandomState(0).rand(64, 4).astype("float32"); y = x.sum(1, keepdims=True)
 with strategy.scope():
@@ -387,6 +389,12 @@ def test_multi_worker_only_the_chief_writes_into_the_directory(tmp_path, run_wor
     assert all(o["global_step"] == 8 for o in outs)
     assert outs[0]["kernel_sum"] == outs[1]["kernel_sum"]
 
+    # A worker that cannot see the chief's checkpoints: both fail at fit start instead of diverging or hanging.
+    results = run_workers(WORKER_SCRIPT, args=(d, 3, "unshared"), check=False)
+    assert all(r.returncode not in (0, None) for r in results)
+    assert all("workers would resume from different states" in r.stderr for r in results), results[0].stderr[-2000:]
+    assert not os.path.exists(d + "_not_shared")
+
 
 def test_keras_scale_step_state_is_saved_and_restored(tmp_path):
     step = pytest.importorskip("keras_scale.step")
@@ -406,3 +414,21 @@ def test_keras_scale_step_state_is_saved_and_restored(tmp_path):
     second = make_model()
     fit(second, [ks.ChiefCheckpoint(d, verbose=0)], epochs=1, steps_per_epoch=2)
     assert {k: v.numpy() for k, v in step.state_variables(second).items()} == saved
+
+
+def test_async_checkpoint_holds_the_state_at_the_save_not_a_later_one(tmp_path):
+    d = str(tmp_path / "ckpt")
+    snapshots = {}
+
+    class Snapshot(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            snapshots[int(self.model.optimizer.iterations.numpy())] = weights(self.model)
+
+    model = make_model()
+    fit(model, [ks.ChiefCheckpoint(d, save_freq=3, max_to_keep=10, async_save=True, verbose=0), Snapshot()],
+        epochs=1)
+    assert [n for n, _ in list_checkpoints(d)] == [10, 9, 6, 3]
+    for n in (3, 6, 9):  # written in the background while the next steps already updated the weights
+        reader = tf.train.load_checkpoint(os.path.join(d, f"ckpt-{n}"))
+        saved = [reader.get_tensor(f"model_variables/{i}/.ATTRIBUTES/VARIABLE_VALUE") for i in range(4)]
+        assert_same(saved, snapshots[n])

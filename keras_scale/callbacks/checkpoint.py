@@ -222,6 +222,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._checkpoint = self._manager = None
         if self._ensure_built():
             self._build_checkpoint()
+        found = None
         if self.restore and list_checkpoints(self.directory):
             if self._checkpoint is None:
                 raise RuntimeError(
@@ -230,8 +231,10 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                     "(keras.Input(...) as its first layer, model.build(input_shape), or call it on one batch)."
                 )
             found = self._restore_newest(fit_start=True)
-            if found is not None:
-                self._resume_from_variables()
+        restored_step = int(self._vars["global_step"].numpy()) if found is not None else -1
+        self._check_workers_agree(strategy, restored_step)
+        if found is not None:
+            self._resume_from_variables()
         self._install_wrapper()
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -337,6 +340,37 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                     tf.io.gfile.rmtree(os.path.join(self.directory, name))
         except tf.errors.OpError:
             pass
+
+    def _check_workers_agree(self, strategy: Any, restored_step: int) -> None:
+        """Multi-worker: every worker must resume from the same checkpoint (or none), else training diverges or
+        hangs in a collective. Two small all-reduces at fit start; nothing outside multi-worker."""
+        extended = getattr(strategy, "extended", None)
+        in_multi_worker = getattr(extended, "_in_multi_worker_mode", None)
+        if in_multi_worker is None or not in_multi_worker():
+            return
+
+        def first_replica_value(value):
+            def fn():
+                ctx = tf.distribute.get_replica_context()
+                return tf.where(tf.equal(ctx.replica_id_in_sync_group, 0), tf.constant(value, tf.float64),
+                                tf.constant(0.0, tf.float64))
+
+            return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(fn), axis=None)
+
+        chief_step = int(first_replica_value(float(restored_step)).numpy())
+
+        def mismatch():
+            return tf.constant(0.0 if chief_step == restored_step else 1.0, tf.float64)
+
+        disagree = float(strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(mismatch), axis=None).numpy())
+        if disagree > 0:
+            mine = f"checkpoint at global batch {restored_step}" if restored_step >= 0 else "no checkpoint"
+            theirs = f"global batch {chief_step}" if chief_step >= 0 else "no checkpoint"
+            raise RuntimeError(
+                f"ChiefCheckpoint: the workers would resume from different states (this worker found {mine} in "
+                f"{self.directory!r}, the first worker {theirs}). Fix: put the checkpoint directory on a file "
+                "system every worker can read (NFS, GCS, ...) at the same path."
+            )
 
     def _ensure_built(self) -> bool:
         """Create the optimizer's variables now (as Keras's symbolic build does under a strategy) so they can be
