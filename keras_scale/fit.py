@@ -19,7 +19,7 @@ Example:
 from __future__ import annotations
 
 import logging
-import math
+import os
 import warnings
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
@@ -429,7 +429,10 @@ def _default_callbacks(callbacks: Sequence[Any], log_dir: Optional[str], checkpo
         result.append(keras.callbacks.TensorBoard(log_dir=str(log_dir)))
         added.append(f"TensorBoard({log_dir})")
     if checkpoint_dir is not None:
-        add("keras_scale.callbacks.checkpoint", "ChiefCheckpoint", str(checkpoint_dir))
+        directory = str(checkpoint_dir)
+        if "://" not in directory:
+            directory = os.path.abspath(directory)  # every worker resolves the same path, whatever its cwd
+        add("keras_scale.callbacks.checkpoint", "ChiefCheckpoint", directory)
     return result, added
 
 

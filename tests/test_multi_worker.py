@@ -191,3 +191,44 @@ def test_a_dying_worker_takes_the_job_down_with_a_clear_error(tmp_path):
     assert "multi-worker training stopped: a worker of the cluster failed" in survivor.stderr, survivor.stderr[-3000:]
     assert "task:1" in survivor.stderr  # names the task that died
     assert elapsed_s < 200, f"the survivor took {elapsed_s:.0f} s to notice"
+
+
+RESUMABLE_WORKER = COMMON + r'''
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+strategy = ks.choose_strategy()
+die = sys.argv[1] == "die"
+
+class DieInEpoch2(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if die and index == 1 and self.epoch == 1 and batch == 2:
+            os._exit(17)
+
+hist = ks.fit(build, X, Y, global_batch_size=16, epochs=3, strategy=strategy, callbacks=[DieInEpoch2()],
+              checkpoint_dir="ckpt", verbose=0)
+dump("resumed", weights=weights(hist.model), epochs_trained=len(hist.history["loss"]))
+'''
+
+
+def test_rerunning_after_a_worker_died_resumes_and_ends_like_an_uninterrupted_run(tmp_path):
+    if __import__("importlib").util.find_spec("keras_scale.callbacks.checkpoint") is None:
+        pytest.skip("ChiefCheckpoint not there yet")
+    script = tmp_path / "resumable.py"
+    script.write_text(RESUMABLE_WORKER)
+    env = {"PYTHONPATH": str(__import__("pathlib").Path(__file__).resolve().parents[1]), "CUDA_VISIBLE_DEVICES": "",
+           "TF_CPP_MIN_LOG_LEVEL": "2", "TF_ENABLE_ONEDNN_OPTS": "0"}
+    crashed = launch_local_workers([sys.executable, str(script), "die"], num_workers=2, timeout_s=280, grace_s=120,
+                                   env=env, cwd=str(tmp_path))
+    assert crashed[1].returncode == 17 and crashed[0].returncode not in (0, None)
+    assert (tmp_path / "ckpt").is_dir()
+    # the same command again (without the crash) resumes at the checkpoint and finishes
+    rerun = launch_local_workers([sys.executable, str(script), "ok"], num_workers=2, timeout_s=280, env=env,
+                                 cwd=str(tmp_path), check=True)
+    assert all(r.ok for r in rerun)
+    results = _read(tmp_path, "resumed")
+    assert [r["epochs_trained"] for r in results] == [2, 2]  # epochs 2 and 3 only: epoch 1 was restored
+    reference = _one_process(shuffle=True, epochs=3)
+    for r in results:
+        _assert_same_weights(r["weights"], reference.model)
