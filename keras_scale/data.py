@@ -479,12 +479,21 @@ def check(
             what = "map without num_parallel_calls" if op in _SEQUENTIAL_MAP else "map with num_parallel_calls=1"
             blockers = _auto_parallel_blockers(pipe, node, opts) if op in _SEQUENTIAL_MAP else ["it asks for 1"]
             if blockers:
+                stateful = pipe.stateful_ops(node)
+                if op not in _SEQUENTIAL_MAP or node.attr["force_synchronous"].b:
+                    also = ""
+                elif stateful and all(_is_random_op(s) for s in stateful):
+                    also = ", or keras_scale.data.optimize(ds, parallelize_random=True)"
+                elif stateful:
+                    also = ""
+                else:
+                    also = ", or keras_scale.data.optimize(ds)"
                 findings.append(Finding(
                     "sequential_map", "warning",
                     f"'{node.name}' is a {what}: it runs one element at a time, and TensorFlow will not "
                     f"parallelize it because {'; '.join(blockers)}.",
                     "Use .map(fn, num_parallel_calls=tf.data.AUTOTUNE) (order is kept: deterministic=True is the "
-                    "default), or keras_scale.data.optimize(ds).",
+                    f"default){also}.",
                     node.name))
             else:
                 findings.append(Finding(
@@ -720,8 +729,8 @@ def _rebuild_blockers(pipe: _Pipeline) -> Tuple[List[str], List[str]]:
         if node.op == "Const" and node.attr["dtype"].type == tf.resource.as_datatype_enum:
             users = pipe.consumers_of(node.name)
             if users and all(pipe.nodes[u].op in _SHUFFLE for u in users):
-                notes.extend(f"shuffle '{u}' draws a different permutation than the original pipeline (still "
-                             "seeded and reshuffled each epoch as configured)" for u in users)
+                notes.extend(f"shuffle '{u}' draws a different permutation than the original pipeline would "
+                             "(same seed settings; reshuffled each epoch as configured)" for u in users)
             else:
                 reasons.append(f"'{node.name}' is a resource used by {users}")
         elif node.op in _STATE_OPS or (node.op not in ("Const", "_Retval", "Identity") and not _is_dataset_op(node.op)):
