@@ -123,6 +123,11 @@ def test_python_nested_in_a_called_function_is_found():
     assert "py_function" in codes(ds)
 
 
+def test_python_generator_source_is_found():
+    ds = tf.data.Dataset.from_generator(lambda: iter(range(5)), output_signature=tf.TensorSpec((), tf.int64))
+    assert "from_generator" in finding(ds.prefetch(1), "py_function").message
+
+
 def test_graph_native_map_has_no_python_finding():
     assert "py_function" not in codes(tf.data.Dataset.range(10).map(heavy, num_parallel_calls=AUTOTUNE))
 
@@ -246,6 +251,8 @@ def test_bad_input_is_rejected_with_the_value():
         data.check(tf.data.Dataset.range(3), num_replicas=0)
     with pytest.raises(ValueError, match="num_steps .* got 0"):
         data.benchmark(tf.data.Dataset.range(3), num_steps=0)
+    with pytest.raises(TypeError, match="expects a tf.data.Dataset, got builtins.list"):
+        data.optimize([1, 2, 3])
 
 
 # -- optimize ------------------------------------------------------------------------------------------------
