@@ -93,13 +93,14 @@ def _as_dataset(data: Any, batch_size: int) -> tf.data.Dataset:
     if isinstance(data, tf.data.Dataset):
         return data
     if isinstance(data, (tuple, list)) and 1 <= len(data) <= 3:
-        arrays = tuple(np.asarray(a) for a in data)
-        n = {len(a) for a in arrays}
-        if len(n) != 1:
-            raise ValueError(f"data arrays must have the same length; got lengths {[len(a) for a in arrays]}.")
-        if n.pop() < batch_size:
+        # x may itself be a list/tuple/dict of arrays (multi-input models): keep the structure, as tuples
+        arrays = keras.tree.map_structure(np.asarray, keras.tree.lists_to_tuples(tuple(data)))
+        lengths = [len(a) for a in keras.tree.flatten(arrays)]
+        if len(set(lengths)) != 1:
+            raise ValueError(f"data arrays must have the same length (first dimension); got lengths {lengths}.")
+        if lengths[0] < batch_size:
             raise ValueError(
-                f"data has {len(arrays[0])} samples, fewer than batch_size={batch_size}; pass more data or a "
+                f"data has {lengths[0]} samples, fewer than batch_size={batch_size}; pass more data or a "
                 "smaller batch_size.")
         return tf.data.Dataset.from_tensor_slices(arrays).batch(batch_size, drop_remainder=True)
     raise TypeError(

@@ -74,3 +74,16 @@ def test_bad_input_is_rejected_early():
         ks.compare_precision(_build, _data(), steps=3, policy="float64")
     with pytest.raises(TypeError, match="model_or_builder must be a compiled keras.Model or a function"):
         ks.compare_xla(42, _data(), steps=3)
+
+
+def test_multi_input_model_with_list_of_arrays():
+    def build():
+        a, b = keras.Input((4,)), keras.Input((3,))
+        model = keras.Model([a, b], keras.layers.Dense(1)(keras.layers.Concatenate()([a, b])))
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        return model
+
+    rng = np.random.default_rng(0)
+    xs = [rng.normal(size=(64, 4)).astype("float32"), rng.normal(size=(64, 3)).astype("float32")]
+    result = ks.compare_xla(build, (xs, xs[0][:, :1]), steps=3, batch_size=16, verbose=False)
+    assert result.losses_agree and len(result.candidate.losses) == 4
