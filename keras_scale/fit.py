@@ -402,7 +402,7 @@ def _check_lr_scaling(lr_scaling: Any) -> None:
 # --------------------------------------------------------------------------------------------------------------
 
 def _default_callbacks(callbacks: Sequence[Any], log_dir: Optional[str], checkpoint_dir: Optional[str],
-                       strategy: Any) -> Tuple[List[Any], List[str]]:
+                       strategy: Any, monitors: bool = True) -> Tuple[List[Any], List[str]]:
     """User callbacks plus one of each default kind the user did not pass; returns (callbacks, added names)."""
     import importlib
 
@@ -422,9 +422,10 @@ def _default_callbacks(callbacks: Sequence[Any], log_dir: Optional[str], checkpo
             result.append(cls(*args))
             added.append(name)
 
-    add("keras_scale.callbacks.nan_guard", "NanGuard")
-    if tf.config.list_physical_devices("GPU"):
-        add("keras_scale.callbacks.gpu_monitor", "GpuMonitor")
+    if monitors:
+        add("keras_scale.callbacks.nan_guard", "NanGuard")
+        if tf.config.list_physical_devices("GPU"):
+            add("keras_scale.callbacks.gpu_monitor", "GpuMonitor")
     if log_dir is not None and missing(keras.callbacks.TensorBoard) and is_chief(strategy):
         result.append(keras.callbacks.TensorBoard(log_dir=str(log_dir)))
         added.append(f"TensorBoard({log_dir})")
@@ -458,6 +459,7 @@ def fit(
     all_reduce: str = "auto",
     sync_bn: Union[str, bool] = "auto",
     jit_compile: Union[str, bool] = "auto",
+    default_callbacks: bool = True,
     **fit_kwargs: Any,
 ) -> keras.callbacks.History:
     """Train with the right strategy, batch, precision and callbacks; return Keras's ``History``.
@@ -486,6 +488,8 @@ def fit(
             ``True``/``False`` force it.
         jit_compile: ``"auto"`` keeps the model's setting but turns XLA off under multi-replica strategies;
             ``True``/``False`` force it.
+        default_callbacks: ``False`` adds none of the default callbacks (only yours, plus TensorBoard /
+            ChiefCheckpoint when ``log_dir`` / ``checkpoint_dir`` ask for them).
         **fit_kwargs: passed to ``model.fit`` (``validation_data``, ``sample_weight``, ``shuffle``,
             ``steps_per_epoch``, ``verbose``, ...). ``batch_size`` is not accepted (use the two sizes above).
 
@@ -586,7 +590,8 @@ def fit(
                                                            shuffle=False)
 
     # ---- callbacks and training ------------------------------------------------------------------------------
-    all_callbacks, added = _default_callbacks(callbacks or [], log_dir, checkpoint_dir, strategy)
+    all_callbacks, added = _default_callbacks(callbacks or [], log_dir, checkpoint_dir, strategy,
+                                              monitors=bool(default_callbacks))
     all_callbacks.insert(0, _EpochCounter(epoch_variable))
     if added:
         _say(f"default callbacks: {', '.join(added)}", verbose, strategy)

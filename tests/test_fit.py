@@ -243,6 +243,13 @@ def test_default_callbacks_are_added_once_per_kind(tmp_path):
         assert "NanGuard" not in added and guard in callbacks
 
 
+def test_default_callbacks_can_be_switched_off(mirrored):
+    hist = ks.fit(build(), X, Y, per_replica_batch_size=8, strategy=mirrored, verbose=0, default_callbacks=False)
+    assert "nan_skipped" not in hist.history  # no NanGuard
+    callbacks, added = _default_callbacks([], None, None, None, monitors=False)
+    assert callbacks == [] and added == []
+
+
 def test_log_dir_gets_tensorboard_events(mirrored, tmp_path):
     ks.fit(build(), X, Y, per_replica_batch_size=8, strategy=mirrored, verbose=0, log_dir=str(tmp_path / "tb"))
     events = [f for _, _, files in os.walk(tmp_path / "tb") for f in files if "tfevents" in f]
