@@ -151,6 +151,31 @@ def test_resume_with_steps_per_execution(tmp_path):
     assert_same(weights(resumed), weights(ref))
 
 
+def test_resume_of_a_model_built_only_by_its_first_step(tmp_path):
+    # No keras.Input: the variables exist only once the first step is traced; the restore happens right before it.
+    def model():
+        keras.utils.set_random_seed(7)
+        m = keras.Sequential([keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
+        m.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+        return m
+
+    ref = model()
+    fit(ref, [])
+    d = str(tmp_path / "ckpt")
+    fit(model(), [ks.ChiefCheckpoint(d, save_freq=3, verbose=0), StopAfter(13)])
+    data_file = glob.glob(os.path.join(d, "ckpt-13.data-*"))[0]
+    with open(data_file, "r+b") as f:  # and the newest one is damaged
+        f.seek(os.path.getsize(data_file) // 2)
+        f.write(b"\xff\x00\xff\x00\xff\x00\xff\x00")
+    resumed = model()
+    ckpt = ks.ChiefCheckpoint(d, save_freq=3, verbose=0)
+    with pytest.warns(RuntimeWarning, match=r"ckpt-13.*Resumed from .*ckpt-12"):
+        fit(resumed, [ckpt])
+    assert ckpt.restored_from.endswith("ckpt-12")
+    assert ckpt.global_step == 30
+    assert_same(weights(resumed), weights(ref))
+
+
 def test_corrupt_newest_checkpoint_is_reported_and_the_previous_one_used(tmp_path):
     d = str(tmp_path / "ckpt")
     snapshots = {}

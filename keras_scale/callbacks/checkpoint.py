@@ -198,10 +198,12 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                 raise RuntimeError("restore_latest() needs a ChiefCheckpoint that is part of a running fit().")
             self._build_checkpoint()
         self._wait()
-        found = self._restore_newest(fit_start=False)
-        if found is None:
-            return None
-        return int(self._vars["global_step"].numpy())
+        strategy = self.model.distribute_strategy
+        self._sum_over_workers(strategy, 0.0)  # barrier: the chief's last write is recorded before anyone looks
+        found = self._restore_newest()
+        step = self._read_position(found)["global_step"] if found is not None else -1
+        self._check_workers_agree(strategy, step)
+        return None if found is None else step
 
     def wait(self) -> None:
         """Block until a background (``async_save``) write has finished.
@@ -222,19 +224,19 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._checkpoint = self._manager = None
         if self._ensure_built():
             self._build_checkpoint()
-        found = None
+        found: Optional[str] = None
         if self.restore and list_checkpoints(self.directory):
-            if self._checkpoint is None:
-                raise RuntimeError(
-                    f"ChiefCheckpoint found checkpoints in {self.directory!r} but the model is not built yet, so "
-                    "they cannot be restored before the first step. Fix: build the model before fit "
-                    "(keras.Input(...) as its first layer, model.build(input_shape), or call it on one batch)."
-                )
-            found = self._restore_newest(fit_start=True)
-        restored_step = int(self._vars["global_step"].numpy()) if found is not None else -1
-        self._check_workers_agree(strategy, restored_step)
-        if found is not None:
-            self._resume_from_variables()
+            if self._checkpoint is not None:
+                found = self._restore_newest()
+            else:
+                # The model gets its variables only when its first step is traced: pick the newest checkpoint
+                # that reads back completely now (the epoch must be known before the first epoch starts) and
+                # restore it right before the first step, once the model is built from the data's spec.
+                found = self._deferred_restore = self._restored_from = self._newest_readable()
+        position = self._read_position(found) if found is not None else None
+        self._check_workers_agree(strategy, position["global_step"] if position else -1)
+        if position is not None:
+            self._resume(position)
         self._install_wrapper()
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -308,6 +310,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._pending_epoch_save = False
         self._epoch_complete = False
         self._restored_from: Optional[str] = None
+        self._deferred_restore: Optional[str] = None
         self._resumed_epoch: Optional[int] = None
         self._wrapper: Any = None
         self._inner: Any = None
@@ -341,31 +344,35 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         except tf.errors.OpError:
             pass
 
+    @staticmethod
+    def _multi_worker(strategy: Any) -> bool:
+        in_multi_worker = getattr(getattr(strategy, "extended", None), "_in_multi_worker_mode", None)
+        return bool(in_multi_worker is not None and in_multi_worker())
+
+    def _sum_over_workers(self, strategy: Any, value: float, first_replica_only: bool = False) -> float:
+        """All-reduce (SUM) of ``value`` over all replicas of all workers; also a barrier. Local value outside
+        multi-worker."""
+        if not self._multi_worker(strategy):
+            return value
+
+        def fn():
+            v = tf.constant(value, tf.float64)
+            if not first_replica_only:
+                return v
+            first = tf.equal(tf.distribute.get_replica_context().replica_id_in_sync_group, 0)
+            return tf.where(first, v, tf.constant(0.0, tf.float64))
+
+        return float(strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(fn), axis=None).numpy())
+
     def _check_workers_agree(self, strategy: Any, restored_step: int) -> None:
         """Multi-worker: every worker must resume from the same checkpoint (or none), else training diverges or
-        hangs in a collective. Two small all-reduces at fit start; nothing outside multi-worker."""
-        extended = getattr(strategy, "extended", None)
-        in_multi_worker = getattr(extended, "_in_multi_worker_mode", None)
-        if in_multi_worker is None or not in_multi_worker():
+        hangs in a collective. Two small all-reduces; nothing outside multi-worker."""
+        if not self._multi_worker(strategy):
             return
-
-        def first_replica_value(value):
-            def fn():
-                ctx = tf.distribute.get_replica_context()
-                return tf.where(tf.equal(ctx.replica_id_in_sync_group, 0), tf.constant(value, tf.float64),
-                                tf.constant(0.0, tf.float64))
-
-            return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(fn), axis=None)
-
-        chief_step = int(first_replica_value(float(restored_step)).numpy())
-
-        def mismatch():
-            return tf.constant(0.0 if chief_step == restored_step else 1.0, tf.float64)
-
-        disagree = float(strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(mismatch), axis=None).numpy())
-        if disagree > 0:
-            mine = f"checkpoint at global batch {restored_step}" if restored_step >= 0 else "no checkpoint"
-            theirs = f"global batch {chief_step}" if chief_step >= 0 else "no checkpoint"
+        first_step = int(self._sum_over_workers(strategy, float(restored_step), first_replica_only=True))
+        if self._sum_over_workers(strategy, 0.0 if first_step == restored_step else 1.0) > 0:
+            mine = f"a checkpoint at global batch {restored_step}" if restored_step >= 0 else "no checkpoint"
+            theirs = f"global batch {first_step}" if first_step >= 0 else "no checkpoint"
             raise RuntimeError(
                 f"ChiefCheckpoint: the workers would resume from different states (this worker found {mine} in "
                 f"{self.directory!r}, the first worker {theirs}). Fix: put the checkpoint directory on a file "
@@ -456,10 +463,11 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                         f"{tuple(s_shape)} there but {m_path!r} has shape {tuple(m_shape)} here. {fix}"
                     )
 
-    def _restore_newest(self, fit_start: bool) -> Optional[str]:
+    def _restore_newest(self) -> Optional[str]:
         candidates = list_checkpoints(self.directory)
         failures: List[str] = []
         for number, prefix in candidates:
+            reader = None
             try:
                 reader = tf.train.load_checkpoint(prefix)
                 self._check_signature(prefix, reader)  # a different model is an error, not a reason to fall back
@@ -467,7 +475,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             except CheckpointMismatchError:
                 raise
             except ValueError as e:
-                if "shape" in str(e) and not reader.has_tensor(_SIGNATURE_KEY):
+                if "shape" in str(e) and reader is not None and not reader.has_tensor(_SIGNATURE_KEY):
                     raise CheckpointMismatchError(
                         f"checkpoint {prefix!r} does not fit this model: {e}. Fix: give ChiefCheckpoint a new "
                         f"directory, or remove the old checkpoints (rm -r {self.directory!r})."
@@ -477,28 +485,76 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             except Exception as e:  # noqa: BLE001 - torn, truncated or bit-flipped files: try the previous one
                 failures.append(f"{prefix}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
                 continue
-            if failures:
-                warnings.warn(
-                    "ChiefCheckpoint: newer checkpoint(s) could not be loaded and were skipped: "
-                    + "; ".join(failures) + f". Resumed from {prefix!r} instead.",
-                    RuntimeWarning, stacklevel=2,
-                )
+            self._report_fallback(failures, prefix)
             self._restored_from = prefix
             self._say(f"ChiefCheckpoint: restored {prefix}")
             return prefix
+        self._raise_none_loads(failures)
+        return None
+
+    @staticmethod
+    def _report_fallback(failures: List[str], prefix: str) -> None:
+        if failures:
+            warnings.warn(
+                "ChiefCheckpoint: newer checkpoint(s) could not be loaded and were skipped: "
+                + "; ".join(failures) + f". Resumed from {prefix!r} instead.", RuntimeWarning, stacklevel=3,
+            )
+
+    def _raise_none_loads(self, failures: List[str]) -> None:
         if failures:
             raise RuntimeError(
                 f"ChiefCheckpoint: no checkpoint in {self.directory!r} could be loaded (the model may now hold "
                 "partially restored values): " + "; ".join(failures) + ". Fix: move the damaged files away, or "
                 "point ChiefCheckpoint at an empty directory to start over."
             )
+
+    @staticmethod
+    def _read_position(prefix: str) -> Dict[str, int]:
+        reader = tf.train.load_checkpoint(prefix)
+        return {name: int(reader.get_tensor(f"keras_scale_position/{name}/.ATTRIBUTES/VARIABLE_VALUE"))
+                for name in ("epoch", "step_in_epoch", "stream_pos", "global_step")}
+
+    def _newest_readable(self) -> Optional[str]:
+        """The newest checkpoint whose every tensor reads back (CRC-checked), without needing the model."""
+        failures: List[str] = []
+        for _, prefix in list_checkpoints(self.directory):
+            try:
+                reader = tf.train.load_checkpoint(prefix)
+                for key in reader.get_variable_to_shape_map():
+                    reader.get_tensor(key)
+                self._read_position(prefix)
+            except Exception as e:  # noqa: BLE001 - torn, truncated or bit-flipped files
+                failures.append(f"{prefix}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
+                continue
+            self._report_fallback(failures, prefix)
+            return prefix
+        self._raise_none_loads(failures)
         return None
 
-    def _resume_from_variables(self) -> None:
-        epoch = int(self._vars["epoch"].numpy())
-        step_in_epoch = int(self._vars["step_in_epoch"].numpy())
-        stream_pos = int(self._vars["stream_pos"].numpy())
-        self._global_step = self._last_saved_step = int(self._vars["global_step"].numpy())
+    def _restore_deferred(self, iterator: Any) -> None:
+        prefix, self._deferred_restore = self._deferred_restore, None
+        model = self.model
+        spec = getattr(iterator, "element_spec", None)
+        try:
+            model._symbolic_build(data_batch=spec)
+        except Exception as e:  # noqa: BLE001
+            raise RuntimeError(
+                f"ChiefCheckpoint could not build the model from the data ({e}) to restore {prefix!r} before the "
+                "first step. Fix: build the model before fit (keras.Input(...) as its first layer, or "
+                "model.build(input_shape))."
+            ) from e
+        self._ensure_built()
+        self._build_checkpoint()
+        reader = tf.train.load_checkpoint(prefix)
+        self._check_signature(prefix, reader)
+        self._checkpoint.read(prefix).expect_partial()
+        self._restored_from = prefix
+        self._say(f"ChiefCheckpoint: restored {prefix}")
+
+    def _resume(self, position: Dict[str, int]) -> None:
+        epoch, step_in_epoch = position["epoch"], position["step_in_epoch"]
+        stream_pos = position["stream_pos"]
+        self._global_step = self._last_saved_step = position["global_step"]
         self._epoch = epoch
         self._resumed_epoch = epoch
         self.model._initial_epoch = epoch
@@ -506,7 +562,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._skip_calls = step_in_epoch // spe
         if step_in_epoch % spe:
             warnings.warn(
-                f"ChiefCheckpoint: the checkpoint is at batch {step_in_epoch} of epoch {epoch}, not a multiple of "
+                f"ChiefCheckpoint: the checkpoint is at batch {step_in_epoch} of epoch {epoch + 1}, not a multiple of "
                 f"steps_per_execution={spe}; resuming at batch {self._skip_calls * spe} (a few batches train twice).",
                 RuntimeWarning, stacklevel=2,
             )
@@ -530,6 +586,8 @@ class ChiefCheckpoint(keras.callbacks.Callback):
 
     def _train_call(self, inner: Any, iterator: Any) -> Any:
         spe = int(getattr(self.model, "steps_per_execution", 1) or 1)
+        if self._deferred_restore is not None:
+            self._restore_deferred(iterator)
         if iterator is not self._iterator:  # a fresh data iterator (a new epoch over a finite dataset)
             self._iterator = iterator
             self._stream_pos = 0
