@@ -9,7 +9,7 @@ the variables' buffers, so the next optimizer update pays a copy-on-write). Also
 printed: whole-``fit`` wall time per variant (the background write competes for CPU with training), and
 restore throughput at ``fit`` start in a fresh process.
 
-    python benchmarks/checkpoint.py                  # ~50M parameters, 4 saves per variant
+    python benchmarks/checkpoint.py                  # ~50M parameters, 6 saves per variant
     python benchmarks/checkpoint.py --width 1024 --depth 4 --saves 2     # quick smoke run
 
 Floor: async blocks the training thread for <= 20% of the sync time per save.
@@ -136,7 +136,7 @@ def main(argv: list | None = None) -> int:
     parser.add_argument("--depth", type=int, default=12, help="hidden layers (default 12: ~50M params)")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--save-every", type=int, default=20, help="batches between saves")
-    parser.add_argument("--saves", type=int, default=4, help="saves per variant (the first 2 are warm-up)")
+    parser.add_argument("--saves", type=int, default=6, help="saves per variant (the first 2 are warm-up)")
     parser.add_argument("--directory", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -202,10 +202,15 @@ def test_corrupt_newest_checkpoint_is_reported_and_the_previous_one_used(tmp_pat
     assert_same(snapshots[5], weights(ref))
 
 
-def test_truncated_newest_and_missing_state_file_fall_back(tmp_path):
+@pytest.mark.parametrize("state_file", ["missing", "empty"])
+def test_truncated_newest_and_a_lost_state_file_fall_back(tmp_path, state_file):
     d = str(tmp_path / "ckpt")
     fit(make_model(), [ks.ChiefCheckpoint(d, save_freq=2, verbose=0), StopAfter(6)], epochs=1)
-    os.remove(os.path.join(d, "checkpoint"))  # the state file is gone: every ckpt-N.index is a candidate
+    # Without a valid state file every ckpt-N.index is a candidate.
+    if state_file == "missing":
+        os.remove(os.path.join(d, "checkpoint"))
+    else:
+        open(os.path.join(d, "checkpoint"), "w").close()
     data_file = glob.glob(os.path.join(d, "ckpt-6.data-*"))[0]
     with open(data_file, "r+b") as f:
         f.truncate(os.path.getsize(data_file) // 3)

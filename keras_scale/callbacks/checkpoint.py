@@ -2,7 +2,7 @@
 
 Example:
     >>> import keras_scale as ks
-    >>> model.fit(ds, epochs=90, callbacks=[ks.ChiefCheckpoint("/shared/run1/ckpt", save_freq=1000)])
+    >>> model.fit(ds, epochs=90, callbacks=[ks.ChiefCheckpoint("/shared/run1/ckpt", save_freq=1000)])  # doctest: +SKIP
     >>> # killed at any moment? run the same script again: it continues at the same epoch and batch.
 """
 from __future__ import annotations
@@ -130,6 +130,8 @@ class ChiefCheckpoint(keras.callbacks.Callback):
 
     Example:
         >>> ckpt = ChiefCheckpoint("runs/exp1/ckpt", save_freq=500, max_to_keep=3, async_save=True)
+        >>> ckpt.save_freq
+        500
         >>> model.fit(ds, epochs=10, callbacks=[ckpt])  # doctest: +SKIP
         >>> ckpt.restore_latest()  # e.g. from a NanGuard rollback: back to the newest good state  # doctest: +SKIP
         1500
@@ -435,10 +437,21 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         if state:
             items["keras_scale_state"] = {k: _tf_variable(v) for k, v in state.items()}
         self._checkpoint = tf.train.Checkpoint(**items)
-        self._manager = tf.train.CheckpointManager(
-            self._checkpoint, self._write_dir, max_to_keep=self.max_to_keep if self._chief else 1,
-            keep_checkpoint_every_n_hours=self.keep_every_n_hours if self._chief else None, checkpoint_name=_NAME,
-        )
+        def manager():
+            return tf.train.CheckpointManager(
+                self._checkpoint, self._write_dir, max_to_keep=self.max_to_keep if self._chief else 1,
+                keep_checkpoint_every_n_hours=self.keep_every_n_hours if self._chief else None,
+                checkpoint_name=_NAME,
+            )
+
+        try:
+            self._manager = manager()
+        except ValueError as e:  # an empty/invalid state file; the checkpoints themselves are found by scanning
+            state_file = os.path.join(self._write_dir, "checkpoint")
+            warnings.warn(f"ChiefCheckpoint: {e}; moving the invalid {state_file!r} aside to "
+                          f"{state_file + '.invalid'!r}.", RuntimeWarning, stacklevel=2)
+            tf.io.gfile.rename(state_file, state_file + ".invalid", overwrite=True)
+            self._manager = manager()
         self._options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=self.async_save)
 
     def _check_signature(self, prefix: str, reader: Any) -> None:
