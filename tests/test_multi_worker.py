@@ -49,7 +49,8 @@ def weights(model):
 
 FIT_AND_RAW_FIT = COMMON + r'''
 strategy = ks.choose_strategy()  # TF_CONFIG -> MultiWorkerMirroredStrategy (created before any TF op)
-hist = ks.fit(build, X, Y, global_batch_size=16, epochs=3, strategy=strategy, verbose=0)
+hist = ks.fit(build, X, Y, global_batch_size=16, epochs=3, strategy=strategy, verbose=0,
+              validation_data=(X[:24], Y[:24]))  # evaluate() runs under the patched reduction too
 dump("fit", history=hist.history, weights=weights(hist.model), replicas=strategy.num_replicas_in_sync,
      kind="MWMS" if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) else type(strategy).__name__, chief=ks.is_chief(strategy))
 
@@ -72,16 +73,21 @@ def _read(tmp_path, name, num_workers=2):
     return [json.loads((tmp_path / f"{name}_{i}.json").read_text()) for i in range(num_workers)]
 
 
-def _one_process(shuffle=True, epochs=3):
+def _data():
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    return x, (x @ np.array([[1.0], [-2.0], [0.5], [3.0]], dtype="float32")).astype("float32")
+
+
+def _one_process(shuffle=True, epochs=3, **kwargs):
     def build():
         keras.utils.set_random_seed(7)
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
         return model
 
-    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
-    y = (x @ np.array([[1.0], [-2.0], [0.5], [3.0]], dtype="float32")).astype("float32")
-    return ks.fit(build, x, y, global_batch_size=16, epochs=epochs, strategy="default", shuffle=shuffle, verbose=0)
+    x, y = _data()
+    return ks.fit(build, x, y, global_batch_size=16, epochs=epochs, strategy="default", shuffle=shuffle, verbose=0,
+                  **kwargs)
 
 
 def _assert_same_weights(worker_weights, model, tol=1e-5):
@@ -99,13 +105,14 @@ def test_two_workers_train_like_one_process_with_global_metrics(run_workers, tmp
     for a, b in zip(results[0]["weights"], results[1]["weights"]):
         assert np.array_equal(np.array(a), np.array(b))
     # equal to one process training at the same global batch (same seeded shuffle on every worker)
-    reference = _one_process(shuffle=True)
+    x, y = _data()
+    reference = _one_process(shuffle=True, validation_data=(x[:24], y[:24]))
     _assert_same_weights(results[0]["weights"], reference.model)
-    # History metrics are global: equal to the one-process run's, on both workers
+    # History metrics are global: equal to the one-process run's, on both workers (validation included)
     for r in results:
         assert len(r["history"]["loss"]) == 3
-        np.testing.assert_allclose(r["history"]["loss"], reference.history["loss"], rtol=1e-5)
-        np.testing.assert_allclose(r["history"]["mae"], reference.history["mae"], rtol=1e-5)
+        for key in ("loss", "mae", "val_loss", "val_mae"):
+            np.testing.assert_allclose(r["history"][key], reference.history[key], rtol=1e-5, err_msg=key)
 
     # with accum=2 (keras_scale.wrap) the update is the same global-batch update
     for r in _read(tmp_path, "accum"):
