@@ -413,11 +413,7 @@ def _default_callbacks(callbacks: Sequence[Any], log_dir: Optional[str], checkpo
         return not any(isinstance(cb, cls) for cb in result)
 
     def add(module: str, name: str, *args: Any) -> None:
-        try:
-            cls = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError) as e:
-            warnings.warn(f"default callback {name} is not available ({e}); training without it", stacklevel=3)
-            return
+        cls = getattr(importlib.import_module(module), name)  # imported lazily: only what this run uses
         if missing(cls):
             result.append(cls(*args))
             added.append(name)

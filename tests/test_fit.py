@@ -1,5 +1,4 @@
 """keras_scale.fit: batch arithmetic, bad input, scope rebuild, data handling, equivalence under 2 replicas."""
-import importlib.util
 import os
 
 import keras
@@ -129,8 +128,6 @@ def test_compiled_model_inside_the_scope_is_trained_in_place(mirrored):
 
 
 def test_accum_uses_wrap_and_keeps_the_global_batch(mirrored, capsys):
-    if importlib.util.find_spec("keras_scale.accumulation") is None:
-        pytest.skip("keras_scale.accumulation not there yet")
     ref = reference()
     hist = ks.fit(build(), X, Y, per_replica_batch_size=4, accum=2, epochs=2, strategy=mirrored, shuffle=False,
                   verbose=1)
@@ -236,11 +233,10 @@ def test_default_callbacks_are_added_once_per_kind(tmp_path):
     assert any(isinstance(cb, keras.callbacks.TensorBoard) for cb in callbacks)
     if not tf.config.list_physical_devices("GPU"):
         assert not any("GpuMonitor" in name for name in added)  # only with a GPU
-    if importlib.util.find_spec("keras_scale.callbacks.nan_guard") is not None:
-        assert "NanGuard" in added
-        guard = ks.NanGuard()
-        callbacks, added = _default_callbacks([guard], None, None, None)
-        assert "NanGuard" not in added and guard in callbacks
+    assert "NanGuard" in added
+    guard = ks.NanGuard()
+    callbacks, added = _default_callbacks([guard], None, None, None)
+    assert "NanGuard" not in added and guard in callbacks
 
 
 def test_default_callbacks_can_be_switched_off(mirrored):
@@ -257,8 +253,6 @@ def test_log_dir_gets_tensorboard_events(mirrored, tmp_path):
 
 
 def test_checkpoint_dir_resumes_with_chief_checkpoint(mirrored, tmp_path):
-    if importlib.util.find_spec("keras_scale.callbacks.checkpoint") is None:
-        pytest.skip("ChiefCheckpoint not there yet")
     ckpt = str(tmp_path / "ckpt")
     first = ks.fit(build(), X, Y, per_replica_batch_size=8, epochs=2, strategy=mirrored, shuffle=False, verbose=0,
                    checkpoint_dir=ckpt)
@@ -270,8 +264,6 @@ def test_checkpoint_dir_resumes_with_chief_checkpoint(mirrored, tmp_path):
 
 
 def test_resumed_run_sees_the_same_shuffled_batches_as_an_uninterrupted_one(mirrored, tmp_path):
-    if importlib.util.find_spec("keras_scale.callbacks.checkpoint") is None:
-        pytest.skip("ChiefCheckpoint not there yet")
     straight = ks.fit(build(), X, Y, per_replica_batch_size=8, epochs=3, strategy=mirrored, verbose=0)
     ckpt = str(tmp_path / "ckpt")
     ks.fit(build(), X, Y, per_replica_batch_size=8, epochs=2, strategy=mirrored, verbose=0, checkpoint_dir=ckpt)

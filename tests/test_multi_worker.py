@@ -220,8 +220,6 @@ dump("resumed", weights=weights(hist.model), epochs_trained=len(hist.history["lo
 
 
 def test_rerunning_after_a_worker_died_resumes_and_ends_like_an_uninterrupted_run(tmp_path):
-    if __import__("importlib").util.find_spec("keras_scale.callbacks.checkpoint") is None:
-        pytest.skip("ChiefCheckpoint not there yet")
     script = tmp_path / "resumable.py"
     script.write_text(RESUMABLE_WORKER)
     env = {"PYTHONPATH": str(__import__("pathlib").Path(__file__).resolve().parents[1]), "CUDA_VISIBLE_DEVICES": "",
