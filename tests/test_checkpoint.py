@@ -462,3 +462,25 @@ def test_async_checkpoint_holds_the_state_at_the_save_not_a_later_one(tmp_path):
         reader = tf.train.load_checkpoint(os.path.join(d, f"ckpt-{n}"))
         saved = [reader.get_tensor(f"model_variables/{i}/.ATTRIBUTES/VARIABLE_VALUE") for i in range(4)]
         assert_same(saved, snapshots[n])
+
+
+def test_wrapped_accumulating_model_resumes_exactly(tmp_path):
+    if not hasattr(pytest.importorskip("keras_scale.accumulation"), "wrap"):
+        pytest.skip("keras_scale.wrap is not available")
+
+    def model():
+        keras.utils.set_random_seed(7)
+        inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
+        wrapped = ks.wrap(inner, accum=2)
+        wrapped.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+        return wrapped
+
+    ref = model()
+    fit(ref, [])
+    d = str(tmp_path / "ckpt")
+    fit(model(), [ks.ChiefCheckpoint(d, save_freq=4, verbose=0), StopAfter(11)])
+    resumed = model()
+    ckpt = ks.ChiefCheckpoint(d, save_freq=4, verbose=0)
+    fit(resumed, [ckpt])
+    assert ckpt.restored_from.endswith("ckpt-11")
+    assert_same(weights(resumed), weights(ref))
