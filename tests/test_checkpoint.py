@@ -215,8 +215,11 @@ def test_truncated_newest_and_a_lost_state_file_fall_back(tmp_path, state_file):
     with open(data_file, "r+b") as f:
         f.truncate(os.path.getsize(data_file) // 3)
     ckpt = ks.ChiefCheckpoint(d, save_freq=2, verbose=0)
-    with pytest.warns(RuntimeWarning, match="ckpt-6"):
+    with pytest.warns(RuntimeWarning) as record:
         fit(make_model(), [ckpt, StopAfter(5)], epochs=1)
+    messages = [str(w.message) for w in record]
+    assert any("ckpt-6" in m and "Resumed from" in m for m in messages), messages
+    assert any("checkpoint.invalid" in m for m in messages) == (state_file == "empty"), messages
     assert ckpt.restored_from.endswith("ckpt-4")
 
 
@@ -484,3 +487,51 @@ def test_wrapped_accumulating_model_resumes_exactly(tmp_path):
     fit(resumed, [ckpt])
     assert ckpt.restored_from.endswith("ckpt-11")
     assert_same(weights(resumed), weights(ref))
+
+
+def test_rollback_keeps_keras_scale_state_unless_asked(tmp_path):
+    d = str(tmp_path / "ckpt")
+    seen = {}
+
+    class Rollback(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch != 6:
+                return
+            ckpt = self.model._keras_scale_checkpoint
+            multiplier = ks.schedules.lr_multiplier(self.model.optimizer)
+            multiplier.assign(0.5)  # NanGuard lowers the LR, then rolls back
+            seen["step"] = ckpt.restore_latest()
+            seen["kept"] = float(multiplier.numpy())
+            seen["iterations"] = int(self.model.optimizer.iterations.numpy())
+            ckpt.restore_latest(restore_keras_scale_state=True)
+            seen["restored"] = float(multiplier.numpy())
+            self.model.stop_training = True
+
+    model = make_model(optimizer=lambda: keras.optimizers.Adam(ks.WarmupCosine(1e-2, total_steps=100)))
+    fit(model, [ks.ChiefCheckpoint(d, save_freq=5, verbose=0), Rollback()], epochs=1)
+    assert seen == {"step": 5, "kept": 0.5, "iterations": 5, "restored": 1.0}
+
+
+def test_another_wrapper_around_the_train_function_does_not_double_count(tmp_path, reference_weights):
+    calls = []
+
+    class OuterWrapper(keras.callbacks.Callback):
+        """Replaces model.train_function with a wrapper of whatever was there (ours), after we installed it."""
+
+        def on_train_begin(self, logs=None):
+            previous = self.model.train_function
+
+            def train_function(iterator):
+                calls.append(1)
+                return previous(iterator)
+
+            self.model.train_function = train_function
+
+    d = str(tmp_path / "ckpt")
+    fit(make_model(), [ks.ChiefCheckpoint(d, save_freq=3, verbose=0), OuterWrapper(), StopAfter(14)])
+    resumed = make_model()
+    ckpt = ks.ChiefCheckpoint(d, save_freq=3, verbose=0)
+    fit(resumed, [ckpt, OuterWrapper()])
+    # Each trained batch went through the other wrapper once (14 + 16); the 4 skipped ones were not trained.
+    assert ckpt.global_step == 30 and len(calls) == 14 + 16
+    assert_same(weights(resumed), reference_weights)

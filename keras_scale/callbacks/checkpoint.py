@@ -186,11 +186,14 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         """Batches trained so far over all (resumed) runs; checkpoints are numbered by it."""
         return self._global_step
 
-    def restore_latest(self) -> Optional[int]:
-        """Restore the newest checkpoint that loads into the model, optimizer and step state, mid-training.
+    def restore_latest(self, restore_keras_scale_state: bool = False) -> Optional[int]:
+        """Restore the newest checkpoint that loads into the model and optimizer, mid-training.
 
-        Used by NanGuard's rollback policy. The data position is *not* rewound: training continues with the
-        next batch. Returns the restored checkpoint's global batch number, or ``None`` when there is none.
+        For NanGuard's rollback policy. The data position is *not* rewound: training continues with the next
+        batch. keras_scale's own state (NanGuard counters, the LR multiplier) is kept as it is now unless
+        ``restore_keras_scale_state=True``, so a rollback neither resets the counters that limit rollbacks nor
+        undoes a learning rate lowered just before it. Under multi-worker every worker must call it at the same
+        step (it synchronizes them). Returns the restored checkpoint's global batch, or ``None`` if none exists.
 
         Example:
             >>> step = model._keras_scale_checkpoint.restore_latest()  # doctest: +SKIP
@@ -202,7 +205,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._wait()
         strategy = self.model.distribute_strategy
         self._sum_over_workers(strategy, 0.0)  # barrier: the chief's last write is recorded before anyone looks
-        found = self._restore_newest()
+        found = self._restore_newest(everything=restore_keras_scale_state)
         step = self._read_position(found)["global_step"] if found is not None else -1
         self._check_workers_agree(strategy, step)
         return None if found is None else step
@@ -316,6 +319,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._resumed_epoch: Optional[int] = None
         self._wrapper: Any = None
         self._inner: Any = None
+        self._in_call = False
 
     def _prepare_write_dir(self) -> None:
         if self._chief:
@@ -437,6 +441,9 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         if state:
             items["keras_scale_state"] = {k: _tf_variable(v) for k, v in state.items()}
         self._checkpoint = tf.train.Checkpoint(**items)
+        # Same paths, model and optimizer only: for a mid-training rollback that keeps keras_scale's counters.
+        self._weights_only = tf.train.Checkpoint(model_variables=items["model_variables"],
+                                                 optimizer_variables=items["optimizer_variables"])
         def manager():
             return tf.train.CheckpointManager(
                 self._checkpoint, self._write_dir, max_to_keep=self.max_to_keep if self._chief else 1,
@@ -476,7 +483,8 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                         f"{tuple(s_shape)} there but {m_path!r} has shape {tuple(m_shape)} here. {fix}"
                     )
 
-    def _restore_newest(self) -> Optional[str]:
+    def _restore_newest(self, everything: bool = True) -> Optional[str]:
+        target = self._checkpoint if everything else self._weights_only
         candidates = list_checkpoints(self.directory)
         failures: List[str] = []
         for number, prefix in candidates:
@@ -484,7 +492,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             try:
                 reader = tf.train.load_checkpoint(prefix)
                 self._check_signature(prefix, reader)  # a different model is an error, not a reason to fall back
-                self._checkpoint.read(prefix).expect_partial()
+                target.read(prefix).expect_partial()
             except CheckpointMismatchError:
                 raise
             except ValueError as e:
@@ -598,6 +606,15 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self.model.train_function = train_function
 
     def _train_call(self, inner: Any, iterator: Any) -> Any:
+        if self._in_call:  # another wrapper around ours was wrapped by us again: count and skip only once
+            return inner(iterator)
+        self._in_call = True
+        try:
+            return self._train_call_once(inner, iterator)
+        finally:
+            self._in_call = False
+
+    def _train_call_once(self, inner: Any, iterator: Any) -> Any:
         spe = int(getattr(self.model, "steps_per_execution", 1) or 1)
         if self._deferred_restore is not None:
             self._restore_deferred(iterator)
