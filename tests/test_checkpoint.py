@@ -396,7 +396,8 @@ with strategy.scope():
 ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
 ckpt = ks.ChiefCheckpoint(directory, save_freq=2, verbose=0)
 model.fit(ds, epochs=epochs, verbose=0, callbacks=[ckpt])
-print(json.dumps({"chief": is_chief(strategy), "write_dir": ckpt._write_dir,
+rolled_back_to = ckpt.restore_latest()  # synchronizes the workers, then both read the chief's newest
+print(json.dumps({"rolled_back_to": rolled_back_to, "chief": is_chief(strategy), "write_dir": ckpt._write_dir,
                   "write_dir_exists": os.path.exists(ckpt._write_dir), "restored_from": ckpt.restored_from,
                   "global_step": ckpt.global_step, "kernel_sum": float(np.sum(model.weights[0].numpy()))}))
 """
@@ -415,6 +416,7 @@ def test_multi_worker_only_the_chief_writes_into_the_directory(tmp_path, run_wor
     assert files == ["checkpoint", "ckpt-2.data-00000-of-00001", "ckpt-2.index",
                      "ckpt-4.data-00000-of-00001", "ckpt-4.index"]
     assert chief["kernel_sum"] == worker["kernel_sum"]
+    assert chief["rolled_back_to"] == worker["rolled_back_to"] == 4
 
     # Both workers resume from the chief's checkpoint and continue in step.
     outs = [json.loads(r.stdout.strip().splitlines()[-1]) for r in run_workers(WORKER_SCRIPT, args=(d, 2))]

@@ -232,7 +232,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         found: Optional[str] = None
         if self.restore and list_checkpoints(self.directory):
             if self._checkpoint is not None:
-                found = self._restore_newest()
+                found = self._restored_from = self._restore_newest()
             else:
                 # The model gets its variables only when its first step is traced: pick the newest checkpoint
                 # that reads back completely now (the epoch must be known before the first epoch starts) and
@@ -507,7 +507,6 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                 failures.append(f"{prefix}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
                 continue
             self._report_fallback(failures, prefix)
-            self._restored_from = prefix
             self._say(f"ChiefCheckpoint: restored {prefix}")
             return prefix
         self._raise_none_loads(failures)
