@@ -88,6 +88,26 @@ def test_resume_mid_epoch_equals_uninterrupted_run(tmp_path, reference_weights, 
     assert_same(weights(resumed), reference_weights)
 
 
+def test_epoch_saves_and_a_mid_epoch_stop(tmp_path, reference_weights):
+    d = str(tmp_path / "ckpt")
+    fit(make_model(), [ks.ChiefCheckpoint(d, verbose=0), StopAfter(15)])
+    # the end of epoch 1 (10 batches), and the graceful stop after batch 5 of epoch 2
+    assert [n for n, _ in list_checkpoints(d)] == [15, 10]
+    resumed = make_model()
+    ckpt = ks.ChiefCheckpoint(d, verbose=0)
+    fit(resumed, [ckpt])
+    assert ckpt.restored_from.endswith("ckpt-15")
+    assert [n for n, _ in list_checkpoints(d)] == [30, 20, 15]
+    assert_same(weights(resumed), reference_weights)
+
+    # A finished run resumed with the same epochs trains nothing.
+    again = make_model()
+    ckpt = ks.ChiefCheckpoint(d, verbose=0)
+    history = fit(again, [ckpt])
+    assert history.epoch == [] and ckpt.global_step == 30
+    assert_same(weights(again), reference_weights)
+
+
 def test_resume_from_an_older_checkpoint_skips_exactly_the_applied_batches(tmp_path, reference_weights):
     d = str(tmp_path / "ckpt")
     fit(make_model(), [ks.ChiefCheckpoint(d, save_freq=3, max_to_keep=10, verbose=0), StopAfter(17)])
