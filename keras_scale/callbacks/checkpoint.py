@@ -444,6 +444,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         # Same paths, model and optimizer only: for a mid-training rollback that keeps keras_scale's counters.
         self._weights_only = tf.train.Checkpoint(model_variables=items["model_variables"],
                                                  optimizer_variables=items["optimizer_variables"])
+
         def manager():
             return tf.train.CheckpointManager(
                 self._checkpoint, self._write_dir, max_to_keep=self.max_to_keep if self._chief else 1,
