@@ -266,6 +266,15 @@ def test_max_to_keep_keeps_the_newest(tmp_path):
     assert [n for n, _ in list_checkpoints(d)] == [7, 6]
 
 
+def test_keep_every_n_hours_keeps_old_checkpoints_beyond_max_to_keep(tmp_path):
+    d = str(tmp_path / "ckpt")
+    # An interval of ~4 microseconds: every checkpoint is "hours" apart from the previous kept one.
+    fit(make_model(), [ks.ChiefCheckpoint(d, save_freq=1, max_to_keep=1, keep_every_n_hours=1e-9, verbose=0),
+                       StopAfter(4)], epochs=1)
+    assert len(glob.glob(os.path.join(d, "ckpt-*.index"))) == 4
+    assert [n for n, _ in list_checkpoints(d)] == [4]  # the recent one in the state file; the others archived
+
+
 def test_adam_moments_iterations_and_lr_multiplier_are_restored(tmp_path):
     d = str(tmp_path / "ckpt")
 
