@@ -108,6 +108,17 @@ def test_epoch_saves_and_a_mid_epoch_stop(tmp_path, reference_weights):
     assert_same(weights(again), reference_weights)
 
 
+def test_relative_directory_resumes(tmp_path, monkeypatch, reference_weights):
+    monkeypatch.chdir(tmp_path)  # ChiefCheckpoint("ckpt"), as users write it
+    fit(make_model(), [ks.ChiefCheckpoint("ckpt", save_freq=4, verbose=0), StopAfter(12)])
+    assert [n for n, _ in list_checkpoints("ckpt")][:1] == [12]
+    resumed = make_model()
+    ckpt = ks.ChiefCheckpoint("ckpt", save_freq=4, verbose=0)
+    fit(resumed, [ckpt])
+    assert ckpt.restored_from is not None and ckpt.restored_from.endswith("ckpt-12")
+    assert_same(weights(resumed), reference_weights)
+
+
 def test_resume_from_an_older_checkpoint_skips_exactly_the_applied_batches(tmp_path, reference_weights):
     d = str(tmp_path / "ckpt")
     fit(make_model(), [ks.ChiefCheckpoint(d, save_freq=3, max_to_keep=10, verbose=0), StopAfter(17)])

@@ -53,9 +53,11 @@ def list_checkpoints(directory: str) -> List[Tuple[int, str]]:
         state = None
     if state is not None and state.all_model_checkpoint_paths:
         for p in state.all_model_checkpoint_paths:
-            p = p if os.path.isabs(p) or "://" in p else os.path.join(directory, p)
-            if tf.io.gfile.exists(p + ".index"):
-                prefixes.append(p)
+            # get_checkpoint_state already joins relative entries with `directory`; older files may not
+            for candidate in (p, os.path.join(directory, p)):
+                if tf.io.gfile.exists(candidate + ".index"):
+                    prefixes.append(candidate)
+                    break
     else:
         for name in tf.io.gfile.listdir(directory):
             if _INDEX_RE.match(name):
