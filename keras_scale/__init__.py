@@ -30,6 +30,9 @@ _EXPORTS = {
     # callbacks
     "NanGuard": "keras_scale.callbacks.nan_guard",
     "ChiefCheckpoint": "keras_scale.callbacks.checkpoint",
+    "CheckpointMismatchError": "keras_scale.callbacks.checkpoint",
+    "NanReport": "keras_scale.callbacks.nan_guard",
+    "NanGuardGaveUp": "keras_scale.callbacks.nan_guard",
     "GpuMonitor": "keras_scale.callbacks.gpu_monitor",
     "ProfileWindow": "keras_scale.callbacks.profile_window",
     "HostMemoryWatch": "keras_scale.callbacks.host_memory",
@@ -38,6 +41,7 @@ _EXPORTS = {
     "fit": "keras_scale.fit",
     "is_chief": "keras_scale.distribute",
     "choose_strategy": "keras_scale.distribute",
+    "patch_keras_multi_worker": "keras_scale.distribute",
     "launch_local_workers": "keras_scale.launch",
     # precision
     "choose_precision": "keras_scale.precision",
