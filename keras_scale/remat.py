@@ -8,9 +8,10 @@ enabled", keras-team/keras#21207). :func:`remat` wraps a layer so that its call 
 ``training`` flag are captured by the closure). The block's activations are then dropped after the forward
 pass and recomputed during back-propagation: less peak memory, one extra forward pass of the block.
 
-State inside a block is handled: random layers (``Dropout``) draw the same numbers in the recomputation as in
-the forward pass, and ``BatchNormalization`` updates its moving statistics once per step, not twice (the block's
-non-trainable variables and seed states are snapshotted before the forward pass and restored before recomputing).
+The block's variables are read once per step and the block runs in a ``keras.StatelessScope`` bound to those
+values, so the recomputation sees exactly the forward pass's weights (never a value the optimizer already
+updated), random layers (``Dropout``) draw the same numbers in both passes, and ``BatchNormalization`` updates
+its moving statistics once per step, not twice.
 
 Example:
     >>> import keras, keras_scale as ks
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import sys
 import types
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import keras
 import tensorflow as tf
@@ -70,7 +71,6 @@ class Remat(keras.layers.Wrapper):
         kwargs.setdefault("name", f"remat_{layer.name}")
         super().__init__(layer, **kwargs)
         self.supports_masking = getattr(layer, "supports_masking", False)
-        self._output_structure = None
 
     # --- building -------------------------------------------------------------------------------------------
     def build(self, input_shape: Any = None) -> None:
@@ -106,80 +106,100 @@ class Remat(keras.layers.Wrapper):
         self._build_inner(call_args, kwargs)
         if training is not None and getattr(self.layer, "_call_has_training_arg", False):
             kwargs = {**kwargs, "training": training}
+        if training is None or training is False:
+            # Inference (predict/evaluate): nothing to recompute, call the block directly.
+            return self.layer(*call_args, **kwargs)
 
         # Everything tensor-valued travels positionally; the rest (training flag, python options) is closed over.
         leaves = tree.flatten((call_args, kwargs))
         tensor_positions = [i for i, leaf in enumerate(leaves) if _is_tensor(leaf)]
         tensors = [tf.convert_to_tensor(leaves[i]) for i in tensor_positions]
-        # Non-trainable state the block updates as it runs (BatchNormalization's moving statistics, random-seed
-        # states): snapshot it, and restore it at the start of the block. In the forward pass the restore is a
-        # no-op; in the recomputation it rewinds the state, so the block re-draws the same random numbers and
-        # re-applies the same moving-statistics update (instead of applying it a second time).
-        states = _state_variables(self.layer)
-        if any("float" not in keras.backend.standardize_dtype(state.dtype) for state in states):
-            _quiet_integer_watch_warning()
-        snapshots = [tf.identity(state.value) for state in states]
         num_tensors = len(tensors)
+
+        # The block's variables travel positionally too: they are read ONCE, here, and the block (forward and
+        # recomputation) runs in a keras.StatelessScope that maps each variable to that value. Re-reading the
+        # variables during the recomputation would race with the optimizer's updates of other variables of the
+        # step (nothing orders a backward-pass read after the forward pass's consumers, so an update can land
+        # first). State the block updates (BatchNormalization's moving statistics, random-seed states) comes
+        # back as extra outputs and is assigned here, once: the recomputation re-draws the same random numbers
+        # and does not apply the moving-statistics update a second time.
+        weights = list(self.layer.trainable_variables)
+        states = _state_variables(self.layer, exclude=weights)
+        mapped = weights + states
+        values = [_read(v) for v in weights] + [_as_float(_read(v)) for v in states]
         structure: dict = {}
 
         def block(*flat: tf.Tensor) -> Any:
-            # Restore the random state of the forward pass (a no-op then; the reset during recomputation).
-            for state, snapshot in zip(states, flat[num_tensors:]):
-                state.assign(snapshot)
             new_leaves = list(leaves)
             for position, tensor in zip(tensor_positions, flat[:num_tensors]):
                 new_leaves[position] = tensor
             a, kw = tree.pack_sequence_as((call_args, kwargs), new_leaves)
-            outputs = self.layer(*a, **kw)
+            mapping = [(v, tf.cast(value, v.dtype)) for v, value in zip(mapped, flat[num_tensors:])]
+            with keras.StatelessScope(state_mapping=mapping) as scope:
+                outputs = self.layer(*a, **kw)
+            _check_updates(scope, mapped, self.layer.name)
             structure["outputs"] = outputs
-            flat_outputs = tree.flatten(outputs)
-            return flat_outputs[0] if len(flat_outputs) == 1 else tuple(flat_outputs)
+            flat_outputs = list(tree.flatten(outputs))
+            new_states = [_as_float(scope.get_current_value(v)) for v in states]
+            results = flat_outputs + new_states
+            return results[0] if len(results) == 1 else tuple(results)
 
-        flat_outputs = tf.recompute_grad(block)(*tensors, *snapshots)
-        if not isinstance(flat_outputs, (list, tuple)):
-            flat_outputs = [flat_outputs]
-        return tree.pack_sequence_as(structure["outputs"], list(flat_outputs))
+        results = tf.recompute_grad(block)(*tensors, *values)
+        if not isinstance(results, (list, tuple)):
+            results = [results]
+        results = list(results)
+        num_outputs = len(results) - len(states)
+        for variable, new_value in zip(states, results[num_outputs:]):
+            variable.assign(tf.cast(new_value, variable.dtype))
+        return tree.pack_sequence_as(structure["outputs"], results[:num_outputs])
+
+
+def _read(variable: Any) -> tf.Tensor:
+    """The variable's stored value (no autocast: the block's own layers cast it as they would normally)."""
+    raw = getattr(variable, "_value", None)
+    return tf.identity(raw if raw is not None else variable)
+
+
+def _as_float(value: tf.Tensor) -> tf.Tensor:
+    # Integer state (random seeds) crosses the custom gradient as float64 (exact below 2**53): integer tensors
+    # there make TensorFlow warn about watching non-float tensors.
+    return value if value.dtype.is_floating else tf.cast(value, tf.float64)
+
+
+def _check_updates(scope: Any, mapped: list, name: str) -> None:
+    known = {id(v) for v in mapped}
+    foreign = [key for key in scope.state_mapping if key not in known]
+    if foreign:
+        raise ValueError(
+            f"remat({name!r}): the block assigns to {len(foreign)} variable(s) it does not own (e.g. a shared or "
+            "global random-seed state); such updates cannot be replayed by the recomputation. Give random layers "
+            "their own seed (keras.layers.Dropout(rate, seed=...) creates one) or remat a smaller block.")
 
 
 def _has_unbuilt_sublayers(layer: keras.layers.Layer) -> bool:
     return any(not sub.built for sub in layer._flatten_layers(include_self=False))
 
 
-def _state_variables(layer: keras.layers.Layer) -> list:
+def _state_variables(layer: keras.layers.Layer, exclude: Sequence[Any] = ()) -> list:
     """State the block's call may update: non-trainable variables of its trainable layers (BatchNormalization's
-    moving statistics) and random-seed states. Frozen layers' weights are left out (no copy per step)."""
-    found: dict = {}
+    moving statistics) and random-seed states. Frozen layers' weights are left out (they never change)."""
+    found: dict = {id(v): None for v in exclude}
     for sub in layer._flatten_layers(include_self=True):
-        if sub.trainable:  # a frozen layer's variables are frozen weights, not state its call updates
+        if sub.trainable:
             for variable in getattr(sub, "_non_trainable_variables", []) or []:
                 found.setdefault(id(variable), variable)
         for generator in getattr(sub, "_seed_generators", []) or []:
             found.setdefault(id(generator.state), generator.state)
-    return list(found.values())
-
-
-class _DropIntegerWatchWarning:
-    """Drops TF's "watched tensor must be floating" warning, which recomputing a block's (integer) random-seed
-    state triggers by design: that state is restored, not differentiated."""
-
-    def filter(self, record: Any) -> bool:
-        return "The dtype of the watched tensor must be floating" not in str(record.msg)
-
-
-_WARNING_FILTER = _DropIntegerWatchWarning()
-
-
-def _quiet_integer_watch_warning() -> None:
-    logger = tf.get_logger()
-    if _WARNING_FILTER not in logger.filters:
-        logger.addFilter(_WARNING_FILTER)
+    return [v for v in found.values() if v is not None]
 
 
 def remat(layer: keras.layers.Layer) -> Remat:
     """Recompute ``layer``'s activations in the backward pass instead of keeping them (gradient checkpointing).
 
     Works in ``model.fit`` (graph mode), under ``tf.distribute`` strategies and inside
-    ``keras_scale.wrap``'s micro-batch loop; gradients equal the plain layer's. Costs one extra forward pass of
+    ``keras_scale.wrap``'s micro-batch loop; gradients equal the plain layer's. Only training calls
+    (``training=True``, as in ``fit``) are recomputed; inference calls run the block directly. A Keras mask
+    attached to the input is not forwarded into the block: pass masks as keyword arguments (``mask=...``). Costs one extra forward pass of
     the block per step; saves the block's intermediate activations (choose blocks whose *inside* is large
     relative to their output, e.g. a Transformer block or an MLP with a wide hidden layer).
 

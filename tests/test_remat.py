@@ -88,6 +88,34 @@ def test_block_is_recomputed_in_backward_pass():
     assert counts[True] == counts[False] + 1
 
 
+def test_recomputation_uses_the_forward_weights_even_after_an_update():
+    """In a train step the optimizer may update a block's variables while other gradients still need the
+    recomputation; the recomputation must see the forward pass's weights. Forced here: update the weights
+    between two gradient calls of one persistent tape, then ask for the input gradient."""
+    x, y = _data(8)
+    results = []
+    for use in (False, True):
+        model = _mlp(use)
+        if use:
+            model.set_weights(start)
+        else:
+            start = model.get_weights()
+
+        @tf.function
+        def step(x, y):
+            x = tf.convert_to_tensor(x)
+            with tf.GradientTape(persistent=True) as tape:
+                tape.watch(x)
+                loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+            grads = tape.gradient(loss, model.trainable_variables)
+            for variable, grad in zip(model.trainable_variables, grads):
+                variable.assign_sub(0.5 * grad)
+            return tape.gradient(loss, x)
+
+        results.append(step(x, y).numpy())
+    np.testing.assert_allclose(results[1], results[0], atol=1e-6)
+
+
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_fit_matches_plain_model_single_device(jit_compile):
     x, y = _data()
