@@ -118,11 +118,12 @@ class Remat(keras.layers.Wrapper):
 
         # The block's variables travel positionally too: they are read ONCE, here, and the block (forward and
         # recomputation) runs in a keras.StatelessScope that maps each variable to that value. Re-reading the
-        # variables during the recomputation would race with the optimizer's updates of other variables of the
-        # step (nothing orders a backward-pass read after the forward pass's consumers, so an update can land
-        # first). State the block updates (BatchNormalization's moving statistics, random-seed states) comes
-        # back as extra outputs and is assigned here, once: the recomputation re-draws the same random numbers
-        # and does not apply the moving-statistics update a second time.
+        # variables during the recomputation would race with the optimizer: a variable whose own gradient is
+        # ready early (say the block's last kernel) can be updated before the recomputation reads it to compute
+        # the gradient for the layers below, and nothing in the graph orders that read first. State the block
+        # updates (BatchNormalization's moving statistics, random-seed states) comes back as extra outputs and is
+        # assigned here, once: the recomputation re-draws the same random numbers and does not apply the
+        # moving-statistics update a second time.
         weights = list(self.layer.trainable_variables)
         states = _state_variables(self.layer, exclude=weights)
         mapped = weights + states
@@ -199,9 +200,10 @@ def remat(layer: keras.layers.Layer) -> Remat:
     Works in ``model.fit`` (graph mode), under ``tf.distribute`` strategies and inside
     ``keras_scale.wrap``'s micro-batch loop; gradients equal the plain layer's. Only training calls
     (``training=True``, as in ``fit``) are recomputed; inference calls run the block directly. A Keras mask
-    attached to the input is not forwarded into the block: pass masks as keyword arguments (``mask=...``). Costs one extra forward pass of
-    the block per step; saves the block's intermediate activations (choose blocks whose *inside* is large
-    relative to their output, e.g. a Transformer block or an MLP with a wide hidden layer).
+    attached to the input is not forwarded into the block: pass masks as keyword arguments (``mask=...``).
+    Costs one extra forward pass of the block per step; saves the block's intermediate activations (choose
+    blocks whose *inside* is large relative to their output, e.g. a Transformer block or an MLP with a wide
+    hidden layer).
 
     Args:
         layer: a Keras layer or a ``keras.Model`` used as a block.
