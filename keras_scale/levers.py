@@ -331,6 +331,11 @@ def compare_xla(model_or_builder: ModelOrBuilder, data: Any, steps: int = 20, *,
         xla: keep jit_compile=False: jit_compile=True is not faster here (0.97x, 1.10 -> 1.13 ms), ...
     """
     _check_common(steps, batch_size, loss_rtol)
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    if replicas > 1:
+        raise ValueError(
+            f"compare_xla measures one device, but it was called inside a strategy scope with {replicas} replicas "
+            "(Keras does not force jit_compile under tf.distribute). Call it outside `strategy.scope()`.")
     dataset = _fixed_batches(data, batch_size, steps + 1)
     initial_weights: list = []
 

@@ -1,6 +1,7 @@
 """compare_xla / compare_precision: same start, same batches, sane timings, loss agreement, one-line advice."""
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import keras
 import keras_scale as ks
@@ -59,6 +60,14 @@ def test_disagreeing_losses_mean_keep_the_baseline():
                                   loss_rtol=1e-12, verbose=False)
     assert not result.losses_agree and not result.use_candidate
     assert result.recommendation.startswith("keep float32: losses differ by")
+
+
+def test_compare_xla_refuses_a_multi_replica_scope():
+    strategy = tf.distribute.MirroredStrategy(
+        ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice())
+    with strategy.scope():
+        with pytest.raises(ValueError, match="inside a strategy scope with 2 replicas"):
+            ks.compare_xla(_build, _data(), steps=3)
 
 
 def test_bad_input_is_rejected_early():
