@@ -8,17 +8,6 @@ import keras_scale as ks
 from keras_scale.remat import Remat, remat, remat_model
 
 
-@pytest.fixture
-def mirrored():
-    """2-replica MirroredStrategy on the 2 logical CPUs, reducing through one device.
-
-    Overrides conftest's fixture: two default (collective) MirroredStrategy objects in one process reuse
-    collective instance keys, and a later test with a different gradient size then fails with "Shape mismatch
-    in the collective instance 100" (reported to the lead). ReductionToOneDevice has no such state.
-    """
-    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice())
-
-
 class CountingDense(keras.layers.Dense):
     """A Dense layer that counts how many times its call is traced/run (to prove recomputation)."""
 

@@ -2,18 +2,10 @@
 like one device on the same global batch (and per-replica BN does not)."""
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import keras
 import keras_scale as ks
 from keras_scale.sync_bn import batchnorm_layers, sync_batchnorm
-
-
-@pytest.fixture
-def mirrored():
-    """2-replica MirroredStrategy reducing through one device (see tests/test_remat.py: conftest's collective
-    strategy objects collide on collective instance keys across tests; reported to the lead)."""
-    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice())
 
 
 def _model():
