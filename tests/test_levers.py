@@ -1,7 +1,6 @@
 """compare_xla / compare_precision: same start, same batches, sane timings, loss agreement, one-line advice."""
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import keras
 import keras_scale as ks
@@ -62,10 +61,8 @@ def test_disagreeing_losses_mean_keep_the_baseline():
     assert result.recommendation.startswith("keep float32: losses differ by")
 
 
-def test_compare_xla_refuses_a_multi_replica_scope():
-    strategy = tf.distribute.MirroredStrategy(
-        ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice())
-    with strategy.scope():
+def test_compare_xla_refuses_a_multi_replica_scope(mirrored):
+    with mirrored.scope():
         with pytest.raises(ValueError, match="inside a strategy scope with 2 replicas"):
             ks.compare_xla(_build, _data(), steps=3)
 
