@@ -36,6 +36,7 @@ _EXPORTS = {
     "GpuMonitor": "keras_scale.callbacks.gpu_monitor",
     "ProfileWindow": "keras_scale.callbacks.profile_window",
     "HostMemoryWatch": "keras_scale.callbacks.host_memory",
+    "HostMemoryGrowthWarning": "keras_scale.callbacks.host_memory",
     "LearningRateLogger": "keras_scale.callbacks.lr_logger",
     # distribution
     "fit": "keras_scale.fit",
@@ -52,6 +53,7 @@ _EXPORTS = {
     "compare_xla": "keras_scale.levers",
     "compare_precision": "keras_scale.levers",
     "remat": "keras_scale.remat",
+    "remat_model": "keras_scale.remat",
     "sync_batchnorm": "keras_scale.sync_bn",
 }
 

@@ -787,16 +787,10 @@ def doctor(nvml: Any = None, probe_tensorflow: bool = True) -> Dict[str, Any]:
     return report(gather_facts(nvml=nvml, probe_tensorflow=probe_tensorflow))
 
 
-class _CallableModule(type(sys)):
-    """``keras_scale.doctor`` names both this module and :func:`doctor`; once the module is imported (the CLI
-    does), the package attribute is the module, so calling it must still run :func:`doctor`."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
-        return doctor(*args, **kwargs)
-
-
 if __name__ != "__main__":
-    sys.modules[__name__].__class__ = _CallableModule
+    from keras_scale._modules import forward_calls_to
+
+    forward_calls_to(__name__, "doctor")  # ks.doctor stays the function after `import keras_scale.doctor`
 
 
 # ================================================================================================= output

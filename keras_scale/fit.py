@@ -606,15 +606,6 @@ def fit(
         raise
 
 
-class _CallableModule(type(logging)):
-    """``keras_scale.fit`` is both this module and the function: once ``keras_scale.fit`` the module has been
-    imported (``from keras_scale.fit import prepare_dataset``), Python binds the package attribute to the module, so
-    the module forwards calls to :func:`fit`."""
+from keras_scale._modules import forward_calls_to  # noqa: E402
 
-    def __call__(self, *args: Any, **kwargs: Any) -> keras.callbacks.History:
-        return fit(*args, **kwargs)
-
-
-import sys as _sys  # noqa: E402
-
-_sys.modules[__name__].__class__ = _CallableModule
+forward_calls_to(__name__, "fit")  # ks.fit stays the function after `import keras_scale.fit`

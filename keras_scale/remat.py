@@ -29,14 +29,14 @@ Example:
 """
 from __future__ import annotations
 
-import sys
-import types
 from typing import Any, Callable, Optional, Sequence
 
 import keras
 import tensorflow as tf
 from keras import tree
 from keras.src.models.functional import Functional
+
+from keras_scale._modules import forward_calls_to
 
 __all__ = ["remat", "remat_model", "Remat"]
 
@@ -259,12 +259,4 @@ def remat_model(model: keras.Model, select: Optional[Callable[[keras.layers.Laye
     return new_model
 
 
-class _CallableModule(types.ModuleType):
-    """``keras_scale.remat`` is both this module and the function: once ``import keras_scale.remat`` has run,
-    Python binds the package attribute to the module, so the module forwards calls to :func:`remat`."""
-
-    def __call__(self, layer: keras.layers.Layer) -> Remat:
-        return remat(layer)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+forward_calls_to(__name__, "remat")  # ks.remat stays the function after `import keras_scale.remat`

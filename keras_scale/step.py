@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import types
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import keras
 import tensorflow as tf

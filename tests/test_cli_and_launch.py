@@ -1,7 +1,6 @@
 import subprocess
 import sys
 
-import pytest
 
 from keras_scale.launch import launch_local_workers, make_tf_config
 
