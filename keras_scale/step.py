@@ -238,6 +238,11 @@ class ComposedStep:
                     "keras_scale.wrap(micro_batch_size=...) with synchronized BatchNorm or jit_compile needs a "
                     "static batch size; batch with drop_remainder=True or use wrap(model, accum=N).")
             self.traced_micro_batches = num_micro_static
+            # the unrolled loop has a static number of micro-batches: each must hold at least one sample
+            tf.debugging.assert_greater_equal(
+                batch_size, tf.constant(num_micro_static, batch_size.dtype),
+                message=f"keras_scale.wrap: with synchronized BatchNorm or jit_compile every per-replica batch needs "
+                        f">= {num_micro_static} samples (one per micro-batch); batch with drop_remainder=True.")
             acc, loss_bad, pred_bad = None, tf.constant(0.0), tf.constant(0.0)
             deps: List[Any] = []
             for k in range(num_micro_static):
