@@ -48,7 +48,7 @@ class AccumulatingModel(keras.Model):
     _keras_scale_composed = True
 
     def __init__(self, inner: keras.Model, accum: Optional[int] = None,
-                 micro_batch_size: Optional[int] = None, **kwargs: Any) -> None:
+                 micro_batch_size: Optional[int] = None, unroll: Optional[bool] = None, **kwargs: Any) -> None:
         if not isinstance(inner, keras.Model):
             raise TypeError(
                 f"keras_scale.wrap expects a keras.Model, got {type(inner).__name__}. "
@@ -61,6 +61,8 @@ class AccumulatingModel(keras.Model):
             _check_positive_int("accum", accum)
         if micro_batch_size is not None:
             _check_positive_int("micro_batch_size", micro_batch_size)
+        if unroll not in (None, True, False):
+            raise ValueError(f"unroll must be None (auto), True or False, got {unroll!r}")
         kwargs.setdefault("name", f"accumulating_{inner.name}")
         super().__init__(**kwargs)
         # train under the strategy the inner model's variables were created in
@@ -68,7 +70,9 @@ class AccumulatingModel(keras.Model):
         self.inner = inner
         self.accum = accum
         self.micro_batch_size = micro_batch_size
-        get_step(self).configure(accum=accum, micro_batch_size=micro_batch_size)
+        self.unroll = unroll
+        step = get_step(self).configure(accum=accum, micro_batch_size=micro_batch_size)
+        step.unrolled = unroll
         if inner.built:
             self.built = True
 
@@ -116,7 +120,7 @@ class AccumulatingModel(keras.Model):
 
     def get_config(self) -> Dict[str, Any]:
         return {"inner": keras.saving.serialize_keras_object(self.inner), "accum": self.accum,
-                "micro_batch_size": self.micro_batch_size, "name": self.name}
+                "micro_batch_size": self.micro_batch_size, "unroll": self.unroll, "name": self.name}
 
     @classmethod
     def from_config(cls, config: Dict[str, Any], custom_objects: Any = None) -> "AccumulatingModel":
@@ -125,14 +129,18 @@ class AccumulatingModel(keras.Model):
         return cls(inner, **config)
 
 
-def wrap(model: keras.Model, accum: Optional[int] = None, micro_batch_size: Optional[int] = None
-         ) -> AccumulatingModel:
+def wrap(model: keras.Model, accum: Optional[int] = None, micro_batch_size: Optional[int] = None,
+         unroll: Optional[bool] = None) -> AccumulatingModel:
     """Return a model that trains ``model``'s weights with exact gradient accumulation.
 
     Args:
         model: any Keras model (create it inside the strategy scope for multi-device training).
         accum: split each batch into this many micro-batches.
         micro_batch_size: or: micro-batches of (at most) this many samples; ``accum`` follows per step.
+        unroll: how the micro-batches are looped. ``None`` (default): a ``tf.while_loop`` (lowest memory), or a
+            Python-unrolled loop chained by control dependencies when the model has synchronized BatchNorm or is
+            compiled with ``jit_compile`` (both need it). ``True`` forces the unrolled loop, e.g. to profile with
+            ``ProfileWindow`` (xprof ignores step markers when the step contains a ``tf.while_loop``).
 
     The update equals the big-batch update: gradients are the sample-weighted mean over the whole batch
     (uneven last batches included); one optimizer update and one all-reduce per step; clipping, weight decay
@@ -146,7 +154,7 @@ def wrap(model: keras.Model, accum: Optional[int] = None, micro_batch_size: Opti
     """
     if isinstance(model, AccumulatingModel):
         raise ValueError("model is already wrapped; use keras_scale.unwrap(model) first or keep one wrap.")
-    return AccumulatingModel(model, accum=accum, micro_batch_size=micro_batch_size)
+    return AccumulatingModel(model, accum=accum, micro_batch_size=micro_batch_size, unroll=unroll)
 
 
 def unwrap(model: keras.Model) -> keras.Model:

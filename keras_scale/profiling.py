@@ -74,7 +74,7 @@ FIXES = {
 LOOP_FIX = (
     "the step runs a tf.while_loop (ops named 'while/...'), and xprof then ignores step markers -- this happens "
     "with model.compile(steps_per_execution > 1) and keras_scale.wrap(model, accum > 1). Profile a run with "
-    "steps_per_execution=1 (and accum=1) to see the step-time breakdown; the top ops below are still valid"
+    "steps_per_execution=1 (and keras_scale.wrap(model, accum=N, unroll=True)) to see the step-time breakdown; the top ops below are still valid"
 )
 
 

@@ -112,6 +112,18 @@ def test_steps_per_execution_and_jit_compile():
     assert get_step(model).traced_micro_batches == 4  # XLA uses the statically unrolled micro-batch loop
 
 
+def test_unrolled_loop_equals_while_loop_and_round_trips(tmp_path):
+    base_w, _, _, _ = _train(None)
+    w, _, _, model = _train(None, model_fn=lambda: ks.wrap(_mlp(), accum=4, unroll=True))
+    assert get_step(model).traced_micro_batches == 4
+    assert _rel_diff(base_w, w) < RTOL
+    path = str(tmp_path / "u.keras")
+    model.save(path)
+    assert keras.models.load_model(path).unroll is True
+    with pytest.raises(ValueError, match="unroll"):
+        ks.wrap(_mlp(), accum=2, unroll="yes")
+
+
 def _multi_io_model():
     a = keras.Input((5,), name="a")
     b = keras.Input((3,), name="b")
