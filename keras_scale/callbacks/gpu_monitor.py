@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import keras
 
 from keras_scale import nvml as nvml_lib
+from keras_scale.callbacks._scalars import ChiefScalars
 from keras_scale.distribute import is_chief
 
 __all__ = [
@@ -535,7 +536,7 @@ class GpuMonitor(keras.callbacks.Callback):
         self._nvml: Optional[NvmlLike] = None
         self._owns_nvml = False
         self._sampler: Optional[_Sampler] = None
-        self._writer: Any = None
+        self._scalars: Optional[ChiefScalars] = None
         self._batch_ends: List[Tuple[int, float]] = []
         self._epoch_begin_s = 0.0
         self._advised_kinds: set = set()
@@ -550,10 +551,7 @@ class GpuMonitor(keras.callbacks.Callback):
             return
         self.leftover_processes = self._find_leftover_processes()
         self._context = self._training_context()
-        if self.log_dir is not None and is_chief(getattr(self.model, "distribute_strategy", None)):
-            import tensorflow as tf
-
-            self._writer = tf.summary.create_file_writer(self.log_dir)
+        self._scalars = ChiefScalars(self.log_dir, strategy=getattr(self.model, "distribute_strategy", None))
         self._sampler = _Sampler(self._nvml, self.gpu_indices, self.interval_s, self.read_host_cpu_pct)
         self._sampler.start()
 
@@ -575,7 +573,7 @@ class GpuMonitor(keras.callbacks.Callback):
         self.history.append(record)
         if logs is not None:
             logs.update(self._log_values(record))
-        if self._writer is not None:
+        if self._scalars is not None:
             self._write_tensorboard(epoch, record)
         self._advise(record["stats"])
 
@@ -636,9 +634,9 @@ class GpuMonitor(keras.callbacks.Callback):
         if self._sampler is not None:
             self._sampler.stop()
             self._sampler = None
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        if self._scalars is not None:
+            self._scalars.close()
+            self._scalars = None
         self._close_nvml()
         self._active = False
 
@@ -716,17 +714,11 @@ class GpuMonitor(keras.callbacks.Callback):
         return out
 
     def _write_tensorboard(self, epoch: int, record: Dict[str, Any]) -> None:
-        import tensorflow as tf
-
-        with self._writer.as_default(step=epoch):
-            for i in self.gpu_indices:
-                for key, value in record[f"gpu{i}"].items():
-                    tf.summary.scalar(f"gpu{i}/{key}", value)
-            for key, value in record["timing"].items():
-                tf.summary.scalar(f"throughput/{key}", value)
-            if record["host_cpu_mean_pct"] is not None:
-                tf.summary.scalar("host/cpu_mean_pct", record["host_cpu_mean_pct"])
-        self._writer.flush()
+        scalars = {f"gpu{i}/{key}": value for i in self.gpu_indices for key, value in record[f"gpu{i}"].items()}
+        scalars.update({f"throughput/{key}": value for key, value in record["timing"].items()})
+        if record["host_cpu_mean_pct"] is not None:
+            scalars["host/cpu_mean_pct"] = record["host_cpu_mean_pct"]
+        self._scalars.write(scalars, step=epoch)
 
     def _advise(self, stats: EpochStats) -> None:
         chief = is_chief(getattr(self.model, "distribute_strategy", None))

@@ -6,7 +6,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import keras
 
-from keras_scale.distribute import is_chief
+from keras_scale.callbacks._scalars import ChiefScalars
 
 __all__ = ["HostMemoryWatch", "HostMemoryGrowthWarning", "steady_growth_mb_per_epoch", "host_rss_mb"]
 
@@ -106,13 +106,11 @@ class HostMemoryWatch(keras.callbacks.Callback):
         self.rss_mb_history: List[float] = []
         self.warned = False
         self._epochs_seen = 0
-        self._writer: Any = None
+        self._scalars: Any = None
 
     def on_train_begin(self, logs: Optional[Dict[str, Any]] = None) -> None:
-        if self.log_dir is not None and self._writer is None and is_chief():
-            import tensorflow as tf
-
-            self._writer = tf.summary.create_file_writer(self.log_dir)
+        if self._scalars is None or not self._scalars.active:
+            self._scalars = ChiefScalars(self.log_dir, strategy=self.model.distribute_strategy)
 
     def on_epoch_end(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
         rss = host_rss_mb()
@@ -121,22 +119,14 @@ class HostMemoryWatch(keras.callbacks.Callback):
         self._epochs_seen += 1
         if self._epochs_seen > self.warmup_epochs:
             self.rss_mb_history.append(rss)
-        if self._writer is not None:
-            self._write_scalar(epoch, rss)
+        if self._scalars is not None:
+            self._scalars.write({"host_rss_mb": rss}, step=epoch)
         if not self.warned:
             self._maybe_warn()
 
     def on_train_end(self, logs: Optional[Dict[str, Any]] = None) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-
-    def _write_scalar(self, epoch: int, rss: float) -> None:
-        import tensorflow as tf
-
-        with self._writer.as_default():
-            tf.summary.scalar("host_rss_mb", rss, step=epoch)
-        self._writer.flush()
+        if self._scalars is not None:
+            self._scalars.close()
 
     def _maybe_warn(self) -> None:
         growth = steady_growth_mb_per_epoch(self.rss_mb_history, self.window_epochs, self.min_growth_mb_per_epoch)

@@ -12,9 +12,8 @@ import os
 from typing import Any, Dict, Optional
 
 import keras
-import tensorflow as tf
 
-from keras_scale.distribute import is_chief
+from keras_scale.callbacks._scalars import ChiefScalars
 
 __all__ = ["LearningRateLogger"]
 
@@ -35,21 +34,18 @@ class LearningRateLogger(keras.callbacks.Callback):
             raise ValueError(f"every_n_steps must be an integer >= 1, got {every_n_steps!r}")
         self.log_dir = os.fspath(log_dir)
         self.every_n_steps = every_n_steps
-        self._writer: Any = None
+        self._scalars: Any = None
 
     def on_train_begin(self, logs: Optional[Dict] = None) -> None:
-        if is_chief(self.model.distribute_strategy):
-            self._writer = tf.summary.create_file_writer(os.path.join(self.log_dir, "learning_rate"))
+        self._scalars = ChiefScalars(self.log_dir, "learning_rate", self.model.distribute_strategy)
 
     def on_train_batch_begin(self, batch: int, logs: Optional[Dict] = None) -> None:
-        if self._writer is None:
+        if self._scalars is None or not self._scalars.active:
             return
         step = int(self.model.optimizer.iterations.numpy())
         if step % self.every_n_steps == 0:
-            with self._writer.as_default():
-                tf.summary.scalar("learning_rate", float(self.model.optimizer.learning_rate), step=step)
+            self._scalars.write({"learning_rate": float(self.model.optimizer.learning_rate)}, step=step, flush=False)
 
     def on_train_end(self, logs: Optional[Dict] = None) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        if self._scalars is not None:
+            self._scalars.close()

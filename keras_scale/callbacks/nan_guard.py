@@ -15,7 +15,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Dict, List, Optional
 
 import keras
@@ -23,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_scale import step as step_lib
-from keras_scale.distribute import is_chief
+from keras_scale.callbacks._scalars import ChiefScalars
 from keras_scale.schedules import scale_learning_rate
 
 __all__ = ["NanGuard", "NanReport", "NanGuardGaveUp"]
@@ -133,7 +132,7 @@ class NanGuard(keras.callbacks.Callback):
         self._epoch_start_skipped = 0
         self._snapshot: Optional[List[np.ndarray]] = None
         self._snapshot_step = -1
-        self._writer = None
+        self._scalars: Optional[ChiefScalars] = None
 
     # ------------------------------------------------------------------ hooks
     def set_model(self, model: keras.Model) -> None:
@@ -151,8 +150,7 @@ class NanGuard(keras.callbacks.Callback):
         self.skipped_steps = int(step.skipped_steps.numpy())
         step.incidents.assign(0)
         step.halted.assign(0)
-        if self.log_dir and is_chief(self.model.distribute_strategy):
-            self._writer = tf.summary.create_file_writer(os.path.join(self.log_dir, "nan_guard"))
+        self._scalars = ChiefScalars(self.log_dir, "nan_guard", self.model.distribute_strategy)
         if self.policy == "rollback" and self._checkpoint is None:
             self._take_snapshot()
 
@@ -170,11 +168,9 @@ class NanGuard(keras.callbacks.Callback):
         total = int(self._step.skipped_steps.numpy())
         if logs is not None:
             logs["nan_skipped"] = total - self._epoch_start_skipped
-        if self._writer is not None:
-            with self._writer.as_default():
-                tf.summary.scalar("nan_guard/skipped_steps", total, step=epoch)
-                tf.summary.scalar("nan_guard/skipped_steps_epoch", total - self._epoch_start_skipped, step=epoch)
-            self._writer.flush()
+        if self._scalars is not None:
+            self._scalars.write({"nan_guard/skipped_steps": total,
+                                 "nan_guard/skipped_steps_epoch": total - self._epoch_start_skipped}, step=epoch)
 
     def on_train_end(self, logs: Optional[Dict] = None) -> None:
         self._check(final=True)
@@ -183,9 +179,8 @@ class NanGuard(keras.callbacks.Callback):
         self._step.configure(guard=False, halt_after_consecutive=0)
         step_lib.uninstall(self.model)
         self.model.train_function = None
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        if self._scalars is not None:
+            self._scalars.close()
 
     # ------------------------------------------------------------------ logic
     @property
