@@ -19,18 +19,14 @@ from typing import Any, Dict, Optional
 import keras
 import tensorflow as tf
 
+from keras_scale._validate import check_int
 from keras_scale.step import get_step
 
 __all__ = ["AccumulatingModel", "wrap", "unwrap"]
 
 
 def _check_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"{name} must be an integer >= 1, got {value!r}. "
-            f"Example: keras_scale.wrap(model, {name}={4 if name == 'accum' else 32})."
-        )
-    return value
+    return check_int(name, value, hint=f"Example: keras_scale.wrap(model, {name}={4 if name == 'accum' else 32}).")
 
 
 @keras.saving.register_keras_serializable(package="keras_scale")

@@ -26,6 +26,8 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import tensorflow as tf
+
+from keras_scale._validate import check_int
 from tensorflow.core.framework import dataset_options_pb2
 from tensorflow.python.framework import op_def_registry
 
@@ -448,8 +450,7 @@ def check(
     _require_dataset(dataset, "check")
     if num_replicas is None:
         num_replicas = _default_num_replicas()
-    if isinstance(num_replicas, bool) or int(num_replicas) != num_replicas or num_replicas < 1:
-        raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}")
+    check_int("num_replicas", num_replicas)
     if not 0 < min_shuffle_fraction <= 1:
         raise ValueError(f"min_shuffle_fraction must be in (0, 1], got {min_shuffle_fraction!r}")
     if cache_max_bytes < 0:
@@ -677,10 +678,8 @@ def benchmark(dataset: tf.data.Dataset, num_steps: int = 100, warmup_steps: int 
         True
     """
     _require_dataset(dataset, "benchmark")
-    if isinstance(num_steps, bool) or int(num_steps) != num_steps or num_steps < 1:
-        raise ValueError(f"num_steps must be an integer >= 1 (batches to time), got {num_steps!r}")
-    if isinstance(warmup_steps, bool) or int(warmup_steps) != warmup_steps or warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+    check_int("num_steps", num_steps, hint="It is how many batches to time.")
+    check_int("warmup_steps", warmup_steps, 0)
     iterator = iter(dataset)
     warmed = 0
     for _ in range(warmup_steps):

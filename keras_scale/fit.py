@@ -27,6 +27,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_scale._validate import check_int
 from keras_scale.distribute import choose_strategy, is_chief, patch_keras_multi_worker, strategy_name
 
 __all__ = ["fit", "batch_arithmetic", "prepare_dataset"]
@@ -44,9 +45,7 @@ _WORKER_FAILURE_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceeded
 # --------------------------------------------------------------------------------------------------------------
 
 def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return int(value)
+    return check_int(name, value)
 
 
 def batch_arithmetic(num_replicas: int, per_replica_batch_size: Optional[int] = None,

@@ -35,6 +35,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_scale._validate import check_int
 from keras_scale.distribute import is_chief
 
 __all__ = ["compare_xla", "compare_precision", "LeverRun", "LeverComparison"]
@@ -290,10 +291,8 @@ def _compare(lever: str, baseline: LeverRun, candidate: LeverRun, loss_rtol: flo
 
 
 def _check_common(steps: Any, batch_size: Any, loss_rtol: Any) -> None:
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 3:
-        raise ValueError(f"steps must be an integer >= 3 (steps timed after the compile step), got {steps!r}.")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
+    check_int("steps", steps, 3, hint="It counts the steps timed after the compile step.")
+    check_int("batch_size", batch_size)
     if not isinstance(loss_rtol, (int, float)) or loss_rtol <= 0:
         raise ValueError(f"loss_rtol must be a number > 0 (e.g. 0.01 for 1%), got {loss_rtol!r}.")
 

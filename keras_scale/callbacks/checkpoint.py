@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import keras
 import tensorflow as tf
 
+from keras_scale._validate import check_int
 from keras_scale.distribute import is_chief
 
 __all__ = ["ChiefCheckpoint", "CheckpointMismatchError", "list_checkpoints"]
@@ -159,8 +160,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                 f"save_freq must be 'epoch' or a positive number of batches, got {save_freq!r}. "
                 "Example: save_freq=1000 saves every 1000 batches."
             )
-        if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1:
-            raise ValueError(f"max_to_keep must be an integer >= 1, got {max_to_keep!r}")
+        check_int("max_to_keep", max_to_keep, owner="ChiefCheckpoint")
         if keep_every_n_hours is not None and not (float(keep_every_n_hours) > 0):
             raise ValueError(f"keep_every_n_hours must be > 0 hours or None, got {keep_every_n_hours!r}")
         self.directory = os.fspath(directory)

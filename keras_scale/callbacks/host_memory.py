@@ -6,6 +6,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import keras
 
+from keras_scale._validate import check_int, check_number
 from keras_scale.callbacks._scalars import ChiefScalars
 
 __all__ = ["HostMemoryWatch", "HostMemoryGrowthWarning", "steady_growth_mb_per_epoch", "host_rss_mb"]
@@ -60,11 +61,9 @@ def steady_growth_mb_per_epoch(rss_mb: Sequence[float], window_epochs: int, min_
 
 
 def _check(name: str, value: Any, minimum: float, integer: bool) -> Any:
-    bad = isinstance(value, bool) or not isinstance(value, (int,) if integer else (int, float))
-    if bad or value < minimum:
-        kind = "an integer" if integer else "a number"
-        raise ValueError(f"HostMemoryWatch: {name} must be {kind} >= {minimum}, got {value!r}.")
-    return value
+    if integer:
+        return check_int(name, value, int(minimum), owner="HostMemoryWatch")
+    return check_number(name, value, minimum, owner="HostMemoryWatch")
 
 
 class HostMemoryWatch(keras.callbacks.Callback):

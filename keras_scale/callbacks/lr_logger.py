@@ -13,6 +13,7 @@ from typing import Any, Dict, Optional
 
 import keras
 
+from keras_scale._validate import check_int
 from keras_scale.callbacks._scalars import ChiefScalars
 
 __all__ = ["LearningRateLogger"]
@@ -30,10 +31,8 @@ class LearningRateLogger(keras.callbacks.Callback):
 
     def __init__(self, log_dir: str, every_n_steps: int = 1) -> None:
         super().__init__()
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be an integer >= 1, got {every_n_steps!r}")
         self.log_dir = os.fspath(log_dir)
-        self.every_n_steps = every_n_steps
+        self.every_n_steps = check_int("every_n_steps", every_n_steps)
         self._scalars: Any = None
 
     def on_train_begin(self, logs: Optional[Dict] = None) -> None:

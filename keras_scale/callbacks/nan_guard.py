@@ -22,6 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_scale import step as step_lib
+from keras_scale._validate import check_int
 from keras_scale.callbacks._scalars import ChiefScalars
 from keras_scale.schedules import scale_learning_rate
 
@@ -112,8 +113,7 @@ class NanGuard(keras.callbacks.Callback):
         for name, value in (("max_consecutive", max_consecutive), ("max_rollbacks", max_rollbacks),
                             ("snapshot_every_n_steps", snapshot_every_n_steps),
                             ("check_every_n_steps", check_every_n_steps)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            check_int(name, value, owner="NanGuard")
         if not (isinstance(lr_factor, (int, float)) and 0 < lr_factor <= 1):
             raise ValueError(f"lr_factor must be in (0, 1] (the LR is multiplied by it at a rollback), got {lr_factor!r}")
         self.policy = policy

@@ -9,15 +9,14 @@ from typing import Dict, Optional
 import keras
 import tensorflow as tf
 
+from keras_scale._validate import check_int
 from keras_scale.distribute import is_chief
 
 __all__ = ["ProfileWindow"]
 
 
 def _check_int(name: str, value, minimum: int, hint: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}. {hint}")
-    return int(value)
+    return check_int(name, value, minimum, hint)
 
 
 def _capture_dirs(log_dir: str) -> Dict[str, float]:
