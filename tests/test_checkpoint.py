@@ -63,6 +63,17 @@ def fit(model, callbacks, epochs=3, **kw):
     return model.fit(X, Y, epochs=epochs, verbose=0, callbacks=callbacks, **kw)
 
 
+def damage(directory, number, truncate=False):
+    """Corrupt checkpoint ``number``'s tensor data: flip bytes in its middle, or cut it to a third."""
+    data_file = glob.glob(os.path.join(directory, f"ckpt-{number}.data-*"))[0]
+    with open(data_file, "r+b") as f:
+        if truncate:
+            f.truncate(os.path.getsize(data_file) // 3)
+        else:
+            f.seek(os.path.getsize(data_file) // 2)
+            f.write(b"\xff\x00\xff\x00\xff\x00\xff\x00")
+
+
 @pytest.fixture(scope="module")
 def reference_weights():
     keras.backend.clear_session()
@@ -194,10 +205,7 @@ def test_resume_of_a_model_built_only_by_its_first_step(tmp_path):
     fit(ref, [])
     d = str(tmp_path / "ckpt")
     fit(model(), [ks.ChiefCheckpoint(d, save_freq=3, verbose=0), StopAfter(13)])
-    data_file = glob.glob(os.path.join(d, "ckpt-13.data-*"))[0]
-    with open(data_file, "r+b") as f:  # and the newest one is damaged
-        f.seek(os.path.getsize(data_file) // 2)
-        f.write(b"\xff\x00\xff\x00\xff\x00\xff\x00")
+    damage(d, 13)  # and the newest one is damaged
     resumed = model()
     ckpt = ks.ChiefCheckpoint(d, save_freq=3, verbose=0)
     with pytest.warns(RuntimeWarning, match=r"ckpt-13.*Resumed from .*ckpt-12"):
@@ -216,10 +224,7 @@ def test_corrupt_newest_checkpoint_is_reported_and_the_previous_one_used(tmp_pat
             snapshots[len(snapshots) + 1] = weights(self.model)
 
     fit(make_model(), [ks.ChiefCheckpoint(d, save_freq=2, verbose=0), Snapshot(), StopAfter(6)], epochs=1)
-    data_file = glob.glob(os.path.join(d, "ckpt-6.data-*"))[0]
-    with open(data_file, "r+b") as f:  # flip bytes in the middle of the tensor data
-        f.seek(os.path.getsize(data_file) // 2)
-        f.write(b"\xff\x00\xff\x00\xff\x00\xff\x00")
+    damage(d, 6)
 
     resumed = make_model()
     ckpt = ks.ChiefCheckpoint(d, save_freq=2, verbose=0)
@@ -242,9 +247,7 @@ def test_truncated_newest_and_a_lost_state_file_fall_back(tmp_path, state_file):
         os.remove(os.path.join(d, "checkpoint"))
     else:
         open(os.path.join(d, "checkpoint"), "w").close()
-    data_file = glob.glob(os.path.join(d, "ckpt-6.data-*"))[0]
-    with open(data_file, "r+b") as f:
-        f.truncate(os.path.getsize(data_file) // 3)
+    damage(d, 6, truncate=True)
     ckpt = ks.ChiefCheckpoint(d, save_freq=2, verbose=0)
     with pytest.warns(RuntimeWarning) as record:
         fit(make_model(), [ckpt, StopAfter(5)], epochs=1)
