@@ -321,8 +321,9 @@ def _compile_like(target: keras.Model, source: keras.Model) -> None:
 
 
 def _has_plain_batchnorm(model: keras.Model) -> bool:
-    return any(isinstance(layer, keras.layers.BatchNormalization) and not getattr(layer, "synchronized", False)
-               for layer in model._flatten_layers(include_self=False, recursive=True))
+    from keras_scale.sync_bn import batchnorm_layers
+
+    return any(not getattr(layer, "synchronized", False) for layer in batchnorm_layers(model))
 
 
 def _apply_sync_bn(model: keras.Model, sync_bn: Any, replicas: int, per_replica: int, strategy: Any,

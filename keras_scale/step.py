@@ -33,6 +33,8 @@ import tensorflow as tf
 from keras.src.losses import loss as keras_loss
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from keras_scale.sync_bn import batchnorm_layers
+
 __all__ = ["ComposedStep", "get_step", "install", "uninstall", "state_variables", "DIAG_CAPACITY"]
 
 _STEP_ATTR = "_keras_scale_step"
@@ -76,10 +78,7 @@ def _optimizer_without_all_reduce(optimizer: Any):
 
 
 def _has_synchronized_batchnorm(model: keras.Model) -> bool:
-    for layer in model._flatten_layers(include_self=False, recursive=True):
-        if isinstance(layer, keras.layers.BatchNormalization) and getattr(layer, "synchronized", False):
-            return True
-    return False
+    return any(getattr(layer, "synchronized", False) for layer in batchnorm_layers(model))
 
 
 def _split_bounds(batch_size: tf.Tensor, num_micro: tf.Tensor, k: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
