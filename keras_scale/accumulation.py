@@ -20,6 +20,7 @@ import keras
 import tensorflow as tf
 
 from keras_scale._validate import check_int
+from keras_scale import lifecycle
 from keras_scale.step import get_step
 
 __all__ = ["AccumulatingModel", "wrap", "unwrap"]
@@ -83,19 +84,27 @@ class AccumulatingModel(keras.Model):
     def train_step(self, data: Any) -> Dict[str, Any]:
         return get_step(self).train_step(data)
 
+    def make_train_function(self, force: bool = False) -> Any:
+        # a fit starts: undo what a died fit left, then the composed function for this fit's parts (cached)
+        lifecycle.fit_starts(self)
+        return get_step(self).place_train_function(force)
+
     def fit(self, x: Any = None, y: Any = None, batch_size: Optional[int] = None, **kwargs: Any) -> Any:
         self._check_batch_size(x, batch_size)
         return super().fit(x, y, batch_size=batch_size, **kwargs)
 
     def _check_batch_size(self, x: Any, batch_size: Optional[int]) -> None:
-        """Fail at fit start (not mid-epoch) when the per-replica batch cannot hold ``accum`` micro-batches."""
-        if self.accum is None:
-            return
-        if batch_size is None and isinstance(x, tf.data.Dataset):
-            dims = [s.shape[0] for s in tf.nest.flatten(x.element_spec) if getattr(s, "shape", None) is not None
-                    and s.shape.rank]
-            batch_size = dims[0] if dims and dims[0] is not None else None
-        if batch_size is None:
+        """Fail at fit start (not mid-epoch): an unbatched dataset, or a per-replica batch smaller than ``accum``."""
+        if isinstance(x, tf.data.Dataset):
+            specs = [s for s in tf.nest.flatten(x.element_spec) if getattr(s, "shape", None) is not None]
+            if any(s.shape.rank == 0 for s in specs):
+                raise ValueError(
+                    "keras_scale.wrap splits each batch into micro-batches, but this dataset yields single samples "
+                    f"(element_spec {x.element_spec}): batch your dataset first, e.g. ds.batch(64).")
+            if batch_size is None:
+                dims = [s.shape[0] for s in specs if s.shape.rank]
+                batch_size = dims[0] if dims and dims[0] is not None else None
+        if self.accum is None or batch_size is None:
             return
         replicas = self.distribute_strategy.num_replicas_in_sync
         if batch_size // replicas < self.accum:

@@ -161,9 +161,10 @@ def keras_internals_report() -> dict:
 def patch_keras_multi_worker() -> bool:
     """Make Keras's own ``model.fit`` / ``evaluate`` work under ``MultiWorkerMirroredStrategy`` (idempotent).
 
-    Fixes the two crashes of keras-team/keras#20585 in the TensorFlow trainer, only for the multi-worker case:
-    the symbolic build uses one local replica's data batch instead of reducing it, and metric results are
-    averaged across replicas with ``axis=None`` instead of ``axis=0``. Single-process behaviour is unchanged.
+    Fixes the two crashes of keras-team/keras#20585 in the TensorFlow trainer: the symbolic build uses one local
+    replica's data batch instead of reducing it (multi-worker, and MirroredStrategy whose first validation batch
+    does not split evenly over the replicas), and multi-worker metric results are averaged across replicas with
+    ``axis=None`` instead of ``axis=0``. Single-device behaviour is unchanged.
 
     Guarded: it patches only the TensorFlow backend of Keras >= 3.0 whose sources still contain the crashing calls
     (see :func:`keras_internals_report`); on a newer Keras that no longer has them it does nothing and says why.
@@ -208,7 +209,7 @@ def patch_keras_multi_worker() -> bool:
             f"Keras {report['keras_version']} changed {report['changed']} (the crashing calls are gone); "
             "not patching. If multi-worker fit still fails, update keras_scale."
         )
-        log.info(_patch_state["reason"])
+        warnings.warn(_patch_state["reason"], RuntimeWarning, stacklevel=2)
         return False
     if version > _KERAS_PATCH_TESTED_MAX:
         log.info("Keras %s is newer than the newest version the multi-worker fix was tested on (%d.%d); "
@@ -221,18 +222,20 @@ def patch_keras_multi_worker() -> bool:
 
     original_reduce = tf_trainer.reduce_per_replica
     original_build = tf_trainer.TensorFlowTrainer._maybe_symbolic_build
-    is_multi_worker = tf_trainer._collective_all_reduce_multi_worker
+    keras_is_multi_worker = tf_trainer._collective_all_reduce_multi_worker
 
     @functools.wraps(original_reduce)
     def reduce_per_replica(values, strategy, reduction):
-        if reduction in ("auto", "mean") and is_multi_worker(strategy):
+        if reduction in ("auto", "mean") and keras_is_multi_worker(strategy):
             return tree.map_structure(lambda v: strategy.reduce("MEAN", v, axis=None), values)
         return original_reduce(values, strategy, reduction)
 
     @functools.wraps(original_build)
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # multi-worker: reducing a PerReplica batch crashes (#20585); MirroredStrategy: it crashes when the first
+        # (validation) batch does not split evenly over the replicas (AddN shape mismatch). Only shapes matter here.
         strategy = self._distribute_strategy
-        if strategy is None or iterator is None or not is_multi_worker(strategy):
+        if strategy is None or iterator is None or strategy.num_replicas_in_sync < 2:
             return original_build(self, iterator=iterator, data_batch=data_batch)
         for _, _, it in iterator:
             batch = next(it)
@@ -250,6 +253,60 @@ def patch_keras_multi_worker() -> bool:
     _patch_state.update(applied=True, reason=f"patched Keras {report['keras_version']} (keras-team/keras#20585)")
     log.debug(_patch_state["reason"])
     return True
+
+
+def require_keras_multi_worker_fix(strategy: Any) -> None:
+    """Apply :func:`patch_keras_multi_worker` for a multi-worker ``strategy``; raise with the reason if it cannot.
+
+    Without the fix Keras's ``fit`` crashes under ``MultiWorkerMirroredStrategy`` (keras-team/keras#20585), so
+    failing here, at fit start, with why, beats a crash deep in Keras.
+
+    Example:
+        >>> require_keras_multi_worker_fix(tf.distribute.get_strategy())   # single process: nothing to do
+    """
+    if not is_multi_worker(strategy):
+        patch_keras_multi_worker()  # also fixes MirroredStrategy's uneven first validation batch
+        return
+    if not patch_keras_multi_worker():
+        raise RuntimeError(
+            f"keras_scale cannot train under MultiWorkerMirroredStrategy with this Keras: the fix for "
+            f"keras-team/keras#20585 is not in place ({_patch_state['reason']}). Use a Keras version keras_scale "
+            f"supports (see `keras-scale doctor`), or update keras_scale.")
+
+
+def is_multi_worker(strategy: Any) -> bool:
+    """True for a strategy that spans several processes (``MultiWorkerMirroredStrategy``).
+
+    Example:
+        >>> is_multi_worker(tf.distribute.get_strategy())
+        False
+    """
+    import tensorflow as tf
+
+    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) or bool(
+        getattr(getattr(strategy, "extended", None), "_in_multi_worker_mode", lambda: False)())
+
+
+def chief_print(message: str, strategy: Any = None, verbose: int = 1, incident: bool = False) -> None:
+    """Print ``message`` once per job: in the chief only, and only when ``verbose``.
+
+    Routine messages go through Keras's ``io_utils.print_msg`` (stdout, or absl logging when Keras's interactive
+    logging is off); an ``incident`` (a skipped NaN step, a fallback) goes to stderr.
+
+    Example:
+        >>> chief_print("checkpoint saved", verbose=1)
+        checkpoint saved
+    """
+    if not verbose or not is_chief(strategy):
+        return
+    if incident:
+        import sys
+
+        print(message, file=sys.stderr, flush=True)
+        return
+    from keras.src.utils import io_utils
+
+    io_utils.print_msg(message)
 
 
 # --------------------------------------------------------------------------------------------------------------

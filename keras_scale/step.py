@@ -3,30 +3,38 @@
 Parts, each switched on by the piece that needs it and otherwise free:
 
 - **accumulation** (``keras_scale.wrap``): split the batch ``fit`` delivers into micro-batches, run
-  forward+backward on one micro-batch at a time, sum the sample-weighted gradients;
-- **one all-reduce per update**: the accumulated gradients (plus one "loss was non-finite" flag) are
-  all-reduced once, then handed to the optimizer with its own all-reduce switched off, so clipping,
-  weight decay, EMA and loss scaling see the global gradient, exactly as on one device;
+  forward+backward on one micro-batch at a time, sum the gradients;
+- **one all-reduce per update**: the accumulated gradients (plus a "loss was non-finite" flag and the batch's
+  loss normaliser) are all-reduced once, then handed to the optimizer with its own all-reduce switched off, so
+  clipping, weight decay, EMA and loss scaling see the global gradient, exactly as on one device. The gradient
+  is the global mean: each micro-batch on each replica is weighted by its share of the global normaliser (its
+  samples, or its valid mask entries for a masked single-output model), so uneven last batches, uneven
+  replicas and masks give the big-batch gradient;
 - **non-finite guard** (``keras_scale.NanGuard``): a step whose loss or gradients are not finite applies no
   update at all (no optimizer moment, no ``iterations`` bump, BatchNorm statistics restored); every replica
   takes the same decision because it is made on reduced values; counters and a diagnosis of the first bad
-  step live in variables, read by the host only when it wants to (no per-step sync);
+  step live in variables; the epoch's count comes back in the step's logs (``nan_skipped``), which Keras
+  already brings to the host, so no extra read per step. A model with its own ``train_step`` is guarded at its
+  optimizer's ``apply`` instead (where optax's ``apply_if_finite`` sits);
 - **loss scaling**: a ``LossScaleOptimizer`` scales each micro-batch, unscales once, and makes one
   finite/non-finite decision per update.
 
-Callbacks never re-implement ``train_step``: they call :func:`get_step` and switch parts on.
+Callbacks never re-implement ``train_step``: they call :func:`get_step` and ask for parts for the fit being set
+up (:meth:`ComposedStep.request`); :mod:`keras_scale.lifecycle` withdraws the request when that fit ends,
+however it ends. The traced train function is cached per configuration, so switching a part on and off again
+between fits does not re-trace, and a model left with no request gets Keras's own train function back.
 
 Example:
-    >>> from keras_scale.step import get_step, install
-    >>> step = install(model)              # plain model: its train_step becomes the composed step
-    >>> step.configure(guard=True)         # what NanGuard does
-    >>> model.make_train_function(force=True)
+    >>> from keras_scale.step import get_step
+    >>> step = get_step(model)
+    >>> step.request(owner=my_callback, guard=True)   # from my_callback.set_model; withdrawn at the fit's end
 """
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Any, Dict, List, Optional, Tuple
+import threading
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import keras
 import tensorflow as tf
@@ -35,10 +43,18 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_scale.sync_bn import batchnorm_layers
 
-__all__ = ["ComposedStep", "get_step", "install", "uninstall", "state_variables", "DIAG_CAPACITY"]
+__all__ = ["ComposedStep", "get_step", "make_train_function", "rebuild", "state_variables", "inner_optimizer",
+           "is_loss_scaled", "DIAG_CAPACITY", "SKIPPED_LOG_KEY"]
 
 _STEP_ATTR = "_keras_scale_step"
 DIAG_CAPACITY = 4096  # slots of the first-bad-step diagnosis vector
+SKIPPED_LOG_KEY = "nan_skipped"  # the step's logs: non-finite steps skipped so far in this epoch
+_LOSS_SCALE_FLOOR = 1.0  # an fp16 overflow at a loss scale <= this is not the scaler's business any more
+
+# Per thread (MirroredStrategy runs each replica in its own thread): what the composed step asks the optimizer
+# to do while it traces. Nothing shared is mutated from replica threads.
+_LOCAL = threading.local()
+_INSTALL_LOCK = threading.Lock()
 
 
 def _flat(structure: Any) -> List[Any]:
@@ -46,45 +62,117 @@ def _flat(structure: Any) -> List[Any]:
 
 
 def _nonfinite_count(t: Any) -> tf.Tensor:
+    if isinstance(t, tf.IndexedSlices):
+        t = t.values
     t = tf.convert_to_tensor(t)
     if not (t.dtype.is_floating or t.dtype.is_complex):
         return tf.constant(0.0)
     return tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(t)), tf.float32))
 
 
-def _inner_optimizer(optimizer: Any) -> Any:
+def _dense(g: Any) -> Any:
+    return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+
+
+def inner_optimizer(optimizer: Any) -> Any:
+    """The optimizer that owns the update: a ``LossScaleOptimizer``'s inner optimizer, else ``optimizer``.
+
+    Example:
+        >>> inner_optimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())).__class__.__name__
+        'SGD'
+    """
     return getattr(optimizer, "inner_optimizer", optimizer)
 
 
 def is_loss_scaled(optimizer: Any) -> bool:
-    """True for Keras's ``LossScaleOptimizer`` (mixed_float16)."""
+    """True for Keras's ``LossScaleOptimizer`` (mixed_float16).
+
+    Example:
+        >>> is_loss_scaled(keras.optimizers.SGD())
+        False
+    """
     return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
 
-@contextlib.contextmanager
-def _optimizer_without_all_reduce(optimizer: Any):
-    """While tracing, make the (inner) optimizer take already all-reduced gradients as they are."""
-    inner = _inner_optimizer(optimizer)
-    had = "_all_reduce_sum_gradients" in vars(inner)
-    previous = vars(inner).get("_all_reduce_sum_gradients")
-    object.__setattr__(inner, "_all_reduce_sum_gradients", lambda grads_and_vars: list(grads_and_vars))
-    try:
-        yield
-    finally:
-        if had:
-            object.__setattr__(inner, "_all_reduce_sum_gradients", previous)
-        else:
-            object.__delattr__(inner, "_all_reduce_sum_gradients")
+# ---------------------------------------------------------------- the two optimizer switches (installed once,
+# from the main thread, transparent unless the tracing thread asks)
+def _install_optimizer_switches(optimizer: Any) -> None:
+    """Let the tracing thread (1) hand already-reduced gradients to the optimizer, (2) guard a foreign step.
+
+    Installed once per optimizer from the main thread, never removed; both forward to Keras's own methods
+    unless the composed step switched them on in the current thread while tracing.
+    """
+    inner = inner_optimizer(optimizer)
+    with _INSTALL_LOCK:
+        if "_keras_scale_switches" not in vars(inner):
+            keras_reduce = type(inner)._all_reduce_sum_gradients
+
+            def _all_reduce_sum_gradients(grads_and_vars):
+                if getattr(_LOCAL, "already_reduced", False):
+                    return list(grads_and_vars)
+                return keras_reduce(inner, grads_and_vars)
+
+            object.__setattr__(inner, "_all_reduce_sum_gradients", _all_reduce_sum_gradients)
+            object.__setattr__(inner, "_keras_scale_switches", True)
+        if "_keras_scale_guarded_apply" not in vars(optimizer):
+            keras_apply = type(optimizer).apply
+
+            def apply(grads, trainable_variables=None):
+                step = getattr(_LOCAL, "guarding", None)
+                if step is None:
+                    return keras_apply(optimizer, grads, trainable_variables)
+                return step._guarded_foreign_apply(
+                    lambda g: keras_apply(optimizer, g, trainable_variables), optimizer, grads,
+                    trainable_variables)
+
+            object.__setattr__(optimizer, "apply", apply)
+            object.__setattr__(optimizer, "_keras_scale_guarded_apply", True)
+
+
+class _ThreadFlag:
+    def __init__(self, name: str, value: Any) -> None:
+        self.name, self.value = name, value
+
+    def __enter__(self) -> None:
+        self.previous = getattr(_LOCAL, self.name, None)
+        setattr(_LOCAL, self.name, self.value)
+
+    def __exit__(self, *exc: Any) -> None:
+        setattr(_LOCAL, self.name, self.previous)
 
 
 def _has_synchronized_batchnorm(model: keras.Model) -> bool:
     return any(getattr(layer, "synchronized", False) for layer in batchnorm_layers(model))
 
 
+def has_own_train_step(model: keras.Model) -> bool:
+    """True when ``model``'s class overrides ``train_step`` (GANs, most "customizing fit" examples).
+
+    Example:
+        >>> has_own_train_step(keras.Sequential([keras.layers.Dense(1)]))
+        False
+    """
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    return getattr(type(model), "train_step", None) is not TensorFlowTrainer.train_step
+
+
+def has_own_compute_loss(model: keras.Model) -> bool:
+    """True when ``model``'s class overrides ``compute_loss``.
+
+    Example:
+        >>> has_own_compute_loss(keras.Sequential([keras.layers.Dense(1)]))
+        False
+    """
+    from keras.src.trainers.trainer import Trainer
+
+    return getattr(type(model), "compute_loss", None) is not Trainer.compute_loss
+
+
 def _split_bounds(batch_size: tf.Tensor, num_micro: tf.Tensor, k: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
     """Start and size of micro-batch ``k`` when ``batch_size`` is split into ``num_micro`` near-equal parts."""
-    base = batch_size // num_micro
-    rem = batch_size % num_micro
+    base = batch_size // tf.maximum(num_micro, 1)
+    rem = batch_size % tf.maximum(num_micro, 1)
     start = k * base + tf.minimum(k, rem)
     size = base + tf.cast(k < rem, batch_size.dtype)
     return start, size
@@ -94,16 +182,46 @@ def _slice(structure: Any, start: tf.Tensor, size: tf.Tensor) -> Any:
     return tf.nest.map_structure(lambda t: None if t is None else t[start:start + size], structure)
 
 
+_SUPPORTED_STRATEGIES = ("_DefaultDistributionStrategy", "OneDeviceStrategy", "OneDeviceStrategyV1",
+                         "MirroredStrategy", "MirroredStrategyV1", "MultiWorkerMirroredStrategy",
+                         "CollectiveAllReduceStrategy", "CollectiveAllReduceStrategyV1",
+                         "_CollectiveAllReduceStrategyExperimental")
+
+
+def check_supported(model: keras.Model) -> None:
+    """Refuse, with the fix, what the composed step cannot train exactly (called at fit start).
+
+    Example:
+        >>> check_supported(model)   # raises ValueError for e.g. CentralStorageStrategy
+    """
+    strategy = model.distribute_strategy
+    name = type(strategy).__name__
+    if name not in _SUPPORTED_STRATEGIES:
+        raise ValueError(
+            f"keras_scale (NanGuard, wrap, ks.fit) supports the default strategy, OneDeviceStrategy, "
+            f"MirroredStrategy and MultiWorkerMirroredStrategy; this model trains under {name}. Use one of those "
+            f"(ks.choose_strategy() picks one), or train without wrap/NanGuard.")
+    optimizer = model.optimizer
+    if optimizer is not None and getattr(inner_optimizer(optimizer), "gradient_accumulation_steps", None):
+        raise ValueError(
+            f"the optimizer uses Keras's own gradient_accumulation_steps="
+            f"{inner_optimizer(optimizer).gradient_accumulation_steps}, which keras_scale's step cannot combine "
+            f"with (and which crashes under MirroredStrategy). Remove it and use keras_scale.wrap(model, "
+            f"accum={inner_optimizer(optimizer).gradient_accumulation_steps}) instead: one update per batch, "
+            f"exact.")
+
+
 class ComposedStep:
     """The composed train step of one model, and the state of its parts.
 
-    Created by :func:`get_step` (which attaches it to the model); the wrapper from ``keras_scale.wrap`` and
-    the callbacks configure it. Its variables (counters, halt flag, diagnosis) are returned by
-    :meth:`variables` so checkpoints carry them.
+    Created by :func:`get_step` (which attaches it to the model); the wrapper from ``keras_scale.wrap``
+    configures accumulation, callbacks :meth:`request` parts for one fit. Its checkpointed state is
+    :meth:`variables` (the skipped-step count); transient state (halt flag, consecutive bad steps, pending
+    incidents) is reset when a fit starts and never checkpointed.
 
     Example:
         >>> step = get_step(model)
-        >>> step.configure(accum=4, guard=True)
+        >>> step.configure(accum=4)
         >>> int(step.skipped_steps.numpy())
         0
     """
@@ -112,18 +230,25 @@ class ComposedStep:
         self.model = model
         self.accum: Optional[int] = None
         self.micro_batch_size: Optional[int] = None
+        self.unrolled: Optional[bool] = None  # None: decide (synchronized BN or XLA -> unrolled)
         self.guard = False
         self.halt_after_consecutive = 0  # 0: never halt in-graph; N: stop applying after N bad steps in a row
-        self.unrolled: Optional[bool] = None  # None: decide (synchronized BN or XLA -> unrolled)
+        self._requests: Dict[int, Tuple[bool, int]] = {}
         self.diag_names: List[str] = []
         self.traced_micro_batches: Optional[int] = None  # set while tracing (static count) for tests/benchmarks
+        self.traces = 0  # how many times a train function of this model was traced (tests, benchmarks)
+        self._cache: Dict[Tuple, Tuple[Tuple, Any]] = {}
+        self._plain: Optional[Tuple[Tuple, Any]] = None  # Keras's own train function, kept while ours is in place
+        self._warned: set = set()
+        self._masked = False  # set while tracing: a masked single-output model
         with model.distribute_strategy.scope():
             self.skipped_steps = self._var("skipped_steps", 0, tf.int64)
+            self.epoch_skipped = self._var("epoch_skipped", 0, tf.int64)
             self.consecutive_bad = self._var("consecutive_bad", 0, tf.int64)
             self.halted = self._var("halted", 0, tf.int64)
             self.incidents = self._var("incidents", 0, tf.int64)  # bad steps since the host last looked
             self.diag = self._var("diag", tf.zeros([DIAG_CAPACITY]), tf.float32,
-                                  aggregation=tf.VariableAggregation.SUM)
+                                  aggregation=tf.VariableAggregation.SUM)  # every replica's local counts
 
     @staticmethod
     def _var(name: str, value: Any, dtype: tf.DType,
@@ -131,42 +256,166 @@ class ComposedStep:
         # ON_READ: each replica updates its own copy without a merge_call (legal inside loops and conds);
         # the step updates every copy identically from all-reduced values, so the first replica speaks for all.
         return tf.Variable(value, dtype=dtype, trainable=False, name=f"keras_scale_{name}",
-                           synchronization=tf.VariableSynchronization.ON_READ, aggregation=aggregation)
+                           synchronization=tf.VariableSynchronization.ON_READ,
+                           aggregation=aggregation)
 
     # ---------------------------------------------------------------- configuration
-    def configure(self, accum: Optional[int] = None, micro_batch_size: Optional[int] = None,
-                  guard: Optional[bool] = None, halt_after_consecutive: Optional[int] = None) -> "ComposedStep":
-        """Switch parts on or off; call ``model.make_train_function(force=True)`` afterwards if already traced.
+    def configure(self, accum: Optional[int] = None, micro_batch_size: Optional[int] = None) -> "ComposedStep":
+        """Set accumulation (what ``wrap`` does); takes effect at the next fit (or :func:`rebuild`).
 
         Example:
-            >>> get_step(model).configure(guard=True, halt_after_consecutive=1)
+            >>> get_step(model).configure(accum=4)
         """
         if accum is not None:
             self.accum, self.micro_batch_size = int(accum), None
         if micro_batch_size is not None:
             self.micro_batch_size, self.accum = int(micro_batch_size), None
-        if guard is not None:
-            self.guard = bool(guard)
-        if halt_after_consecutive is not None:
-            self.halt_after_consecutive = int(halt_after_consecutive)
         return self
 
+    def request(self, owner: Any, guard: bool = True, halt_after_consecutive: int = 0) -> None:
+        """``owner`` (a callback, from its ``set_model``) wants the non-finite guard in the fit being set up.
+
+        The owner withdraws it when that fit ends, however it ends: register ``withdraw`` as (part of) its
+        :func:`keras_scale.lifecycle.join` undo.
+
+        Example:
+            >>> lifecycle.join(model, guard_callback, undo=lambda: get_step(model).withdraw(guard_callback))
+            >>> get_step(model).request(guard_callback, guard=True, halt_after_consecutive=1)
+        """
+        self._requests[id(owner)] = (bool(guard), int(halt_after_consecutive))
+        self.reset_transient()
+
+    def withdraw(self, owner: Any) -> None:
+        """Forget ``owner``'s request (the fit it was made for ended).
+
+        Example:
+            >>> get_step(model).withdraw(guard_callback)
+        """
+        self._requests.pop(id(owner), None)
+        self.reset_transient()
+
+    def reset_transient(self) -> None:
+        """Clear the halt flag, the consecutive-bad count and pending incidents (never carried across fits).
+
+        Example:
+            >>> get_step(model).reset_transient()
+        """
+        for var in (self.halted, self.consecutive_bad, self.incidents, self.epoch_skipped):
+            var.assign(0)
+        self.diag.assign(tf.zeros_like(self.diag))
+
+    def _resolve(self) -> None:
+        requests = list(self._requests.values())
+        self.guard = any(g for g, _ in requests)
+        self.halt_after_consecutive = max([h for g, h in requests if g] or [0])
+
     def variables(self) -> Dict[str, tf.Variable]:
-        """The step's state, by name (for checkpoints)."""
-        return {"skipped_steps": self.skipped_steps, "consecutive_bad": self.consecutive_bad,
-                "halted": self.halted}
+        """The step's state to checkpoint, by name (transient guard state is never checkpointed).
+
+        Example:
+            >>> sorted(get_step(model).variables())
+            ['skipped_steps']
+        """
+        return {"skipped_steps": self.skipped_steps}
 
     @property
     def splits(self) -> bool:
         return (self.accum or 1) > 1 or self.micro_batch_size is not None
 
-    # ---------------------------------------------------------------- the step
-    def train_step(self, data: Any) -> Dict[str, Any]:
-        """The train step Keras calls once per replica and batch (installed as ``model.train_step``)."""
+    @property
+    def wrapped(self) -> bool:
+        return bool(getattr(type(self.model), "_keras_scale_composed", False))
+
+    @property
+    def active(self) -> bool:
+        """Whether the model trains with the composed step in the fit being set up."""
+        self._resolve()
+        return self.wrapped or self.guard
+
+    # ---------------------------------------------------------------- train functions (main thread)
+    def _compile_identity(self) -> Tuple:
         model = self.model
+        return (model.optimizer, getattr(model, "_compile_loss", None), getattr(model, "_compile_metrics", None),
+                getattr(model, "_loss_tracker", None), model.steps_per_execution, model.jit_compile,
+                model.run_eagerly, model.distribute_strategy)
+
+    @staticmethod
+    def _same(a: Tuple, b: Tuple) -> bool:
+        return len(a) == len(b) and all(x is y or (isinstance(x, (int, bool)) and x == y) for x, y in zip(a, b))
+
+    def _config(self) -> Tuple:
+        return (self.accum, self.micro_batch_size, self.unrolled, self.guard, self.halt_after_consecutive)
+
+    def _ours(self, fn: Any) -> bool:
+        return fn is not None and any(fn is cached for _, cached in self._cache.values())
+
+    def place_train_function(self, force: bool = False) -> Any:
+        """Put the composed train function for the current configuration in ``model.train_function``.
+
+        Reuses the function traced by an earlier fit with the same configuration and compile state.
+
+        Example:
+            >>> get_step(model).place_train_function()
+        """
+        model = self.model
+        self._resolve()
+        self._check_at_fit_start()
+        identity = self._compile_identity()
+        current = model.train_function
+        if isinstance(current, tf.types.experimental.GenericFunction) and not self._ours(current):
+            self._plain = (identity, current)  # Keras's own: given back when no part is asked for
+        key = self._config()
+        cached = self._cache.get(key)
+        if force or cached is None or not self._same(cached[0], identity):
+            if model.optimizer is not None:
+                _install_optimizer_switches(model.optimizer)
+                if not model.optimizer.built and model.built and model.trainable_variables:
+                    with model.distribute_strategy.scope():  # e.g. a LossScaleOptimizer's dynamic scale
+                        model.optimizer.build(model.trainable_variables)
+            step_fn = self._foreign_train_step if has_own_train_step(model) else self.train_step
+            cached = (identity, _make_keras_function(model, step_fn))
+            self._cache[key] = cached
+        model.train_function = cached[1]
+        return cached[1]
+
+    def give_back_plain(self) -> None:
+        """No part is asked for: give the model Keras's own train function (or None: Keras builds it).
+
+        Example:
+            >>> get_step(model).give_back_plain()
+        """
+        model = self.model
+        if model.train_function is None or self._ours(model.train_function):
+            plain = self._plain
+            model.train_function = plain[1] if plain and self._same(plain[0], self._compile_identity()) else None
+
+    def _check_at_fit_start(self) -> None:
+        model = self.model
+        check_supported(model)
+        if self.wrapped:
+            inner = model.inner
+            if has_own_train_step(inner):
+                raise ValueError(
+                    f"keras_scale.wrap cannot split the batch of {type(inner).__name__}, which defines its own "
+                    f"train_step: the composed step would silently replace it. Train the model unwrapped (NanGuard "
+                    f"still guards it, at its optimizer), or accumulate inside your train_step.")
+            if has_own_compute_loss(inner):
+                raise ValueError(
+                    f"keras_scale.wrap would drop {type(inner).__name__}.compute_loss (the wrapper computes the "
+                    f"compiled loss). Train the model unwrapped, or move the extra loss terms into a layer's "
+                    f"add_loss / the compiled loss.")
+
+    # ---------------------------------------------------------------- the step (replica threads)
+    def train_step(self, data: Any) -> Dict[str, Any]:
+        """The train step Keras calls once per replica and batch."""
+        model = self.model
+        self.traces += 1
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        if self.splits and any(isinstance(t, tf.SparseTensor) for t in tf.nest.flatten((x, y, sample_weight))):
+            raise ValueError(
+                "keras_scale.wrap cannot split SparseTensor inputs into micro-batches. Convert them with "
+                "tf.sparse.to_dense in the input pipeline, or train the model unwrapped.")
         optimizer = model.optimizer
-        trainable = list(model.trainable_weights)
         first = _flat(x)[0]
         batch_size = tf.shape(first)[0]
 
@@ -176,45 +425,121 @@ class ComposedStep:
         with tf.control_dependencies([s for _, s in snapshot]):
             batch_size = tf.identity(batch_size)
 
-        grads, loss_bad, pred_bad = self._accumulate(x, y, sample_weight, batch_size, trainable)
-
-        # ---- one all-reduce for the whole update: gradients + "some replica saw a non-finite loss"
-        present = [i for i, g in enumerate(grads) if g is not None]
-        local = [grads[i] for i in present]
-        ctx = tf.distribute.get_replica_context()
-        if model.distribute_strategy.num_replicas_in_sync > 1 or _is_multi_worker(model.distribute_strategy):
-            reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, local + [loss_bad])
-        else:
-            reduced = local + [loss_bad]
-        reduced_grads: List[Any] = [None] * len(grads)
-        for i, g in zip(present, reduced[:-1]):
-            reduced_grads[i] = g
-        any_loss_bad = reduced[-1] > 0
+        grads, trainable, share, loss_bad, pred_bad = self._accumulate(x, y, sample_weight, batch_size)
+        reduced_grads, any_loss_bad, present, local = self._all_reduce(grads, share, loss_bad, batch_size)
 
         if not self.guard:
-            with _optimizer_without_all_reduce(optimizer):
+            with _ThreadFlag("already_reduced", True):
                 optimizer.apply(reduced_grads, trainable)
-        else:
-            if is_loss_scaled(optimizer):
-                # a gradient overflow is the loss scaler's business (it skips and lowers the scale);
-                # only a non-finite loss is an incident
-                bad = any_loss_bad
+            return model.get_metrics_result()
+
+        bad = self._decide_bad(optimizer, any_loss_bad, [g for g in reduced_grads if g is not None])
+        apply_now = tf.logical_and(tf.logical_not(bad), tf.logical_not(self.halted.read_value() > 0))
+        self._conditional_apply(lambda g: optimizer.apply(g, trainable), reduced_grads, apply_now, snapshot,
+                                already_reduced=True)
+        self._record(bad, x, y, sample_weight, pred_bad, loss_bad, local, present, trainable)
+        return self._logs(model.get_metrics_result())
+
+    def _all_reduce(self, grads: List[Any], share: Optional[tf.Tensor], loss_bad: tf.Tensor,
+                    batch_size: tf.Tensor) -> Tuple[List[Any], tf.Tensor, List[int], List[Any]]:
+        """ONE all-reduce per update: gradients, the non-finite-loss flag and the normaliser; the global mean.
+
+        Each replica holds ``A_r = sum_k f_k grad_k / R`` (``f_k`` a micro-batch's share of the replica's batch,
+        times its valid-mask fraction when masked) and ``N_r = sum_k f_k`` (``None``: exactly 1, no mask). With
+        ``B_r`` samples per replica the big-batch gradient is ``sum_r B_r A_r / (sum_r B_r N_r / R)``, which is
+        Keras's plain sum of ``A_r`` when the replicas' batches are even; uneven last batches (7 samples on 2
+        replicas) get the global mean, not the mean of per-replica means.
+        """
+        present = [i for i, g in enumerate(grads) if g is not None]
+        local = [grads[i] for i in present]
+        replicas = _replicas(self.model.distribute_strategy)
+        reduced_grads: List[Any] = [None] * len(grads)
+        if replicas == 1:
+            for i in present:
+                reduced_grads[i] = grads[i] if share is None else grads[i] * tf.cast(
+                    tf.math.divide_no_nan(1.0, share), grads[i].dtype)
+            return reduced_grads, loss_bad > 0, present, local
+        b = tf.cast(batch_size, tf.float32)
+        weight = b if share is None else b * share
+        payload = [tf.math.multiply_no_nan(_dense(g), tf.cast(b, g.dtype)) for g in local]  # an empty replica adds 0
+        reduced = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM,
+                                                                 payload + [loss_bad, weight])
+        scale = tf.math.divide_no_nan(float(replicas), reduced[-1])
+        for i, g in zip(present, reduced[:-2]):
+            reduced_grads[i] = g * tf.cast(scale, g.dtype)
+        return reduced_grads, reduced[-2] > 0, present, local
+
+    def _foreign_train_step(self, data: Any) -> Dict[str, Any]:
+        """A model with its own ``train_step``: run it; NanGuard's check sits at its optimizer's ``apply``."""
+        self.traces += 1
+        if not self.guard:
+            return self.model.train_step(data)
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        snapshot = [(v, tf.identity(v)) for v in self.model.non_trainable_variables]
+        with _ThreadFlag("guarding", self), _ThreadFlag("foreign_data", (x, y, sample_weight, snapshot)):
+            logs = self.model.train_step(data)
+        return self._logs(logs)
+
+    def _guarded_foreign_apply(self, apply: Callable[[Any], Any], optimizer: Any, grads: Any,
+                               trainable_variables: Any) -> Any:
+        """``optimizer.apply`` inside a guarded foreign step: apply only when every replica's gradient is finite."""
+        grads = list(grads)
+        x, y, sample_weight, snapshot = getattr(_LOCAL, "foreign_data", (None, None, None, []))
+        present = [i for i, g in enumerate(grads) if g is not None]
+        local_bad = tf.add_n([_nonfinite_count(grads[i]) for i in present] or [tf.constant(0.0)])
+        if _replicas(self.model.distribute_strategy) > 1:
+            local_bad = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, local_bad)
+        bad = self._decide_bad(optimizer, tf.constant(False), [], grads_bad=local_bad > 0)
+        apply_now = tf.logical_and(tf.logical_not(bad), tf.logical_not(self.halted.read_value() > 0))
+        with _ThreadFlag("guarding", None):  # the inner apply is Keras's own
+            self._conditional_apply(apply, grads, apply_now, snapshot, already_reduced=False)
+        trainable = list(trainable_variables) if trainable_variables is not None else list(
+            optimizer._trainable_variables)
+        self._record(bad, x, y, sample_weight, tf.constant(0.0), tf.constant(0.0), [grads[i] for i in present],
+                     present, trainable)
+        return optimizer.iterations
+
+    def _logs(self, logs: Any) -> Any:
+        if isinstance(logs, dict):
+            logs = dict(logs)
+            logs[SKIPPED_LOG_KEY] = self.epoch_skipped.read_value()
+        return logs
+
+    def _decide_bad(self, optimizer: Any, any_loss_bad: tf.Tensor, reduced_grads: List[Any],
+                    grads_bad: Optional[tf.Tensor] = None) -> tf.Tensor:
+        if grads_bad is None:
+            grads_ok = tf.reduce_all([tf.reduce_all(tf.math.is_finite(_dense(g))) for g in reduced_grads]
+                                     or [tf.constant(True)])
+            grads_bad = tf.logical_not(grads_ok)
+        if is_loss_scaled(optimizer):
+            # a gradient overflow is the loss scaler's business (it skips and lowers the scale) until the scale
+            # is so low that scaling cannot be the cause: then it is an incident (else the scale collapses
+            # silently and half the updates are dropped)
+            dynamic_scale = getattr(optimizer, "dynamic_scale", None)  # None until the optimizer is built
+            if dynamic_scale is None:
+                grads_bad = tf.constant(False)
             else:
-                grads_ok = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in reduced[:-1]])
-                bad = tf.logical_or(any_loss_bad, tf.logical_not(grads_ok))
-            halted = self.halted.read_value() > 0
-            apply_now = tf.logical_and(tf.logical_not(bad), tf.logical_not(halted))
-            self._conditional_apply(optimizer, reduced_grads, trainable, apply_now, snapshot)
-            self._record(bad, x, y, sample_weight, pred_bad, loss_bad, local, present, trainable)
-        return model.get_metrics_result()
+                grads_bad = tf.logical_and(grads_bad, tf.cast(dynamic_scale, tf.float32) <= _LOSS_SCALE_FLOOR)
+        return tf.logical_or(any_loss_bad, grads_bad)
 
-    def _accumulate(self, x, y, sample_weight, batch_size, trainable):
-        """Sum over micro-batches of ``size_k / batch_size * grad(loss_k)`` (= the big-batch gradient)."""
+    def _accumulate(self, x, y, sample_weight, batch_size):
+        """``sum_k f_k grad(loss_k)`` over micro-batches (``f_k``: the micro-batch's share, see ``_all_reduce``).
+
+        Returns the gradients, the trainable variables, the summed share (``None`` when no output is masked: it
+        is 1), and the non-finite counts of loss and predictions.
+        """
+        model = self.model
+        self._masked = False
         if not self.splits:
-            grads, loss, y_pred = self._micro_step(x, y, sample_weight, batch_size, tf.constant(1.0))
+            grads, share, loss, y_pred = self._micro_step(x, y, sample_weight, batch_size, batch_size)
             self.traced_micro_batches = 1
-            return grads, self._loss_bad(loss), self._pred_bad(y_pred)
+            weighted = self._masked and _replicas(model.distribute_strategy) > 1  # else the share was not applied
+            return (grads, list(model.trainable_weights), share if weighted else None,
+                    self._loss_bad(loss, batch_size), self._pred_bad(y_pred))
 
+        if any(not layer.built for layer in model._flatten_layers()):
+            model(_slice(x, 0, 1), training=False)  # create the variables outside the micro-batch loop
+        trainable = list(model.trainable_weights)
         if self.accum is not None:
             num_micro_static: Optional[int] = self.accum
             # a trailing (or per-replica) batch smaller than accum is split into fewer micro-batches; the
@@ -227,9 +552,9 @@ class ComposedStep:
             num_micro_static = None if static_b is None else int(math.ceil(static_b / mbs))
 
         unrolled = self.unrolled
+        sync_bn = _has_synchronized_batchnorm(model)
         if unrolled is None:
-            unrolled = _has_synchronized_batchnorm(self.model) or bool(self.model.jit_compile)
-        fbatch = tf.cast(batch_size, tf.float32)
+            unrolled = sync_bn or bool(model.jit_compile)
 
         if unrolled:
             if num_micro_static is None:
@@ -237,61 +562,79 @@ class ComposedStep:
                     "keras_scale.wrap(micro_batch_size=...) with synchronized BatchNorm or jit_compile needs a "
                     "static batch size; batch with drop_remainder=True or use wrap(model, accum=N).")
             self.traced_micro_batches = num_micro_static
-            # the unrolled loop has a static number of micro-batches: each must hold at least one sample
-            tf.debugging.assert_greater_equal(
-                batch_size, tf.constant(num_micro_static, batch_size.dtype),
-                message=f"keras_scale.wrap: with synchronized BatchNorm or jit_compile every per-replica batch needs "
-                        f">= {num_micro_static} samples (one per micro-batch); batch with drop_remainder=True.")
-            acc, loss_bad, pred_bad = None, tf.constant(0.0), tf.constant(0.0)
+            if sync_bn:  # its all-reduce cannot sit in a cond: every micro-batch must hold a sample
+                tf.debugging.assert_greater_equal(
+                    batch_size, tf.constant(num_micro_static, batch_size.dtype),
+                    message=f"keras_scale.wrap: with synchronized BatchNorm every per-replica batch needs "
+                            f">= {num_micro_static} samples (one per micro-batch); batch with drop_remainder=True.")
+            acc: List[Any] = [None] * len(trainable)
+            count, loss_bad, pred_bad = tf.constant(0.0), tf.constant(0.0), tf.constant(0.0)
             deps: List[Any] = []
             for k in range(num_micro_static):
                 with tf.control_dependencies(deps):  # one micro-batch's activations alive at a time
                     start, size = _split_bounds(batch_size, num_micro, tf.constant(k, batch_size.dtype))
                     start = tf.identity(start)
-                grads, loss, y_pred = self._micro_step(
-                    _slice(x, start, size), _slice(y, start, size), _slice(sample_weight, start, size),
-                    size, tf.cast(size, tf.float32) / fbatch)
-                acc = grads if acc is None else [
-                    a if g is None else (g if a is None else a + g) for a, g in zip(acc, grads)]
-                loss_bad += self._loss_bad(loss)
-                pred_bad += self._pred_bad(y_pred)
+                grads, c, l_bad, p_bad = self._guarded_micro_step(
+                    _slice(x, start, size), _slice(y, start, size), _slice(sample_weight, start, size), size,
+                    batch_size, trainable, skip_empty=not sync_bn)
+                acc = [a if g is None else (_dense(g) if a is None else a + _dense(g)) for a, g in zip(acc, grads)]
+                count, loss_bad, pred_bad = count + c, loss_bad + l_bad, pred_bad + p_bad
                 deps = [a for a in acc if a is not None]
-            return acc, loss_bad, pred_bad
+            return acc, trainable, count if self._masked else None, loss_bad, pred_bad
 
         self.traced_micro_batches = None  # dynamic (tf.while_loop)
         none_grads: set = set()
 
-        def body(k, acc, loss_bad, pred_bad):
+        def body(k, acc, count, loss_bad, pred_bad):
             start, size = _split_bounds(batch_size, num_micro, k)
-            grads, loss, y_pred = self._micro_step(
-                _slice(x, start, size), _slice(y, start, size), _slice(sample_weight, start, size),
-                size, tf.cast(size, tf.float32) / fbatch)
+            grads, c, loss, y_pred = self._micro_step(
+                _slice(x, start, size), _slice(y, start, size), _slice(sample_weight, start, size), size, batch_size)
             new_acc = []
             for i, (a, g) in enumerate(zip(acc, grads)):
                 if g is None:
                     none_grads.add(i)
                     new_acc.append(a)
                 else:
-                    new_acc.append(a + tf.cast(tf.convert_to_tensor(g), a.dtype))
-            return k + 1, new_acc, loss_bad + self._loss_bad(loss), pred_bad + self._pred_bad(y_pred)
+                    new_acc.append(a + tf.cast(_dense(g), a.dtype))
+            return (k + 1, new_acc, count + c, loss_bad + self._loss_bad(loss, size),
+                    pred_bad + self._pred_bad(y_pred))
 
         zeros = [tf.zeros(v.shape, dtype=v.dtype) for v in trainable]
-        _, acc, loss_bad, pred_bad = tf.while_loop(
+        _, acc, count, loss_bad, pred_bad = tf.while_loop(
             lambda k, *_: k < num_micro, body,
-            [tf.constant(0, batch_size.dtype), zeros, tf.constant(0.0), tf.constant(0.0)],
+            [tf.constant(0, batch_size.dtype), zeros, tf.constant(0.0), tf.constant(0.0), tf.constant(0.0)],
             parallel_iterations=1)
         acc = [None if i in none_grads else a for i, a in enumerate(acc)]
-        return acc, loss_bad, pred_bad
+        return acc, trainable, count if self._masked else None, loss_bad, pred_bad
 
-    def _micro_step(self, x, y, sample_weight, size, weight):
-        """Forward + backward of one micro-batch; updates loss tracker and metrics (skipping a NaN loss)."""
+    def _guarded_micro_step(self, x, y, sample_weight, size, batch_size, trainable, skip_empty):
+        """One unrolled micro-batch; an empty one (batch smaller than accum) contributes nothing at all."""
+        def run():
+            grads, c, loss, y_pred = self._micro_step(x, y, sample_weight, size, batch_size)
+            grads = [tf.zeros(v.shape, v.dtype) if g is None else tf.cast(_dense(g), v.dtype)
+                     for g, v in zip(grads, trainable)]
+            return grads, c, self._loss_bad(loss, size), self._pred_bad(y_pred)
+
+        if not skip_empty:
+            return run()
+
+        def empty():
+            return [tf.zeros(v.shape, v.dtype) for v in trainable], tf.constant(0.0), tf.constant(0.0), tf.constant(0.0)
+
+        return tf.cond(size > 0, run, empty)
+
+    def _micro_step(self, x, y, sample_weight, size, batch_size):
+        """Forward + backward of one micro-batch: ``grad(f * loss)`` and its share ``f`` of the replica's batch."""
         model = self.model
         optimizer = model.optimizer
         with tf.GradientTape() as tape:
             y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
             loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+            self._warn_batch_dependent_losses()
             scaled = optimizer.scale_loss(loss) if optimizer is not None else loss
-            scaled = scaled * tf.cast(weight, scaled.dtype)
+            share = self._share(y_pred, size, batch_size)
+            if self.splits or _replicas(model.distribute_strategy) > 1:
+                scaled = scaled * tf.cast(share, scaled.dtype)  # <= 1: never overflows where Keras would not
         grads = tape.gradient(scaled, list(model.trainable_weights))
 
         def record():
@@ -303,56 +646,94 @@ class ComposedStep:
             tf.cond(tf.reduce_all(tf.math.is_finite(loss)), record, lambda: tf.constant(False))
         else:
             record()
-        return grads, loss, y_pred
+        return grads, share, loss, y_pred
+
+    def _share(self, y_pred: Any, size: tf.Tensor, batch_size: tf.Tensor) -> tf.Tensor:
+        """The micro-batch's share of the replica's loss normaliser: its samples over the batch's, times its
+        valid-mask fraction for a masked single-output model (Keras divides a masked loss by the valid count)."""
+        share = tf.math.divide_no_nan(tf.cast(size, tf.float32), tf.cast(batch_size, tf.float32))
+        outputs = _flat(y_pred)
+        masks = [m for m in (getattr(t, "_keras_mask", None) for t in outputs) if m is not None]
+        if masks and len(outputs) == 1:
+            self._masked = True
+            mask = tf.cast(masks[0], tf.float32)
+            return share * tf.math.divide_no_nan(tf.reduce_sum(mask), tf.cast(tf.size(mask), tf.float32))
+        if masks and (self.splits or _replicas(self.model.distribute_strategy) > 1):
+            self._warn_once("masks", "keras_scale: several outputs, some masked: each masked output's loss is "
+                            "normalised by its own micro-batch's valid count, so the gradient differs slightly "
+                            "from the big-batch one. Single-output masked models are exact.")
+        return share
+
+    def _warn_batch_dependent_losses(self) -> None:
+        if not self.splits:
+            return
+        call_losses = [loss for layer in self.model._flatten_layers() for loss in getattr(layer, "_losses", [])]
+        if call_losses:
+            self._warn_once("add_loss", "keras_scale.wrap: the model adds losses in call() (add_loss / "
+                            "activity_regularizer). They are averaged over micro-batches weighted by size: exact for "
+                            "a per-sample mean, but a loss that sums over the batch shrinks by 1/accum. Write such "
+                            "losses as means over the batch to keep accumulation exact.")
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, stacklevel=2)
 
     @staticmethod
-    def _loss_bad(loss: tf.Tensor) -> tf.Tensor:
-        return tf.cast(tf.logical_not(tf.reduce_all(tf.math.is_finite(loss))), tf.float32)
+    def _loss_bad(loss: tf.Tensor, size: tf.Tensor) -> tf.Tensor:
+        bad = tf.logical_and(tf.logical_not(tf.reduce_all(tf.math.is_finite(loss))), size > 0)
+        return tf.cast(bad, tf.float32)
 
     def _pred_bad(self, y_pred: Any) -> tf.Tensor:
         if not self.guard:
             return tf.constant(0.0)
         return tf.add_n([_nonfinite_count(t) for t in _flat(y_pred)] or [tf.constant(0.0)])
 
-    def _conditional_apply(self, optimizer, grads, trainable, apply_now, snapshot):
+    def _conditional_apply(self, apply: Callable[[Any], Any], grads: List[Any], apply_now: tf.Tensor,
+                           snapshot: List[Tuple[Any, Any]], already_reduced: bool) -> None:
         """Apply the update only when ``apply_now`` (identical on every replica); else restore BN statistics.
 
         A ``merge_call`` cannot sit inside a replica-context ``tf.cond``, so (like Keras's
-        ``LossScaleOptimizer``) merge into the cross-replica context unconditionally and decide there.
+        ``LossScaleOptimizer``) merge into the cross-replica context unconditionally and decide there. Each
+        replica's own gradients and snapshot travel as ``merge_call`` arguments (a closure would hand replica
+        0's values to every replica).
         """
+        variables = [v for v, _ in snapshot]
 
-        def apply_fn():
-            with _optimizer_without_all_reduce(optimizer):
-                optimizer.apply(grads, trainable)
+        def apply_fn(grads):
+            with _ThreadFlag("already_reduced", already_reduced):
+                apply(grads)
 
-        def restore_fn():
-            for var, value in snapshot:
+        def restore_fn(values):
+            for var, value in zip(variables, values):
                 var.assign(value)
 
+        values = [s for _, s in snapshot]
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
-            tf.cond(apply_now, lambda: (apply_fn(), tf.constant(True))[1],
-                    lambda: (restore_fn(), tf.constant(False))[1])
+            tf.cond(apply_now, lambda: (apply_fn(grads), tf.constant(True))[1],
+                    lambda: (restore_fn(values), tf.constant(False))[1])
             return
 
-        def cross_replica(distribution, apply_now):
+        def cross_replica(distribution, apply_now, grads, values):
             flag = distribution.experimental_local_results(apply_now)[0]
 
             def yes():
-                distribution.extended.call_for_each_replica(apply_fn)
+                distribution.extended.call_for_each_replica(apply_fn, args=(grads,))
                 return tf.constant(True)
 
             def no():
-                distribution.extended.call_for_each_replica(restore_fn)
+                distribution.extended.call_for_each_replica(restore_fn, args=(values,))
                 return tf.constant(False)
 
             tf.cond(flag, yes, no)
 
-        tf.distribute.get_replica_context().merge_call(cross_replica, args=(apply_now,))
+        tf.distribute.get_replica_context().merge_call(cross_replica, args=(apply_now, grads, values))
 
     def _record(self, bad, x, y, sample_weight, pred_bad, loss_bad, local_grads, present, trainable):
         """Update counters and, on the first bad step since the host last looked, the diagnosis vector."""
         bad_i = tf.cast(bad, tf.int64)
         self.skipped_steps.assign_add(bad_i)
+        self.epoch_skipped.assign_add(bad_i)
         consecutive = (self.consecutive_bad + bad_i) * bad_i
         self.consecutive_bad.assign(consecutive)
         if self.halt_after_consecutive > 0:
@@ -392,8 +773,25 @@ class ComposedStep:
         self.incidents.assign_add(bad_i)
 
 
-def _is_multi_worker(strategy: Any) -> bool:
-    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+def _replicas(strategy: Any) -> int:
+    return int(strategy.num_replicas_in_sync)
+
+
+def _make_keras_function(model: keras.Model, step_fn: Callable[[Any], Any]) -> Any:
+    """Keras's own train-function machinery around ``step_fn`` (steps_per_execution, jit_compile, strategy)."""
+    if hasattr(model, "_make_function"):
+        return model._make_function(step_fn)
+    # older Keras: build with train_step swapped in (main thread; nothing traces until the first call, when the
+    # swap is gone: so trace it through a closure that always calls step_fn)
+    saved = vars(model).get("train_function")
+    object.__setattr__(model, "train_step", step_fn)
+    try:
+        type(model).make_train_function(model, force=True)
+        return model.train_function
+    finally:
+        object.__delattr__(model, "train_step")
+        if saved is not None:
+            model.train_function = saved
 
 
 def get_step(model: keras.Model, create: bool = True) -> Optional[ComposedStep]:
@@ -402,42 +800,43 @@ def get_step(model: keras.Model, create: bool = True) -> Optional[ComposedStep]:
     Example:
         >>> get_step(model).skipped_steps
     """
-    step = getattr(model, _STEP_ATTR, None)
+    step = vars(model).get(_STEP_ATTR)
     if step is None and create:
         step = ComposedStep(model)
         object.__setattr__(model, _STEP_ATTR, step)
     return step
 
 
-def install(model: keras.Model) -> ComposedStep:
-    """Make ``model.train_step`` the composed step (no-op for wrapped models, which already use it).
+def make_train_function(model: keras.Model, force: bool = False) -> Any:
+    """The train function for the fit that starts: the composed one when a part is asked for, else Keras's.
 
-    Call ``model.make_train_function(force=True)`` afterwards when ``fit`` has already built one.
-
-    Example:
-        >>> step = install(model)
-    """
-    step = get_step(model)
-    if not _uses_composed_step(model):
-        object.__setattr__(model, "train_step", step.train_step)
-    return step
-
-
-def uninstall(model: keras.Model) -> None:
-    """Give a plain model back its own ``train_step`` (the next ``fit`` rebuilds its train function).
+    Called through the ``make_train_function`` hook of :mod:`keras_scale.lifecycle` and by wrapped models.
 
     Example:
-        >>> uninstall(model)
+        >>> make_train_function(model)
     """
-    if "train_step" in vars(model):
-        object.__delattr__(model, "train_step")
-        model.train_function = None
+    step = get_step(model, create=False)
+    if step is not None and step.active:
+        return step.place_train_function(force)
+    if step is not None:
+        step.give_back_plain()
+    return type(model).make_train_function(model, force)
 
 
-def _uses_composed_step(model: keras.Model) -> bool:
-    bound = getattr(model, "train_step", None)
-    return getattr(bound, "__self__", None) is getattr(model, _STEP_ATTR, object()) or getattr(
-        type(model), "_keras_scale_composed", False)
+def rebuild(model: keras.Model) -> None:
+    """Re-trace the model's train function mid-fit (e.g. after a learning-rate schedule was replaced).
+
+    Example:
+        >>> rebuild(model)
+    """
+    step = get_step(model, create=False)
+    if step is not None:
+        step._cache.clear()
+        step._plain = None
+    if step is not None and step.active:
+        step.place_train_function(force=True)
+    else:
+        type(model).make_train_function(model, force=True)
 
 
 def state_variables(model: keras.Model) -> Dict[str, tf.Variable]:
@@ -445,6 +844,6 @@ def state_variables(model: keras.Model) -> Dict[str, tf.Variable]:
 
     Example:
         >>> sorted(state_variables(model))
-        ['consecutive_bad', 'halted', 'skipped_steps']
+        ['skipped_steps']
     """
     return get_step(model).variables()

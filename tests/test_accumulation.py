@@ -264,9 +264,9 @@ def test_one_all_reduce_per_update_whatever_accum(accum):
     plain_calls, plain_tensors = counts[None]
     calls, tensors = counts[accum]
     assert plain_calls > 0
-    # same number of all-reduce calls as Keras's own step; one extra scalar (the non-finite-loss flag) rides
-    # along in the same call
-    assert calls == plain_calls and tensors == plain_tensors + 1
+    # same number of all-reduce calls as Keras's own step; two extra scalars (the non-finite-loss flag and the
+    # batch's normaliser, for the global mean over uneven replicas) ride along in the same call
+    assert calls == plain_calls and tensors == plain_tensors + 2
 
 
 @pytest.mark.parametrize(

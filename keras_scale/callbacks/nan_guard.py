@@ -21,10 +21,22 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_scale import lifecycle
 from keras_scale import step as step_lib
 from keras_scale._validate import check_int
+from keras_scale.distribute import chief_print
 from keras_scale.callbacks._scalars import ChiefScalars
 from keras_scale.schedules import scale_learning_rate
+
+
+def checkpoint_for(model: keras.Model) -> Any:
+    """The ChiefCheckpoint taking part in ``model``'s fit, if any (rollback restores from it)."""
+    from keras_scale.callbacks import checkpoint as checkpoint_lib
+
+    lookup = getattr(checkpoint_lib, "checkpoint_for", None)
+    if lookup is not None:
+        return lookup(model)
+    return getattr(model, "_keras_scale_checkpoint", None)
 
 __all__ = ["NanGuard", "NanReport", "NanGuardGaveUp"]
 
@@ -88,12 +100,16 @@ class NanGuard(keras.callbacks.Callback):
         max_consecutive: bad steps in a row that trigger a rollback.
         lr_factor: LR multiplier applied at each rollback (works with schedules such as ``WarmupCosine``).
         max_rollbacks: give up with :class:`NanGuardGaveUp` after this many rollbacks.
-        snapshot_every_n_steps: cadence of the in-memory snapshot used by ``rollback`` without a checkpoint.
-        check_every_n_steps: how often the host reads the step's counters (one scalar). Keras already converts
-            the step's logs to Python every batch, so 1 costs nothing measurable; the in-graph halt keeps the
-            weights safe between checks whatever the value.
+        snapshot_every_n_steps: cadence (in batches) of the in-memory snapshot used by ``rollback`` without a
+            checkpoint.
         log_dir: write ``nan_guard/skipped_steps`` per epoch to TensorBoard (chief only).
-        verbose: print each report.
+        verbose: print each report (chief only, on stderr: an incident).
+
+    No extra device-to-host read per step: the step returns the epoch's count in its logs (``nan_skipped``, which
+    Keras already brings to the host for every batch and every callback, whatever their order); the host reads
+    the diagnosis only when that count grows. The in-graph halt (``stop``, ``rollback``) keeps the weights safe
+    until then. Works on any model: plain, wrapped, or with its own ``train_step`` (then checked at its
+    optimizer's ``apply``: gradients only).
 
     After training: ``skipped_steps`` (total non-finite steps), ``reports`` (one :class:`NanReport` per
     incident), ``rollbacks``; ``logs["nan_skipped"]`` holds each epoch's count.
@@ -105,14 +121,13 @@ class NanGuard(keras.callbacks.Callback):
     """
 
     def __init__(self, policy: str = "skip", max_consecutive: int = 5, lr_factor: float = 0.5,
-                 max_rollbacks: int = 3, snapshot_every_n_steps: int = 100, check_every_n_steps: int = 1,
+                 max_rollbacks: int = 3, snapshot_every_n_steps: int = 100,
                  log_dir: Optional[str] = None, verbose: int = 1) -> None:
         super().__init__()
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}: use one of {POLICIES}")
         for name, value in (("max_consecutive", max_consecutive), ("max_rollbacks", max_rollbacks),
-                            ("snapshot_every_n_steps", snapshot_every_n_steps),
-                            ("check_every_n_steps", check_every_n_steps)):
+                            ("snapshot_every_n_steps", snapshot_every_n_steps)):
             check_int(name, value, owner="NanGuard")
         if not (isinstance(lr_factor, (int, float)) and 0 < lr_factor <= 1):
             raise ValueError(f"lr_factor must be in (0, 1] (the LR is multiplied by it at a rollback), got {lr_factor!r}")
@@ -121,7 +136,6 @@ class NanGuard(keras.callbacks.Callback):
         self.lr_factor = float(lr_factor)
         self.max_rollbacks = max_rollbacks
         self.snapshot_every_n_steps = snapshot_every_n_steps
-        self.check_every_n_steps = check_every_n_steps
         self.log_dir = log_dir
         self.verbose = verbose
         self.reports: List[NanReport] = []
@@ -129,58 +143,64 @@ class NanGuard(keras.callbacks.Callback):
         self.skipped_steps = 0
         self._epoch = 0
         self._batches = 0
-        self._epoch_start_skipped = 0
+        self._seen_in_epoch = 0.0
         self._snapshot: Optional[List[np.ndarray]] = None
-        self._snapshot_step = -1
+        self._snapshot_batch = -1
         self._scalars: Optional[ChiefScalars] = None
 
     # ------------------------------------------------------------------ hooks
     def set_model(self, model: keras.Model) -> None:
         super().set_model(model)
-        # fit builds its train function right after creating the CallbackList (which calls set_model), so
-        # switching the guard on here needs no re-trace and never replaces another callback's train function
+        # Keras calls set_model while building the fit's callback list, before make_train_function: ask the
+        # composed step for the guard for this fit; lifecycle withdraws the request however the fit ends
+        lifecycle.join(model, self, undo=self._finish)
         halt = {"skip": 0, "stop": 1, "rollback": self.max_consecutive}[self.policy]
-        step = step_lib.install(model)
-        if not step.guard or step.halt_after_consecutive != halt:
-            step.configure(guard=True, halt_after_consecutive=halt)
-            model.train_function = None
+        step_lib.get_step(model).request(self, guard=True, halt_after_consecutive=halt)
 
     def on_train_begin(self, logs: Optional[Dict] = None) -> None:
-        step = self._step
-        self.skipped_steps = int(step.skipped_steps.numpy())
-        step.incidents.assign(0)
-        step.halted.assign(0)
+        self.skipped_steps = int(self._step.skipped_steps.numpy())
+        self._batches = 0
+        self._snapshot, self._snapshot_batch = None, -1
         self._scalars = ChiefScalars(self.log_dir, "nan_guard", self.model.distribute_strategy)
         if self.policy == "rollback" and self._checkpoint is None:
             self._take_snapshot()
 
     def on_epoch_begin(self, epoch: int, logs: Optional[Dict] = None) -> None:
         self._epoch = epoch
-        self._epoch_start_skipped = int(self._step.skipped_steps.numpy())
+        self._seen_in_epoch = 0.0
+        self._step.epoch_skipped.assign(0)  # host-to-device, no sync
 
     def on_train_batch_end(self, batch: int, logs: Optional[Dict] = None) -> None:
         self._batches += 1
-        if self._batches % self.check_every_n_steps == 0:
+        skipped = (logs or {}).get(step_lib.SKIPPED_LOG_KEY)
+        if skipped is not None and skipped > self._seen_in_epoch:
+            self._seen_in_epoch = skipped
             self._check()
+        elif self.policy == "rollback" and self._checkpoint is None:
+            self._maybe_snapshot()
 
     def on_epoch_end(self, epoch: int, logs: Optional[Dict] = None) -> None:
         self._check()
         total = int(self._step.skipped_steps.numpy())
-        if logs is not None:
-            logs["nan_skipped"] = total - self._epoch_start_skipped
+        self.skipped_steps = total
+        if logs is not None and step_lib.SKIPPED_LOG_KEY not in logs:  # a foreign step returning no dict
+            logs[step_lib.SKIPPED_LOG_KEY] = int(self._step.epoch_skipped.numpy())
         if self._scalars is not None:
-            self._scalars.write({"nan_guard/skipped_steps": total,
-                                 "nan_guard/skipped_steps_epoch": total - self._epoch_start_skipped}, step=epoch)
+            self._scalars.write({"nan_guard/skipped_steps": total}, step=epoch)
 
     def on_train_end(self, logs: Optional[Dict] = None) -> None:
         self._check(final=True)
         self.skipped_steps = int(self._step.skipped_steps.numpy())
-        # switch the guard off again so a later fit without NanGuard traces the plain step
-        self._step.configure(guard=False, halt_after_consecutive=0)
-        step_lib.uninstall(self.model)
-        self.model.train_function = None
+        lifecycle.leave(self.model, self)
+
+    def _finish(self) -> None:
+        """Undo this fit's changes (from on_train_end, or at the next fit if this one died)."""
+        step = step_lib.get_step(self.model, create=False)
+        if step is not None:
+            step.withdraw(self)
         if self._scalars is not None:
             self._scalars.close()
+            self._scalars = None
 
     # ------------------------------------------------------------------ logic
     @property
@@ -189,27 +209,27 @@ class NanGuard(keras.callbacks.Callback):
 
     @property
     def _checkpoint(self) -> Any:
-        return getattr(self.model, "_keras_scale_checkpoint", None)
+        return checkpoint_for(self.model)
+
+    def _say(self, message: str, incident: bool = False) -> None:
+        chief_print(message, self.model.distribute_strategy, verbose=self.verbose, incident=incident)
 
     def _check(self, final: bool = False) -> None:
         step = self._step
         incidents = int(step.incidents.numpy())
         if incidents == 0:
-            if self.policy == "rollback" and self._checkpoint is None and not final:
-                self._maybe_snapshot()
             return
         report = self._report(incidents)
         self.reports.append(report)
-        if self.verbose:
-            print(report, flush=True)
+        self._say(str(report), incident=True)
         step.diag.assign(tf.zeros_like(step.diag))
         step.incidents.assign(0)
         self.skipped_steps = int(step.skipped_steps.numpy())
         halted = int(step.halted.numpy()) > 0
         if self.policy == "stop" and not final:
             self.model.stop_training = True
-            if self.verbose:
-                print("NanGuard(policy='stop'): training stopped; the weights are those of the last good step.")
+            self._say("NanGuard(policy='stop'): training stopped; the weights are those of the last good step.",
+                      incident=True)
         elif self.policy == "rollback" and halted and not final:
             self._rollback()
 
@@ -234,19 +254,23 @@ class NanGuard(keras.callbacks.Callback):
         scale = None
         if step_lib.is_loss_scaled(optimizer):
             scale = float(optimizer.dynamic_scale.numpy())
+        advice = _ADVICE[source]
+        if scale is not None and source == "gradients":
+            advice = ("the gradients are non-finite even at loss scale " f"{scale:g}: loss scaling cannot fix "
+                      "them. " + advice)
         return NanReport(epoch=self._epoch, step=int(optimizer.iterations.numpy()), bad_steps=incidents,
-                         source=source, details=details, loss_scale=scale, advice=_ADVICE[source])
+                         source=source, details=details, loss_scale=scale, advice=advice)
 
     def _state_variables(self) -> List[Any]:
         return list(self.model.variables) + list(self.model.optimizer.variables)
 
     def _take_snapshot(self) -> None:
         self._snapshot = [np.array(v.numpy()) for v in self._state_variables()]
-        self._snapshot_step = int(self.model.optimizer.iterations.numpy())
+        self._snapshot_batch = self._batches
 
     def _maybe_snapshot(self) -> None:
-        iterations = int(self.model.optimizer.iterations.numpy())
-        if iterations - self._snapshot_step >= self.snapshot_every_n_steps and int(self._step.consecutive_bad.numpy()) == 0:
+        if self._batches - self._snapshot_batch >= self.snapshot_every_n_steps and int(
+                self._step.consecutive_bad.numpy()) == 0:
             self._take_snapshot()
 
     def _rollback(self) -> None:
@@ -268,11 +292,10 @@ class NanGuard(keras.callbacks.Callback):
             for var, value in zip(self._state_variables(), self._snapshot):
                 var.assign(value)
         if scale_learning_rate(self.model.optimizer, self.lr_factor):
-            self.model.make_train_function(force=True)
+            step_lib.rebuild(self.model)
         step.skipped_steps.assign(skipped)
         step.halted.assign(0)
         step.consecutive_bad.assign(0)
-        if self.verbose:
-            print(f"NanGuard: rolled back to the {source} at update {int(self.model.optimizer.iterations.numpy())}"
+        self._say(f"NanGuard: rolled back to the {source} at update {int(self.model.optimizer.iterations.numpy())}"
                   f" and multiplied the learning rate by {self.lr_factor:g} (rollback {self.rollbacks}/"
-                  f"{self.max_rollbacks}).", flush=True)
+                  f"{self.max_rollbacks}).", incident=True)
