@@ -136,22 +136,31 @@ class Remat(keras.layers.Wrapper):
                 new_leaves[position] = tensor
             a, kw = tree.pack_sequence_as((call_args, kwargs), new_leaves)
             mapping = [(v, tf.cast(value, v.dtype)) for v, value in zip(mapped, flat[num_tensors:])]
-            with keras.StatelessScope(state_mapping=mapping) as scope:
+            # collect_losses: add_loss / activity regularizers inside the block come back as outputs (a plain
+            # StatelessScope drops them) and are added once, outside, where their gradient flows as usual
+            with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
                 outputs = self.layer(*a, **kw)
             _check_updates(scope, mapped, self.layer.name)
             structure["outputs"] = outputs
+            structure["num_losses"] = len(scope.losses)
             flat_outputs = list(tree.flatten(outputs))
             new_states = [_as_float(scope.get_current_value(v)) for v in states]
-            results = flat_outputs + new_states
+            losses = [tf.cast(loss, tf.float32) for loss in scope.losses]
+            results = flat_outputs + new_states + losses
             return results[0] if len(results) == 1 else tuple(results)
 
         results = tf.recompute_grad(block)(*tensors, *values)
         if not isinstance(results, (list, tuple)):
             results = [results]
         results = list(results)
+        num_losses = structure["num_losses"]
+        losses = results[len(results) - num_losses:]
+        results = results[:len(results) - num_losses]
         num_outputs = len(results) - len(states)
         for variable, new_value in zip(states, results[num_outputs:]):
             variable.assign(tf.cast(new_value, variable.dtype))
+        for loss in losses:
+            self.add_loss(loss)
         return tree.pack_sequence_as(structure["outputs"], results[:num_outputs])
 
 

@@ -304,3 +304,24 @@ def test_batchnorm_inside_block_updates_moving_statistics_once(where, mirrored):
     plain, rematted = models[0].get_weights(), models[1].get_weights()
     assert _max_diff([plain[i] for i in moving], [start[i] for i in moving]) > 1e-2  # statistics did move
     assert _max_diff(plain, rematted) < 1e-5
+
+
+def test_activity_regularizer_and_add_loss_inside_a_block_are_kept():
+    """StatelessScope drops add_loss; remat collects the block's losses and adds them outside."""
+
+    def build(use_remat):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8,))
+        block = keras.layers.Dense(16, activation="tanh", activity_regularizer=keras.regularizers.L2(0.1))
+        x = (remat(block) if use_remat else block)(inputs)
+        return keras.Model(inputs, keras.layers.Dense(1)(x))
+
+    x, y = _data()
+    plain, rematted = build(False), build(True)
+    rematted.set_weights(plain.get_weights())
+    losses = {}
+    for name, m in (("plain", plain), ("remat", rematted)):
+        m.compile(keras.optimizers.SGD(0.1), "mse")
+        losses[name] = m.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(losses["remat"], losses["plain"], rtol=1e-5)
+    assert _max_diff(plain.get_weights(), rematted.get_weights()) < 1e-6
