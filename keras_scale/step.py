@@ -293,6 +293,8 @@ class ComposedStep:
         """
         self._requests.pop(id(owner), None)
         self.reset_transient()
+        if not self.active:
+            self.give_back_plain()
 
     def reset_transient(self) -> None:
         """Clear the halt flag, the consecutive-bad count and pending incidents (never carried across fits).

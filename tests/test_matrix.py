@@ -1,0 +1,191 @@
+"""Composition x lifecycle: models x pieces x strategies x endings, then a plain Keras fit.
+
+Whatever keras_scale pieces a fit used and however it ended (finished, raised mid-epoch, stopped), a later
+plain ``model.fit`` must give exactly the weights it gives on a model that never met keras_scale (a twin with
+the same weights and optimizer state).
+
+The full product (5 models x 5 pieces x 2 strategies x 3 endings = 150 fits) is too slow for the suite; the
+cells below are a covering design: every model x piece pair appears once, and strategy and ending rotate so that
+every (model, strategy), (model, ending), (piece, strategy), (piece, ending) and (strategy, ending) pair is
+covered (25 cells).
+"""
+import numpy as np
+import pytest
+import keras
+import tensorflow as tf
+
+import keras_scale as ks
+from keras_scale import lifecycle
+
+MODELS = ("sequential", "two_outputs_metrics", "own_train_step", "batchnorm", "masked_embedding")
+PIECES = ("wrap", "nan_guard", "checkpoint", "all", "ks_fit")
+STRATEGIES = ("default", "mirrored")
+ENDINGS = ("finished", "raised", "stopped")
+N, BATCH, VOCAB = 64, 16, 12
+
+
+class _OwnStep(keras.Model):
+    def __init__(self):
+        super().__init__(name="own_step")
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+    def train_step(self, data):
+        x, y = data[0], data[1]
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        for metric in self.metrics:
+            metric.update_state(loss) if metric.name == "loss" else metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def _build(kind):
+    keras.utils.set_random_seed(7)
+    if kind == "sequential":
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+    elif kind == "two_outputs_metrics":
+        inputs = keras.Input((6,))
+        h = keras.layers.Dense(8, activation="relu")(inputs)
+        model = keras.Model(inputs, {"a": keras.layers.Dense(1, name="a")(h),
+                                     "b": keras.layers.Dense(3, activation="softmax", name="b")(h)})
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss={"a": "mse", "b": "sparse_categorical_crossentropy"},
+                      metrics={"b": ["accuracy"]})
+    elif kind == "own_train_step":
+        model = _OwnStep()
+        model(np.zeros((1, 6), "float32"))
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+    elif kind == "batchnorm":
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), keras.layers.BatchNormalization(),
+                                  keras.layers.Activation("relu"), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse", metrics=["mae"])
+    else:
+        model = keras.Sequential([keras.Input((5,), dtype="int32"), keras.layers.Embedding(VOCAB, 4, mask_zero=True),
+                                  keras.layers.Dense(VOCAB)])
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="sparse_categorical_crossentropy",
+                      metrics=["accuracy"])
+    return model
+
+
+def _data(kind):
+    rng = np.random.default_rng(3)
+    if kind == "masked_embedding":
+        x = rng.integers(1, VOCAB, size=(N, 5)).astype("int32")
+        x[::3, 3:] = 0
+        return x, rng.integers(0, VOCAB, size=(N, 5)).astype("int32")
+    x = rng.normal(size=(N, 6)).astype("float32")
+    if kind == "two_outputs_metrics":
+        return x, {"a": x[:, :1] * 2.0, "b": (x[:, 1] > 0).astype("int32") + (x[:, 2] > 0).astype("int32")}
+    return x, (x @ rng.normal(size=(6, 1))).astype("float32")
+
+
+class _RaiseAt(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 2:
+            raise RuntimeError("simulated crash mid-epoch")
+
+
+class _StopAt(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 2:
+            self.model.stop_training = True
+
+
+def _cells():
+    cells = []
+    for i, model in enumerate(MODELS):
+        for j, piece in enumerate(PIECES):
+            cells.append((model, piece, STRATEGIES[(i + j) % 2], ENDINGS[(i + 2 * j) % 3]))
+    return cells
+
+
+def _copy_state(src, dst, strategy):
+    dst.set_weights(src.get_weights())
+    with strategy.scope():
+        dst.optimizer.build(dst.trainable_variables)
+    for a, b in zip(dst.optimizer.variables, src.optimizer.variables):
+        a.assign(b)
+
+
+def _keras_scale_fit(model_kind, piece, strategy, ending, tmp_path):
+    """Train with the piece and the ending; return the (possibly wrapped) model that was trained."""
+    x, y = _data(model_kind)
+    sample_weight = None
+    nan_guard_piece = piece in ("nan_guard", "all", "ks_fit")
+    callbacks = []
+    if ending == "raised":
+        callbacks.append(_RaiseAt())
+    elif ending == "stopped" and not nan_guard_piece:
+        callbacks.append(_StopAt())
+    elif ending == "stopped":  # NanGuard(policy="stop") ends the fit at a NaN batch
+        sample_weight = np.ones(N, "float32")
+        sample_weight[2 * BATCH:2 * BATCH + 2] = np.nan
+
+    if piece == "ks_fit":
+        built = {}
+
+        def builder():
+            built["model"] = _build(model_kind)
+            return built["model"]
+
+        if nan_guard_piece and ending == "stopped":
+            callbacks.append(ks.NanGuard(policy="stop", verbose=0))
+        run = lambda: ks.fit(builder, x, y, per_replica_batch_size=BATCH // strategy.num_replicas_in_sync,
+                             strategy=strategy, epochs=2, callbacks=callbacks, verbose=0, shuffle=False,
+                             checkpoint_dir=str(tmp_path / "ks_fit"), sample_weight=sample_weight)
+        if ending == "raised":
+            with pytest.raises(RuntimeError, match="simulated"):
+                run()
+        else:
+            run()
+        return built["model"]
+
+    with strategy.scope():
+        model = _build(model_kind)
+        if piece in ("wrap", "all") and model_kind != "own_train_step":
+            model = ks.wrap(model, accum=2)
+            model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=_build(model_kind).loss,
+                          metrics=["mae"] if model_kind in ("sequential", "batchnorm") else None)
+    if piece in ("nan_guard", "all"):
+        callbacks.append(ks.NanGuard(policy="stop" if ending == "stopped" else "skip", verbose=0))
+    if piece in ("checkpoint", "all"):
+        callbacks.append(ks.ChiefCheckpoint(str(tmp_path / "ckpt"), save_freq=2, verbose=0))
+    if piece == "all":
+        callbacks += [ks.LearningRateLogger(str(tmp_path / "tb")), ks.HostMemoryWatch(),
+                      ks.ProfileWindow(str(tmp_path / "prof"), start_step=1000, num_steps=2)]
+    if ending == "raised":
+        with pytest.raises(RuntimeError, match="simulated"):
+            model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False, callbacks=callbacks,
+                      sample_weight=sample_weight)
+    else:
+        model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False, callbacks=callbacks,
+                  sample_weight=sample_weight)
+    return model
+
+
+@pytest.mark.parametrize("model_kind,piece,strategy_name,ending", _cells())
+def test_then_plain_keras_fit_behaves_as_on_an_untouched_model(model_kind, piece, strategy_name, ending, tmp_path,
+                                                               mirrored):
+    strategy = mirrored if strategy_name == "mirrored" else tf.distribute.get_strategy()
+    model = _keras_scale_fit(model_kind, piece, strategy, ending, tmp_path)
+    assert lifecycle.pending(model) <= 1  # at most the state of a died fit, undone by the next fit
+    with strategy.scope():
+        twin = _build(model_kind)
+        if isinstance(model, ks.AccumulatingModel):
+            twin = ks.wrap(twin, accum=model.accum)
+            twin.compile(optimizer=keras.optimizers.Adam(1e-2), loss=model.loss, metrics=None)
+    _copy_state(model, twin, strategy)
+    x, y = _data(model_kind)
+    h_model = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False)
+    h_twin = twin.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False)
+    assert len(h_model.history["loss"]) == 2  # the plain fit ran its epochs (no left-over initial epoch)
+    np.testing.assert_allclose(h_model.history["loss"], h_twin.history["loss"], rtol=1e-6)
+    for a, b in zip(model.get_weights(), twin.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert lifecycle.pending(model) == 0
