@@ -16,6 +16,7 @@ import tensorflow as tf
 
 import keras_scale as ks
 from keras_scale import lifecycle
+from keras_scale import sync_bn
 
 MODELS = ("sequential", "two_outputs_metrics", "own_train_step", "batchnorm", "masked_embedding")
 PIECES = ("wrap", "nan_guard", "checkpoint", "all", "ks_fit")
@@ -180,6 +181,8 @@ def test_then_plain_keras_fit_behaves_as_on_an_untouched_model(model_kind, piece
         if isinstance(model, ks.AccumulatingModel):
             twin = ks.wrap(twin, accum=model.accum)
             twin.compile(optimizer=keras.optimizers.Adam(1e-2), loss=model.loss, metrics=None)
+    if any(getattr(layer, "synchronized", False) for layer in sync_bn.batchnorm_layers(model)):
+        ks.sync_batchnorm(twin)  # ks.fit synchronizes BatchNorm on purpose (per-replica batch < 16)
     _copy_state(model, twin, strategy)
     x, y = _data(model_kind)
     h_model = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False)
