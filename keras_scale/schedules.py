@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import keras
 import tensorflow as tf
 
-__all__ = ["WarmupCosine", "ScaledSchedule", "scale_lr", "scale_learning_rate", "lr_multiplier"]
+__all__ = ["WarmupCosine", "ScaledSchedule", "scale_lr", "scale_learning_rate", "lr_multiplier", "inner_optimizer"]
 
 
 def _check_lr(name: str, value: float) -> float:
@@ -241,8 +241,18 @@ def lr_multiplier(optimizer: keras.optimizers.Optimizer) -> Optional[tf.Variable
         >>> float(lr_multiplier(opt).numpy())
         1.0
     """
-    inner = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer
+    inner = inner_optimizer(optimizer)
     return getattr(getattr(inner, "_learning_rate", None), "lr_multiplier", None)
+
+
+def inner_optimizer(optimizer: Any) -> Any:
+    """The optimizer that owns the update and the learning rate: a ``LossScaleOptimizer``'s inner one, else itself.
+
+    Example:
+        >>> inner_optimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())).__class__.__name__
+        'SGD'
+    """
+    return getattr(optimizer, "inner_optimizer", optimizer)
 
 
 def scale_learning_rate(optimizer: keras.optimizers.Optimizer, factor: float) -> bool:
@@ -259,7 +269,7 @@ def scale_learning_rate(optimizer: keras.optimizers.Optimizer, factor: float) ->
     """
     if not (factor > 0 and math.isfinite(factor)):
         raise ValueError(f"factor must be a finite number > 0, got {factor!r}")
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    inner = inner_optimizer(optimizer)
     mult = lr_multiplier(inner)
     if mult is not None:
         mult.assign(mult * factor)

@@ -31,6 +31,7 @@ Example:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import warnings
@@ -41,10 +42,11 @@ import tensorflow as tf
 from keras.src.losses import loss as keras_loss
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from keras_scale.schedules import inner_optimizer
 from keras_scale.sync_bn import batchnorm_layers
 
-__all__ = ["ComposedStep", "get_step", "make_train_function", "rebuild", "state_variables", "inner_optimizer",
-           "is_loss_scaled", "DIAG_CAPACITY", "SKIPPED_LOG_KEY"]
+__all__ = ["ComposedStep", "get_step", "make_train_function", "rebuild", "state_variables",
+           "is_loss_scaled", "DiagnosisSlot", "DIAG_CAPACITY", "SKIPPED_LOG_KEY"]
 
 _STEP_ATTR = "_keras_scale_step"
 DIAG_CAPACITY = 4096  # slots of the first-bad-step diagnosis vector
@@ -72,16 +74,6 @@ def _nonfinite_count(t: Any) -> tf.Tensor:
 
 def _dense(g: Any) -> Any:
     return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-
-
-def inner_optimizer(optimizer: Any) -> Any:
-    """The optimizer that owns the update: a ``LossScaleOptimizer``'s inner optimizer, else ``optimizer``.
-
-    Example:
-        >>> inner_optimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())).__class__.__name__
-        'SGD'
-    """
-    return getattr(optimizer, "inner_optimizer", optimizer)
 
 
 def is_loss_scaled(optimizer: Any) -> bool:
@@ -211,6 +203,27 @@ def check_supported(model: keras.Model) -> None:
             f"exact.")
 
 
+@dataclasses.dataclass(frozen=True)
+class DiagnosisSlot:
+    """What one entry of the step's diagnosis vector counts: non-finite values of ``label`` in ``source``.
+
+    ``source`` is one of ``inputs``, ``targets``, ``sample_weight``, ``predictions``, ``loss``, ``gradients``;
+    ``label`` names the tensor (``inputs[0]``, or a variable's path for gradients).
+
+    Example:
+        >>> DiagnosisSlot("gradients", "dense/kernel").source
+        'gradients'
+    """
+
+    source: str
+    label: str
+
+    @property
+    def counted(self) -> bool:
+        """True when the traced value already is a count (predictions, loss), not a tensor to count."""
+        return self.source in ("predictions", "loss")
+
+
 class ComposedStep:
     """The composed train step of one model, and the state of its parts.
 
@@ -234,7 +247,7 @@ class ComposedStep:
         self.guard = False
         self.halt_after_consecutive = 0  # 0: never halt in-graph; N: stop applying after N bad steps in a row
         self._requests: Dict[int, Tuple[bool, int]] = {}
-        self.diag_names: List[str] = []
+        self.diag_slots: List[DiagnosisSlot] = []  # what each entry of ``diag`` counts (set while tracing)
         self.traced_micro_batches: Optional[int] = None  # set while tracing (static count) for tests/benchmarks
         self.traces = 0  # how many times a train function of this model was traced (tests, benchmarks)
         self._cache: Dict[Tuple, Tuple[Tuple, Any]] = {}
@@ -742,30 +755,30 @@ class ComposedStep:
             halt = tf.cast(consecutive >= self.halt_after_consecutive, tf.int64)
             self.halted.assign(tf.maximum(self.halted, halt))
 
-        names: List[str] = []
+        slots: List[DiagnosisSlot] = []
         tensors: List[Any] = []  # what each diagnosis slot counts; counted only on a bad step (inside the cond)
 
-        def add(name, value):
-            names.append(name)
+        def add(source, label, value):
+            slots.append(DiagnosisSlot(source, label))
             tensors.append(value)
 
         for i, t in enumerate(_flat(x)[:64]):
-            add(f"inputs[{i}]", t)
+            add("inputs", f"inputs[{i}]", t)
         for i, t in enumerate(_flat(y)[:64]):
-            add(f"targets[{i}]", t)
+            add("targets", f"targets[{i}]", t)
         for i, t in enumerate(_flat(sample_weight)[:16]):
-            add(f"sample_weight[{i}]", t)
-        add("predictions", pred_bad)
-        add("loss", loss_bad)
-        budget = DIAG_CAPACITY - len(names)
+            add("sample_weight", f"sample_weight[{i}]", t)
+        add("predictions", "predictions", pred_bad)
+        add("loss", "loss", loss_bad)
+        budget = DIAG_CAPACITY - len(slots)
         for i, g in zip(present[:budget], local_grads[:budget]):
-            add(f"gradient:{trainable[i].path}", g)
-        self.diag_names = names
+            add("gradients", trainable[i].path, g)
+        self.diag_slots = slots
 
         first_incident = tf.logical_and(bad, tf.equal(self.incidents, 0))
 
         def write_diag():
-            counts = [t if name in ("predictions", "loss") else _nonfinite_count(t) for name, t in zip(names, tensors)]
+            counts = [t if slot.counted else _nonfinite_count(t) for slot, t in zip(slots, tensors)]
             vec = tf.stack([tf.reshape(tf.cast(c, tf.float32), []) for c in counts])
             vec = tf.pad(vec, [[0, DIAG_CAPACITY - len(counts)]])
             self.diag.assign(vec)

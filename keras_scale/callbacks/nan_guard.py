@@ -236,18 +236,11 @@ class NanGuard(keras.callbacks.Callback):
     def _report(self, incidents: int) -> NanReport:
         step = self._step
         diag = step.diag.numpy()
-        names = step.diag_names
         found: Dict[str, List[str]] = {k: [] for k in _ORDER}
-        for name, value in zip(names, diag):
-            if value <= 0:
-                continue
-            if name.startswith("gradient:"):
-                found["gradients"].append(f"{name[len('gradient:'):]}: {int(value)} non-finite values")
-            elif name in ("predictions", "loss"):
-                found[name].append(f"{name}: {int(value)} non-finite value(s)")
-            else:
-                kind = name.split("[")[0]
-                found[kind].append(f"{name}: {int(value)} non-finite values")
+        for slot, value in zip(step.diag_slots, diag):
+            if value > 0:
+                unit = "value(s)" if slot.counted else "values"
+                found[slot.source].append(f"{slot.label}: {int(value)} non-finite {unit}")
         source = next((k for k in _ORDER if found[k]), "gradients")
         details = found[source] or ["(values overflowed after the all-reduce)"]
         optimizer = self.model.optimizer
