@@ -16,7 +16,7 @@ from tests.fakes.fake_nvml import FakeNvml
 
 # `keras_scale.doctor` is both a module and the function it exports; take the module explicitly.
 dr = importlib.import_module("keras_scale.doctor")
-Facts, Finding = dr.Facts, dr.Finding
+Facts, CheckResult = dr.Facts, dr.CheckResult
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TF_OK = {"tensorflow": "2.21.0", "error": None, "keras": "3.15.1", "keras_backend": "tensorflow",
@@ -50,7 +50,7 @@ def _facts(num_gpus=0, tf=None, env=None, **kw):
 # ------------------------------------------------------------------------------------- versions, driver
 def test_finding_rejects_unknown_status():
     with pytest.raises(ValueError, match="'fine'"):
-        Finding("x", "fine", "")
+        CheckResult("x", "fine", "")
 
 
 @pytest.mark.parametrize("version,status", [("3.11.7", "ok"), ("3.13.0", "ok"), ("3.9.18", "warn")])
