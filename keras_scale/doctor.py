@@ -363,8 +363,8 @@ _NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs
 
 
 def _storage_of(path: str, root: str, mounts: List[Tuple[str, str, str, str]]) -> Dict[str, Any]:
-    """The mount holding ``path`` and what it is: ``nvme``, ``ssd``, ``hdd``, ``network``, ``memory``,
-    ``container`` (overlay) or ``unknown``."""
+    """The mount holding ``path`` and what it is: ``nvme``, ``ssd``, ``hdd``, ``virtual`` (a VM's virtio/Xen disk,
+    whose rotational flag means nothing), ``network``, ``memory``, ``container`` (overlay) or ``unknown``."""
     real = os.path.realpath(path)
     best = max((m for m in mounts if real == m[1] or real.startswith(m[1].rstrip("/") + "/")),
                key=lambda m: len(m[1]), default=None)
@@ -391,7 +391,9 @@ def _storage_of(path: str, root: str, mounts: List[Tuple[str, str, str, str]]) -
                       re.sub(r"\d+$", "", name)]
         rotational = next((r.strip() for r in (_read(root, f"sys/class/block/{c}/queue/rotational")
                                                 for c in candidates) if r is not None), None)
-        if rotational == "1":
+        if name.startswith(("vd", "xvd")):
+            info["kind"] = "virtual"  # virtio/Xen disks report rotational=1 whatever backs them
+        elif rotational == "1":
             info["kind"] = "hdd"
         elif rotational == "0":
             info["kind"] = "nvme" if name.startswith("nvme") else "ssd"

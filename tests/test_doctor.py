@@ -392,6 +392,8 @@ def test_nccl_conf_files_are_read_and_the_environment_wins(tmp_path):
     assert conf == {"NCCL_IB_DISABLE": ("1", "/etc/nccl.conf"), "NCCL_P2P_LEVEL": ("LOC", "/etc/nccl.conf")}
     f = dr.check_nccl_env(_facts(nccl_conf=conf))
     assert f.status == "warn" and "NCCL_P2P_LEVEL=LOC (from /etc/nccl.conf)" in f.detail and "InfiniBand" in f.detail
+    _write(tmp_path, "/home/u/.nccl.conf", "NCCL_DEBUG=TRACE\n")  # the user's file, read after /etc/nccl.conf
+    assert dr._read_nccl_conf({"HOME": "/home/u"}, root=str(tmp_path))["NCCL_DEBUG"] == ("TRACE", "/home/u/.nccl.conf")
     env = {"NCCL_P2P_LEVEL": "NVL", "NCCL_IB_DISABLE": "0", "HOME": "/nonexistent"}
     overridden = dr._read_nccl_conf(env, root=str(tmp_path))
     assert dr.check_nccl_env(_facts(env=env, nccl_conf=overridden)).status == "ok"
@@ -731,18 +733,20 @@ def _fake_host_tree(root, shm_size="65536k", rotational="1", cpus=8, nodes=2):
         f"shm /dev/shm tmpfs rw,nosuid,nodev,noexec,relatime,size={shm_size} 0 0",
         "/dev/sdb1 /data ext4 rw,relatime 0 0",
         "/dev/nvme0n1p2 /scratch xfs rw 0 0",
-        "server:/export /nfs nfs4 rw,vers=4.2 0 0"]) + "\n")
+        "server:/export /nfs nfs4 rw,vers=4.2 0 0",
+        "/dev/vda1 /vm ext4 rw 0 0"]) + "\n")
+    _write(root, "/sys/class/block/vda/queue/rotational", "1")  # virtio says 1 whatever backs it
 
 
 def test_gather_host_facts_from_a_fabricated_tree(tmp_path):
     _fake_host_tree(tmp_path)
     gpus = [GpuInfo(0, "G", "GPU-0", 81920.0, "00000000:01:00.0"), GpuInfo(1, "G", "GPU-1", 81920.0, "00000000:02:00.0")]
-    host = dr.gather_host_facts(root=str(tmp_path), paths=["/data/train", "/scratch", "/nfs/x", "/etc"], gpus=gpus,
-                                affinity=[0, 1, 2, 3], memlock_bytes=64 * 1024)
+    host = dr.gather_host_facts(root=str(tmp_path), paths=["/data/train", "/scratch", "/nfs/x", "/etc", "/vm/d"],
+                                gpus=gpus, affinity=[0, 1, 2, 3], memlock_bytes=64 * 1024)
     assert host.usable_cpus == 4 and host.physical_cores == 2  # 4 hyperthreads on node 0 = 2 cores
     assert host.ram_mb == 32768.0 and host.shm_mb == 64.0
     assert host.gpu_numa_nodes == {0: 0, 1: 1} and host.affinity_nodes == [0]
-    assert [s["kind"] for s in host.storage] == ["hdd", "nvme", "network", "container"]
+    assert [s["kind"] for s in host.storage] == ["hdd", "nvme", "network", "container", "virtual"]
     assert host.memlock_bytes == 64 * 1024 and host.infiniband == []
     _write(tmp_path, "/sys/fs/cgroup/cpu.max", "100000 100000")  # a 1-CPU container quota
     _write(tmp_path, "/sys/fs/cgroup/memory.max", str(8 * 2 ** 30))
