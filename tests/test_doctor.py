@@ -824,3 +824,31 @@ def test_strict_width_and_header_without_tensorflow(monkeypatch, capsys):
     assert max(len(ln) for ln in out.splitlines()) <= 72
     header = out.splitlines()[2]
     assert "not installed" not in header and "(not probed)" in header  # TensorFlow is installed here
+
+
+def test_progress_on_stderr_and_path_option(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    assert dr.cli(["--no-tensorflow", "--json", "--path", str(tmp_path)]) in (0, 1)
+    captured = capsys.readouterr()
+    rep = json.loads(captured.out)  # stdout stays pure JSON
+    storage = next(c for c in rep["checks"] if c["name"] == "storage")
+    assert str(tmp_path) in storage["detail"]
+    lines = [ln for ln in captured.err.splitlines() if ln.startswith("keras-scale doctor [")]
+    assert any("reading the GPUs through NVML" in ln for ln in lines)
+    assert any("reading the host" in ln for ln in lines)
+
+
+def test_progress_rewrites_one_line_on_a_terminal():
+    import io
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Tty()
+    progress = dr._Progress(stream)
+    progress("reading the GPUs")
+    progress("reading the host")
+    progress.done()
+    text = stream.getvalue()
+    assert "\n" not in text and text.count("\r\033[K") == 3 and "reading the host" in text
