@@ -563,6 +563,25 @@ def _requirements() -> Optional[List[str]]:
         return None
 
 
+def _health_and_links(nv: Any, gpus: Sequence[Any], visible: Sequence[int]) -> Tuple[Dict[int, Any], List[Any]]:
+    """Per-GPU state and the links between visible GPUs; a GPU or pair NVML fails on is left out (its checks
+    then say "not reported") rather than costing the other readings."""
+    health: Dict[int, Any] = {}
+    for g in gpus:
+        try:
+            health[g.index] = nv.health(g.index)
+        except Exception:  # noqa: BLE001 - e.g. a GPU fallen off the bus, an nvidia-ml-py without a function
+            pass
+    links = []
+    for i, a in enumerate(visible):
+        for b in visible[i + 1:]:
+            try:
+                links.append(nv.link(a, b))
+            except Exception:  # noqa: BLE001
+                pass
+    return health, links
+
+
 def gather_facts(nvml: Any = None, probe_tensorflow: bool = True, root: str = "/", paths: Sequence[str] = (),
                  progress: Callable[[str], None] = lambda msg: None) -> Facts:
     """Collect :class:`Facts` from this machine: NVML, the TensorFlow probe, host, environment, packages.
@@ -605,9 +624,7 @@ def gather_facts(nvml: Any = None, probe_tensorflow: bool = True, root: str = "/
             for g in facts.gpus:
                 facts.processes.extend(p for p in nv.processes(g.index) if p.pid != me)
                 facts.samples[g.index] = nv.sample(g.index)
-                facts.health[g.index] = nv.health(g.index)
-            visible = facts.visible_gpu_indices
-            facts.links = [nv.link(a, b) for i, a in enumerate(visible) for b in visible[i + 1:]]
+            facts.health, facts.links = _health_and_links(nv, facts.gpus, facts.visible_gpu_indices)
         except Exception as e:  # noqa: BLE001 - NVML half-working: report it, keep going
             facts.nvml_error, facts.nvml_error_kind = f"NVML query failed: {type(e).__name__}: {e}", "other"
         finally:
@@ -1055,9 +1072,8 @@ def check_versions(f: Facts) -> CheckResult:
     if f.requirements is None:
         return CheckResult(name, "skip", "keras-scale is not installed as a package (running from a checkout), so "
                            "its declared version floors cannot be read.", "pip install -e . (or pip install keras-scale)")
-    floors = _floors(f)
-    shown, low = [], []
-    for dist, floor in floors.items():
+    shown, low, upgrades = [], [], []
+    for dist, floor in _floors(f).items():
         candidates = _TF_DISTS if dist == "tensorflow" else (dist,)
         have = next(((d, f.installed[d]) for d in candidates if d in f.installed), None)
         if have is None:
@@ -1065,9 +1081,9 @@ def check_versions(f: Facts) -> CheckResult:
         shown.append(f"{have[0]} {have[1]} (needs >= {floor})")
         if _ver(have[1])[:len(_ver(floor))] < _ver(floor):
             low.append(f"{have[0]} {have[1]} is below keras_scale's floor {floor}")
+            upgrades.append(f"'{have[0]}>={floor}'")
     if low:
-        return CheckResult(name, "error", "; ".join(low) + ".", "pip install " + " ".join(
-            f"'{d}>={v}'" for d, v in floors.items() if any(d in x or (d == "tensorflow" and "tf" in x) for x in low)))
+        return CheckResult(name, "error", "; ".join(low) + ".", "pip install " + " ".join(upgrades))
     return CheckResult(name, "ok", ", ".join(shown) or "No versioned requirement installed to compare.")
 
 
@@ -1119,9 +1135,10 @@ def check_compute_capability(f: Facts, minimums: Optional[Dict[str, Dict[str, st
             errors.append(f"{label}: older than every kernel in the wheel; TensorFlow skips this GPU")
     detail_tail = f" Wheel kernels: {wheel}."
     if errors:
+        driver = f"Upgrade the NVIDIA driver to >= {need} (PTX JIT), or u" if need else "U"
         return CheckResult(name, "error", "; ".join(errors) + "." + detail_tail,
-                           f"Upgrade the NVIDIA driver to >= {need} (PTX JIT), or use a TensorFlow build with kernels "
-                           "for these GPUs (e.g. NVIDIA's NGC TensorFlow container for Blackwell).")
+                           f"{driver}se a TensorFlow build with kernels for these GPUs (e.g. NVIDIA's NGC TensorFlow "
+                           "container for Blackwell).")
     if not native and not jit:
         return CheckResult(name, "skip", "NVML does not report the compute capability of the visible GPUs.")
     detail = "; ".join(filter(None, [f"native kernels: {', '.join(native)}" if native else "",
