@@ -261,8 +261,9 @@ def leftover_processes_message(processes: Sequence[GpuProcess], gpu_indices: Seq
         >>> what, fix = leftover_processes_message([GpuProcess(0, 4242, "python old.py", 10240.0)], [0, 1])
         >>> what
         'GPU 0: pid 4242 (python old.py) holds 10240 MiB'
-        >>> fix
-        'If they are leftovers of an earlier run (check with `ps -fp 4242`): kill 4242, or use the free GPU(s): CUDA_VISIBLE_DEVICES=1'
+        >>> print(fix)
+        If they are leftovers of an earlier run (check with `ps -fp 4242`): kill 4242, or use the free GPU(s): \
+CUDA_VISIBLE_DEVICES=1
     """
     what = "; ".join(f"GPU {p.gpu_index}: pid {p.pid} ({p.name}) holds "
                      f"{'?' if p.used_memory_mb is None else f'{p.used_memory_mb:.0f}'} MiB" for p in processes)

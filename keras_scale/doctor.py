@@ -44,11 +44,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["doctor", "cli", "CheckResult", "Facts", "gather_facts", "run_checks", "CHECKS", "load_driver_minimums"]
+from keras_scale._tf_probe import PROBE_MARK as _PROBE_MARK
+from keras_scale._tf_probe import SMOKE_OPS
+from keras_scale.advice import leftover_processes_message
+from keras_scale.host import HostFacts, gather_host_facts, read_text
+
+__all__ = ["doctor", "cli", "CheckResult", "Facts", "HostFacts", "gather_facts", "gather_host_facts", "run_checks",
+           "CHECKS", "SMOKE_OPS", "load_driver_minimums", "unknown_xla_flags"]
 
 STATUSES = ("ok", "warn", "error", "skip")
-_PROBE_FLAG = "--keras-scale-tf-probe"
-_PROBE_MARK = "KERAS_SCALE_TF_PROBE "
+_PROBE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_tf_probe.py")
 _DATA_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data_files", "cuda_driver_minimums.json")
 
 
@@ -78,7 +83,8 @@ class CheckResult:
 class Facts:
     """Everything the checks look at. :func:`gather_facts` fills it from this machine; tests fabricate it.
 
-    ``tf`` is the TensorFlow probe's result (see :func:`_probe_tensorflow`): ``tf["tensorflow"]`` is None when
+    ``tf`` is the TensorFlow probe's result (see :func:`keras_scale._tf_probe.probe_tensorflow`):
+    ``tf["tensorflow"]`` is None when
     TensorFlow is missing, and ``tf["error"]`` then says why. ``nvml_error``/``nvml_error_kind`` come from
     :class:`keras_scale.nvml.NvmlUnavailable` when NVML is unusable.
 
@@ -106,7 +112,7 @@ class Facts:
     python_executable: str = ""
     health: Dict[int, Any] = field(default_factory=dict)  # index -> keras_scale.nvml.GpuHealth
     links: List[Any] = field(default_factory=list)  # keras_scale.nvml.GpuLink between visible GPUs
-    host: Optional["HostFacts"] = None
+    host: Optional[HostFacts] = None
     installed: Dict[str, str] = field(default_factory=dict)  # distribution -> version (importlib.metadata)
     requirements: Optional[List[str]] = None  # importlib.metadata.requires("keras-scale"); None: not installed
     xla_unknown_flags: Optional[List[str]] = None  # XLA_FLAGS names TensorFlow's XLA does not define; None: unchecked
@@ -125,29 +131,6 @@ class Facts:
         return self.tf.get("gpus") if self.tf_version else None
 
 
-@dataclass
-class HostFacts:
-    """What the host contributes: CPUs, memory, NUMA, storage, ``/dev/shm``, pinned-memory limit, InfiniBand.
-
-    Filled by :func:`gather_host_facts` from ``/proc`` and ``/sys`` under a root directory (tests point it at a
-    fabricated tree). ``None`` means "could not be read here".
-
-    Example:
-        >>> HostFacts(physical_cores=16, usable_cpus=32, ram_mb=256000.0).physical_cores
-        16
-    """
-
-    physical_cores: Optional[int] = None  # physical cores this process may run on (affinity and cgroup quota)
-    usable_cpus: Optional[int] = None  # logical CPUs this process may run on
-    ram_mb: Optional[float] = None  # MemTotal, or the cgroup memory limit when lower
-    gpu_numa_nodes: Dict[int, int] = field(default_factory=dict)  # GPU index -> NUMA node (-1: none reported)
-    affinity_nodes: Optional[List[int]] = None  # NUMA nodes whose CPUs this process may use
-    storage: List[Dict[str, Any]] = field(default_factory=list)  # {"path", "mount", "fstype", "device", "kind"}
-    shm_mb: Optional[float] = None
-    memlock_bytes: Optional[int] = None  # ulimit -l; None: unlimited
-    infiniband: List[str] = field(default_factory=list)  # /sys/class/infiniband entries
-
-
 # ================================================================================================ gathering
 def load_driver_minimums(path: str = _DATA_FILE) -> Dict[str, Dict[str, str]]:
     """The driver-minimum table as ``{"toolkit": {"12.5.1": "555.42.06", ...}, "minor_version_compatibility":
@@ -163,79 +146,6 @@ def load_driver_minimums(path: str = _DATA_FILE) -> Dict[str, Dict[str, str]]:
             for section in ("toolkit", "minor_version_compatibility")}
 
 
-SMOKE_OPS = ("elementwise", "matmul", "conv", "jit_compile")
-
-
-def _smoke(tf: Any, op: str) -> bool:
-    """One small op of each kind that can fail where another passes (different kernels, libraries, compilers)."""
-    if op == "elementwise":
-        x = tf.fill((256, 256), 2.0)
-        y = tf.exp(tf.math.log(x)) * x + 1.0  # element-wise kernels, compiled per architecture
-        return abs(float(tf.reduce_mean(y)) - 5.0) < 1e-3
-    if op == "matmul":
-        a = tf.ones((64, 64))
-        return abs(float(tf.matmul(a, a)[0, 0]) - 64.0) < 1e-3  # cuBLAS
-    if op == "conv":
-        img, kernel = tf.ones((1, 8, 8, 4)), tf.ones((3, 3, 4, 2))
-        return abs(float(tf.nn.conv2d(img, kernel, 1, "VALID")[0, 0, 0, 0]) - 36.0) < 1e-3  # cuDNN
-    fn = tf.function(lambda v: tf.reduce_sum(tf.nn.relu(v) * 2.0), jit_compile=True)  # XLA: ptxas / PTX JIT
-    return abs(float(fn(tf.ones((32, 32)))) - 2048.0) < 1e-3
-
-
-def _probe_tensorflow(report: Callable[[Dict[str, Any]], None] = lambda out: None) -> Dict[str, Any]:
-    """Runs in the child process: versions, build info, GPUs, memory growth, and four smoke ops per device.
-
-    ``report`` is called after each stage with the result so far, so a crash in a later stage (an XLA abort on a
-    bad flag, a segfault in a kernel) keeps what was learnt before it.
-    """
-    out: Dict[str, Any] = {"tensorflow": None, "error": None, "keras": None, "keras_backend": None,
-                           "keras_error": None, "build": {}, "gpus": [], "memory_growth": {}, "placements": [],
-                           "stage": "import"}
-    try:
-        import tensorflow as tf
-    except Exception as e:  # noqa: BLE001 - ImportError, or a broken install raising anything
-        out["error"] = f"{type(e).__name__}: {e}"
-        return out
-    out["tensorflow"] = tf.__version__
-    try:
-        info = dict(tf.sysconfig.get_build_info())
-        out["build"] = {k: info.get(k) for k in ("cuda_version", "cudnn_version", "is_cuda_build",
-                                                 "cuda_compute_capabilities")}
-    except Exception as e:  # noqa: BLE001
-        out["build"] = {"error": str(e)}
-    try:
-        import keras
-
-        out["keras"] = keras.__version__
-        out["keras_backend"] = keras.config.backend() if hasattr(keras, "config") else "tensorflow"
-    except Exception as e:  # noqa: BLE001
-        out["keras_error"] = f"{type(e).__name__}: {e}"
-    gpus = tf.config.list_physical_devices("GPU")
-    out["gpus"] = [g.name for g in gpus]
-    for g in gpus:
-        try:
-            out["memory_growth"][g.name] = bool(tf.config.experimental.get_memory_growth(g))
-            # the smoke test must not reserve every GPU's memory under someone else's running job
-            tf.config.experimental.set_memory_growth(g, True)
-        except Exception:  # noqa: BLE001
-            pass
-    targets = [d.name for d in tf.config.list_logical_devices("GPU")] or ["/device:CPU:0"]
-    for name in targets:
-        for op in SMOKE_OPS:
-            out["stage"] = f"{op} on {name}"
-            report(out)
-            entry = {"requested": name, "op": op, "device": None, "ok": False, "error": None}
-            try:
-                with tf.device(name):
-                    entry["ok"] = bool(_smoke(tf, op))
-                    entry["device"] = tf.identity(tf.constant(1.0)).device
-            except Exception as e:  # noqa: BLE001
-                entry["error"] = f"{type(e).__name__}: {e}"[:500]
-            out["placements"].append(entry)
-    out["stage"] = "done"
-    return out
-
-
 _LOG_HINT = re.compile(
     r"Could not load dynamic library|Cannot dlopen|Could not find cuda drivers|failed call to cuInit|"
     r"Loaded runtime CuDNN library|cuDNN.*version|Could not find TensorRT|libcu\w+\.so|Unknown flags? in|"
@@ -248,7 +158,7 @@ class _TfProbe:
     def __init__(self, timeout_s: float = 180.0) -> None:
         self.timeout_s = timeout_s
         self.started_s = time.perf_counter()
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), _PROBE_FLAG],
+        self.proc = subprocess.Popen([sys.executable, _PROBE_SCRIPT],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
 
     def result(self) -> Dict[str, Any]:
@@ -284,7 +194,7 @@ def _probe_result(stdout: str, stderr: str, returncode: Optional[int],
 
 
 def _run_tf_probe(timeout_s: float = 180.0) -> Dict[str, Any]:
-    """Run :func:`_probe_tensorflow` in a child Python and wait for its result."""
+    """Run :func:`keras_scale._tf_probe.probe_tensorflow` in a child Python and wait for its result."""
     return _TfProbe(timeout_s).result()
 
 
@@ -337,153 +247,6 @@ def _net_interfaces() -> Optional[List[str]]:
         return None
 
 
-def _read(root: str, path: str) -> Optional[str]:
-    try:
-        with open(os.path.join(root, path.lstrip("/"))) as f:
-            return f.read()
-    except OSError:
-        return None
-
-
-def _cpu_list(text: Optional[str]) -> List[int]:
-    """``"0-3,8,10-11"`` -> ``[0, 1, 2, 3, 8, 10, 11]``."""
-    out: List[int] = []
-    for part in (text or "").strip().split(","):
-        if "-" in part:
-            lo, hi = part.split("-", 1)
-            out.extend(range(int(lo), int(hi) + 1))
-        elif part.strip().isdigit():
-            out.append(int(part))
-    return out
-
-
-_NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "glusterfs", "ceph", "cephfs",
-               "9p", "wekafs", "panfs", "fuse.sshfs", "fuse.gcsfuse", "fuse.s3fs", "fuse.rclone", "fuse.juicefs",
-               "fuse.mountpoint-s3", "fuse.goofys", "fuse.blobfuse", "fuse.blobfuse2"}
-
-
-def _storage_of(path: str, root: str, mounts: List[Tuple[str, str, str, str]]) -> Dict[str, Any]:
-    """The mount holding ``path`` and what it is: ``nvme``, ``ssd``, ``hdd``, ``virtual`` (a VM's virtio/Xen disk,
-    whose rotational flag means nothing), ``network``, ``memory``, ``container`` (overlay) or ``unknown``."""
-    real = os.path.realpath(path)
-    best = max((m for m in mounts if real == m[1] or real.startswith(m[1].rstrip("/") + "/")),
-               key=lambda m: len(m[1]), default=None)
-    info: Dict[str, Any] = {"path": path, "mount": None, "fstype": None, "device": None, "kind": "unknown"}
-    if best is None:
-        return info
-    device, mountpoint, fstype, _ = best
-    info.update(mount=mountpoint, fstype=fstype, device=device)
-    if fstype in _NETWORK_FS or fstype.startswith("nfs") or ":" in device or device.startswith("//"):
-        info["kind"] = "network"
-    elif fstype in ("tmpfs", "ramfs"):
-        info["kind"] = "memory"
-    elif fstype in ("overlay", "aufs", "fuse-overlayfs"):
-        info["kind"] = "container"
-    elif device.startswith("/dev/"):
-        name = os.path.basename(device)
-        if device.startswith("/dev/mapper/"):  # LVM / dm-crypt: find the dm-N device of that name
-            for dm in sorted(os.listdir(os.path.join(root, "sys/class/block")) if os.path.isdir(
-                    os.path.join(root, "sys/class/block")) else []):
-                if (_read(root, f"sys/class/block/{dm}/dm/name") or "").strip() == name:
-                    name = dm
-                    break
-        candidates = [name, re.sub(r"p?\d+$", "", name) if name.startswith(("nvme", "mmcblk")) else
-                      re.sub(r"\d+$", "", name)]
-        rotational = next((r.strip() for r in (_read(root, f"sys/class/block/{c}/queue/rotational")
-                                                for c in candidates) if r is not None), None)
-        if name.startswith(("vd", "xvd")):
-            info["kind"] = "virtual"  # virtio/Xen disks report rotational=1 whatever backs them
-        elif rotational == "1":
-            info["kind"] = "hdd"
-        elif rotational == "0":
-            info["kind"] = "nvme" if name.startswith("nvme") else "ssd"
-    return info
-
-
-def gather_host_facts(root: str = "/", paths: Sequence[str] = (), gpus: Sequence[Any] = (),
-                      affinity: Optional[Sequence[int]] = None, memlock_bytes: Any = "read") -> HostFacts:
-    """Read the host's CPUs, memory, NUMA placement of ``gpus``, storage of ``paths``, ``/dev/shm``, InfiniBand.
-
-    Args:
-        root: where ``/proc`` and ``/sys`` are (tests pass a fabricated tree).
-        paths: data/checkpoint paths whose filesystem to classify (default: the working directory).
-        gpus: :class:`keras_scale.nvml.GpuInfo` of the GPUs (for their PCI bus ids).
-        affinity: CPUs this process may run on (default: ``os.sched_getaffinity(0)``).
-        memlock_bytes: ``ulimit -l`` in bytes, None for unlimited (default: read with ``resource``).
-
-    Example:
-        >>> gather_host_facts().usable_cpus >= 1
-        True
-    """
-    host = HostFacts()
-    if affinity is None:
-        try:
-            affinity = sorted(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            affinity = list(range(os.cpu_count() or 1))
-    cpus = set(affinity)
-    quota = _read(root, "sys/fs/cgroup/cpu.max")  # cgroup v2: "max 100000" or "200000 100000"
-    quota_cpus = None
-    if quota and not quota.startswith("max"):
-        q, period = quota.split()[:2]
-        quota_cpus = max(1, int(int(q) / int(period)))
-    host.usable_cpus = min(len(cpus), quota_cpus or len(cpus))
-    cores = set()
-    for cpu in cpus:
-        pkg = _read(root, f"sys/devices/system/cpu/cpu{cpu}/topology/physical_package_id")
-        core = _read(root, f"sys/devices/system/cpu/cpu{cpu}/topology/core_id")
-        if pkg is not None and core is not None:
-            cores.add((pkg.strip(), core.strip()))
-    if cores:
-        host.physical_cores = min(len(cores), quota_cpus or len(cores))
-    meminfo = _read(root, "proc/meminfo") or ""
-    m = re.search(r"^MemTotal:\s+(\d+)\s*kB", meminfo, re.MULTILINE)
-    ram = int(m.group(1)) / 1024.0 if m else None
-    limit = (_read(root, "sys/fs/cgroup/memory.max") or "").strip()
-    if limit.isdigit():
-        ram = min(ram or float("inf"), int(limit) / 2 ** 20)
-    host.ram_mb = ram
-    for g in gpus:
-        bus = (g.pci_bus_id or "").lower()
-        if bus:
-            sysfs_bus = bus[-12:] if len(bus) > 12 else bus  # NVML "00000000:17:00.0" -> sysfs "0000:17:00.0"
-            node = _read(root, f"sys/bus/pci/devices/{sysfs_bus}/numa_node")
-            if node is not None and node.strip().lstrip("-").isdigit():
-                host.gpu_numa_nodes[g.index] = int(node)
-    nodes_dir = os.path.join(root, "sys/devices/system/node")
-    if os.path.isdir(nodes_dir):
-        nodes = {}
-        for name in os.listdir(nodes_dir):
-            if re.fullmatch(r"node\d+", name):
-                nodes[int(name[4:])] = set(_cpu_list(_read(root, f"sys/devices/system/node/{name}/cpulist")))
-        host.affinity_nodes = sorted(n for n, node_cpus in nodes.items() if node_cpus & cpus)
-    mounts = []
-    for line in (_read(root, "proc/mounts") or "").splitlines():
-        parts = line.split()
-        if len(parts) >= 4:
-            mounts.append((parts[0], parts[1].replace("\\040", " "), parts[2], parts[3]))
-    host.storage = [_storage_of(p, root, mounts) for p in (paths or [os.getcwd()])]
-    shm = next((m for m in mounts if m[1] == "/dev/shm"), None)
-    if shm is not None:
-        size = re.search(r"(?:^|,)size=(\d+)([kmg]?)", shm[3])
-        if size:
-            host.shm_mb = int(size.group(1)) * {"": 1 / 2 ** 20, "k": 1 / 1024, "m": 1, "g": 1024}[size.group(2)]
-        elif ram is not None:
-            host.shm_mb = ram / 2  # tmpfs default: half of RAM
-    if memlock_bytes == "read":
-        try:
-            import resource
-
-            soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
-            memlock_bytes = None if soft == resource.RLIM_INFINITY else int(soft)
-        except (ImportError, OSError, ValueError):
-            memlock_bytes = None
-    host.memlock_bytes = memlock_bytes
-    ib = os.path.join(root, "sys/class/infiniband")
-    host.infiniband = sorted(os.listdir(ib)) if os.path.isdir(ib) else []
-    return host
-
-
 def _tf_library_paths() -> List[str]:
     """TensorFlow's shared libraries that define the XLA flags, found without importing TensorFlow."""
     try:
@@ -530,7 +293,7 @@ def _read_nccl_conf(env: Mapping[str, str], root: str = "/") -> Dict[str, Tuple[
     out: Dict[str, Tuple[str, str]] = {}
     files = ["/etc/nccl.conf", env.get("NCCL_CONF_FILE") or os.path.join(env.get("HOME", "~"), ".nccl.conf")]
     for path in files:
-        text = _read(root, path) if path.startswith("/") else None
+        text = read_text(root, path) if path.startswith("/") else None
         for line in (text or "").splitlines():
             line = line.split("#", 1)[0].strip()
             if "=" in line:
@@ -667,7 +430,8 @@ def check_python(f: Facts) -> CheckResult:
     v = _ver(f.python_version)
     detail = f"Python {f.python_version}" + (f" ({f.python_executable})" if f.python_executable else "")
     if v[:2] < (3, 10):
-        return CheckResult("python", "warn", detail, "Recent TensorFlow wheels need Python >= 3.10; use a newer Python.")
+        return CheckResult("python", "warn", detail,
+                           "Recent TensorFlow wheels need Python >= 3.10; use a newer Python.")
     return CheckResult("python", "ok", detail)
 
 
@@ -824,8 +588,6 @@ def check_gpu_processes(f: Facts) -> CheckResult:
         return CheckResult(name, "skip", "No GPU present.")
     if not f.processes:
         return CheckResult(name, "ok", "No other process holds GPU memory.")
-    from keras_scale.advice import leftover_processes_message  # lazy: the probe child runs this file bare
-
     what, fix = leftover_processes_message(f.processes, f.visible_gpu_indices)
     return CheckResult(name, "warn", f"Processes already hold GPU memory: {what}.", fix + ".")
 
@@ -941,7 +703,8 @@ def check_memory_growth(f: Facts) -> CheckResult:
         return CheckResult(name, "warn", f"TF_FORCE_GPU_ALLOW_GROWTH={raw!r} is ignored: TensorFlow accepts only "
                        "'true' or 'false' (lower case).", "export TF_FORCE_GPU_ALLOW_GROWTH=true")
     if not f.gpus and not f.tf_gpus:
-        return CheckResult(name, "skip", "No GPU present" + (f" (TF_FORCE_GPU_ALLOW_GROWTH={raw})" if raw else "") + ".")
+        shown = f" (TF_FORCE_GPU_ALLOW_GROWTH={raw})" if raw else ""
+        return CheckResult(name, "skip", f"No GPU present{shown}.")
     growth = f.tf.get("memory_growth") or {}
     allocator = f.env.get("TF_GPU_ALLOCATOR", "").strip()
     if allocator == "cuda_malloc_async":
@@ -1045,7 +808,8 @@ def check_nccl_env(f: Facts) -> CheckResult:
                            "(environment variables override the nccl.conf files); NCCL_DEBUG=INFO shows which "
                            "transports NCCL picked.")
     return CheckResult(name, "ok", listed or "No NCCL_* variables set.",
-                       "" if "NCCL_DEBUG" in nccl else "When debugging multi-GPU hangs or slowness: export NCCL_DEBUG=INFO")
+                       "" if "NCCL_DEBUG" in nccl else
+                       "When debugging multi-GPU hangs or slowness: export NCCL_DEBUG=INFO")
 
 
 # ------------------------------------------------------------------------------- versions, wheels, GPU kinds
@@ -1071,7 +835,8 @@ def check_versions(f: Facts) -> CheckResult:
     name = "versions"
     if f.requirements is None:
         return CheckResult(name, "skip", "keras-scale is not installed as a package (running from a checkout), so "
-                           "its declared version floors cannot be read.", "pip install -e . (or pip install keras-scale)")
+                           "its declared version floors cannot be read.",
+                           "pip install -e . (or pip install keras-scale)")
     shown, low, upgrades = [], [], []
     for dist, floor in _floors(f).items():
         candidates = _TF_DISTS if dist == "tensorflow" else (dist,)
@@ -1127,7 +892,8 @@ def check_compute_capability(f: Facts, minimums: Optional[Dict[str, Dict[str, st
         elif any(p <= cc for p in ptx):
             if need and f.driver_version and _ver(f.driver_version) < _ver(need):
                 errors.append(f"{label}: runs only on PTX JIT-compiled by the driver, and driver "
-                              f"{f.driver_version} cannot compile CUDA {build.get('cuda_version')} PTX (needs >= {need}):"
+                              f"{f.driver_version} cannot compile CUDA {build.get('cuda_version')} PTX "
+                              f"(needs >= {need}):"
                               " the first kernel fails (CUDA_ERROR_UNSUPPORTED_PTX_VERSION)")
             else:
                 jit.append(label)
@@ -1394,7 +1160,8 @@ def check_host_memory(f: Facts) -> CheckResult:
     if not f.host.ram_mb:
         return CheckResult(name, "skip", "Host memory could not be read.")
     gpu_mb = sum(g.memory_total_mb for g in f.visible_gpus)
-    detail = f"{f.host.ram_mb / 1024:.0f} GiB RAM for {gpu_mb / 1024:.0f} GiB of GPU memory ({len(f.visible_gpus)} GPU(s))"
+    detail = (f"{f.host.ram_mb / 1024:.0f} GiB RAM for {gpu_mb / 1024:.0f} GiB of GPU memory "
+              f"({len(f.visible_gpus)} GPU(s))")
     if f.host.ram_mb < gpu_mb:
         return CheckResult(name, "warn", detail + ": less RAM than GPU memory; shuffle buffers, caches, pinned "
                            "transfer buffers and checkpoint saves can exhaust it.",
@@ -1413,7 +1180,8 @@ def check_numa(f: Facts) -> CheckResult:
     if all(n < 0 for n in nodes.values()):
         return CheckResult(name, "ok", "Single NUMA node (or none reported).")
     detail = ", ".join(f"GPU {i}: node {n}" for i, n in nodes.items())
-    far = [i for i, n in nodes.items() if n >= 0 and f.host.affinity_nodes is not None and n not in f.host.affinity_nodes]
+    allowed = f.host.affinity_nodes
+    far = [i for i, n in nodes.items() if n >= 0 and allowed is not None and n not in allowed]
     if far:
         return CheckResult(name, "warn", f"{detail}; this process may only run on node(s) {f.host.affinity_nodes}, "
                            f"so GPU(s) {far} are fed across sockets.",
@@ -1524,7 +1292,8 @@ def check_tf_config(f: Facts, resolve: Callable[[str], List[str]] = _resolve,
         return CheckResult(name, "error", f"TF_CONFIG has no \"cluster\" mapping: {raw[:120]!r}", fix)
     task = cfg.get("task")
     if not isinstance(task, dict) or "type" not in task:
-        return CheckResult(name, "error", "TF_CONFIG has no \"task\": {\"type\", \"index\"}: each process must say which "
+        return CheckResult(name, "error", "TF_CONFIG has no \"task\": {\"type\", \"index\"}: each process must say "
+                           "which "
                        "cluster member it is.", fix)
     cluster, ttype = cfg["cluster"], task["type"]
     try:
@@ -1532,7 +1301,8 @@ def check_tf_config(f: Facts, resolve: Callable[[str], List[str]] = _resolve,
     except (TypeError, ValueError):
         return CheckResult(name, "error", f"TF_CONFIG task index {task.get('index')!r} is not an integer.", fix)
     if ttype not in cluster:
-        return CheckResult(name, "error", f"TF_CONFIG task type {ttype!r} is not in the cluster {sorted(cluster)}.", fix)
+        return CheckResult(name, "error", f"TF_CONFIG task type {ttype!r} is not in the cluster {sorted(cluster)}.",
+                           fix)
     members = cluster[ttype] if isinstance(cluster[ttype], list) else []
     if not 0 <= index < len(members):
         return CheckResult(name, "error", f"TF_CONFIG task {ttype}:{index} is outside the cluster: {ttype!r} has "
@@ -1776,13 +1546,4 @@ def cli(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    if _PROBE_FLAG in sys.argv[1:]:
-        # Child process: never import keras_scale modules that sit next to this file as top-level modules.
-        here = os.path.dirname(os.path.abspath(__file__))
-        sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
-        def _report(out: Dict[str, Any]) -> None:
-            print(_PROBE_MARK + json.dumps(out), flush=True)
-
-        _report(_probe_tensorflow(_report))
-        sys.exit(0)
     sys.exit(cli(sys.argv[1:]))

@@ -740,7 +740,8 @@ def _fake_host_tree(root, shm_size="65536k", rotational="1", cpus=8, nodes=2):
 
 def test_gather_host_facts_from_a_fabricated_tree(tmp_path):
     _fake_host_tree(tmp_path)
-    gpus = [GpuInfo(0, "G", "GPU-0", 81920.0, "00000000:01:00.0"), GpuInfo(1, "G", "GPU-1", 81920.0, "00000000:02:00.0")]
+    gpus = [GpuInfo(0, "G", "GPU-0", 81920.0, "00000000:01:00.0"),
+            GpuInfo(1, "G", "GPU-1", 81920.0, "00000000:02:00.0")]
     host = dr.gather_host_facts(root=str(tmp_path), paths=["/data/train", "/scratch", "/nfs/x", "/etc", "/vm/d"],
                                 gpus=gpus, affinity=[0, 1, 2, 3], memlock_bytes=64 * 1024)
     assert host.usable_cpus == 4 and host.physical_cores == 2  # 4 hyperthreads on node 0 = 2 cores
@@ -758,7 +759,8 @@ def test_gather_host_facts_from_a_fabricated_tree(tmp_path):
 
 def test_host_checks_on_fabricated_host_facts(tmp_path):
     _fake_host_tree(tmp_path)
-    gpus = [GpuInfo(0, "G", "GPU-0", 81920.0, "00000000:01:00.0"), GpuInfo(1, "G", "GPU-1", 81920.0, "00000000:02:00.0")]
+    gpus = [GpuInfo(0, "G", "GPU-0", 81920.0, "00000000:01:00.0"),
+            GpuInfo(1, "G", "GPU-1", 81920.0, "00000000:02:00.0")]
     host = dr.gather_host_facts(root=str(tmp_path), paths=["/data", "/nfs/x"], gpus=gpus, affinity=[0, 1, 2, 3],
                                 memlock_bytes=64 * 1024)
     f = _facts(num_gpus=2, gpus=gpus, host=host)

@@ -1,9 +1,9 @@
 """FakeNvml: a FAKE of keras_scale.nvml.Nvml for tests on machines without a GPU.
 
-It implements the same methods (driver_version, cuda_driver_version, device_count, devices, sample, processes,
-health, link, close) and returns fabricated readings, recording which thread asked for each sample so tests can check that
-sampling happens off the training thread. Only the hardware edge is faked: everything above it (GpuMonitor,
-doctor) runs for real.
+It implements the same methods (driver_version, cuda_driver_version, device_count, devices, sample,
+processes, health, link, close) and returns fabricated readings, recording which thread asked for each sample so
+tests can check that sampling happens off the training thread. Only the hardware edge is faked: everything above
+it (GpuMonitor, doctor) runs for real.
 
 Example:
     >>> fake = FakeNvml.with_gpus(2, util_gpu_pct=35.0, mem_used_mb=1000.0)
