@@ -451,3 +451,17 @@ def test_multi_worker_each_samples_its_own_gpu_only_chief_writes_and_prints(tmp_
     files = glob.glob(os.path.join(log_dir, "events.out.tfevents.*"))
     assert len(files) == 1
     assert _read_scalars(log_dir)["gpu0/util_mean"] == {0: 20.0, 1: 20.0}  # the chief's own GPU
+
+
+def test_without_gpus_tensorboard_still_gets_throughput_and_host_cpu(tmp_path):
+    def no_driver():
+        raise nvml_lib.NvmlUnavailable("no NVIDIA driver found (fake)", "no_driver")
+
+    monitor = GpuMonitor(interval_s=0.002, log_dir=str(tmp_path), nvml=no_driver, batch_size=8, advice=False)
+    with pytest.warns(RuntimeWarning, match="only step time, throughput and host CPU"):
+        _fit(monitor, epochs=2)
+    tags = set(_read_scalars(str(tmp_path)))
+    assert {"throughput/steps_per_s", "throughput/samples_per_s"} <= tags
+    assert not [t for t in tags if t.startswith("gpu")]
+    if monitor.read_host_cpu_pct is not None:
+        assert "host/cpu_mean_pct" in tags
