@@ -16,17 +16,18 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 
 
-def tf_config() -> Optional[dict]:
-    """The parsed ``TF_CONFIG`` environment variable, or ``None`` when unset or empty.
+def tf_config(environ: Optional[Mapping[str, str]] = None) -> Optional[dict]:
+    """The parsed ``TF_CONFIG`` environment variable (of ``environ``, default ``os.environ``), or ``None`` when
+    unset or empty; a ``ValueError`` naming the fix when it is not JSON.
 
     Example:
-        >>> tf_config()  # doctest: +SKIP
-        {'cluster': {'worker': ['127.0.0.1:2222', '127.0.0.1:2223']}, 'task': {'type': 'worker', 'index': 0}}
+        >>> tf_config({"TF_CONFIG": '{"cluster": {"worker": ["h:1"]}, "task": {"type": "worker", "index": 0}}'})
+        {'cluster': {'worker': ['h:1']}, 'task': {'type': 'worker', 'index': 0}}
     """
-    raw = os.environ.get("TF_CONFIG", "").strip()
+    raw = (os.environ if environ is None else environ).get("TF_CONFIG", "").strip()
     if not raw:
         return None
     try:
@@ -388,15 +389,10 @@ def strategy_plan(strategy: Union[str, Any] = "auto", environ: Optional[dict] = 
                              "tf.distribute.Strategy object.")
         return strategy, "requested"
     env = os.environ if environ is None else environ
-    raw = env.get("TF_CONFIG", "").strip()
-    if raw:
-        try:
-            cluster = (json.loads(raw) or {}).get("cluster", {})
-        except json.JSONDecodeError as e:
-            raise ValueError(f"TF_CONFIG is not valid JSON ({e}): {raw[:200]!r}. Fix the variable or unset it.") from e
-        if cluster:
-            n = sum(len(v) for k, v in cluster.items() if k in ("chief", "worker"))
-            return "multi_worker", f"TF_CONFIG names a cluster of {n} workers"
+    cluster = (tf_config(env) or {}).get("cluster", {})
+    if cluster:
+        n = sum(len(v) for k, v in cluster.items() if k in ("chief", "worker"))
+        return "multi_worker", f"TF_CONFIG names a cluster of {n} workers"
     if "SLURM_PROCID" in env and int(env.get("SLURM_STEP_NUM_TASKS", "0") or 0) > 1:
         return "multi_worker", f"Slurm job step with {env['SLURM_STEP_NUM_TASKS']} tasks"
     if num_gpus is None:

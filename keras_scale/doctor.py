@@ -1,50 +1,68 @@
-"""``keras-scale doctor``: check drivers, CUDA, GPUs, leftover processes and environment variables up front.
+"""``keras-scale doctor``: check what breaks or slows training on this machine, before a job starts.
 
-Two halves: *gathering* facts (NVML, a TensorFlow probe run in a child process, the environment, installed
-packages) and *deciding* — one small function per check, ``check_*(facts) -> Finding`` — so each decision can
-be tested with fabricated facts. The NVML checks run without TensorFlow (it is reported missing, the rest goes
-on). TensorFlow is probed in a child process, so ``doctor()`` leaves the caller's TensorFlow uninitialised (you
-can still set memory growth afterwards) and survives a TensorFlow that crashes on import.
+Versions and drivers (driver vs the CUDA of the TensorFlow wheel and of the pip CUDA wheels, compute capability vs
+the wheel's kernels), the GPUs themselves (ECC errors, compute mode, PCIe link width, power limit, P2P/NVLink,
+MIG, leftover processes, throttling), the host that feeds them (CPU cores per GPU, RAM vs GPU memory, NUMA,
+storage of the data/checkpoint path, ``/dev/shm``, ``ulimit -l``) and the environment variables that change
+behaviour (``CUDA_VISIBLE_DEVICES``, ``TF_GPU_ALLOCATOR``, ``XLA_FLAGS``, ``NCCL_*`` and ``/etc/nccl.conf``,
+``TF_CONFIG``).
+
+Two halves: *gathering* facts (NVML, a TensorFlow probe run in a child process, ``/proc`` and ``/sys`` under a
+root directory, the environment, installed packages) and *deciding* — one small function per check,
+``check_*(facts) -> CheckResult`` — so each decision is tested with fabricated facts. The NVML and host checks
+run without TensorFlow. TensorFlow is probed in a child process started first and collected last, so
+``doctor()`` leaves the caller's TensorFlow uninitialised and survives a TensorFlow that crashes on import.
 
 Example:
-    $ keras-scale doctor            # a table; exit code 1 only when a check says "error"
-    $ keras-scale doctor --json     # the same as JSON
+    $ keras-scale doctor                 # a table; exit code 1 when a check says "error"
+    $ keras-scale doctor --strict        # exit code 1 on warnings too (CI)
+    $ keras-scale doctor --json --path /data --path /ckpt
 
     >>> import keras_scale as ks
-    >>> report = ks.doctor()
-    >>> [c["name"] for c in report["checks"] if c["status"] == "error"]
-    []
+    >>> report = ks.doctor(probe_tensorflow=False)
+    >>> sorted(report)[:3]
+    ['checks', 'gpus', 'installed']
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import importlib.metadata
+import importlib.util
 import json
+import mmap
 import os
 import platform
 import re
+import shlex
+import shutil
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["doctor", "cli", "Finding", "Facts", "gather_facts", "run_checks", "CHECKS", "load_driver_minimums"]
+from keras_scale._tf_probe import PROBE_MARK as _PROBE_MARK
+from keras_scale._tf_probe import SMOKE_OPS
+from keras_scale.advice import leftover_processes_message
+from keras_scale.host import HostFacts, gather_host_facts, read_text
+
+__all__ = ["doctor", "cli", "CheckResult", "Facts", "HostFacts", "gather_facts", "gather_host_facts", "run_checks",
+           "CHECKS", "SMOKE_OPS", "load_driver_minimums", "unknown_xla_flags"]
 
 STATUSES = ("ok", "warn", "error", "skip")
-_PROBE_FLAG = "--keras-scale-tf-probe"
-_PROBE_MARK = "KERAS_SCALE_TF_PROBE "
+_PROBE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_tf_probe.py")
 _DATA_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data_files", "cuda_driver_minimums.json")
 
 
 @dataclass(frozen=True)
-class Finding:
+class CheckResult:
     """One check's verdict: ``status`` is ``ok``, ``warn``, ``error`` or ``skip``; ``fix`` says what to do.
 
     Example:
-        >>> Finding("python", "ok", "Python 3.11.9").as_dict()
+        >>> CheckResult("python", "ok", "Python 3.11.9").as_dict()
         {'name': 'python', 'status': 'ok', 'detail': 'Python 3.11.9', 'fix': ''}
     """
 
@@ -55,7 +73,7 @@ class Finding:
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
-            raise ValueError(f"Finding status must be one of {STATUSES}, got {self.status!r}")
+            raise ValueError(f"CheckResult status must be one of {STATUSES}, got {self.status!r}")
 
     def as_dict(self) -> Dict[str, str]:
         return dataclasses.asdict(self)
@@ -65,7 +83,8 @@ class Finding:
 class Facts:
     """Everything the checks look at. :func:`gather_facts` fills it from this machine; tests fabricate it.
 
-    ``tf`` is the TensorFlow probe's result (see :func:`_probe_tensorflow`): ``tf["tensorflow"]`` is None when
+    ``tf`` is the TensorFlow probe's result (see :func:`keras_scale._tf_probe.probe_tensorflow`):
+    ``tf["tensorflow"]`` is None when
     TensorFlow is missing, and ``tf["error"]`` then says why. ``nvml_error``/``nvml_error_kind`` come from
     :class:`keras_scale.nvml.NvmlUnavailable` when NVML is unusable.
 
@@ -91,6 +110,17 @@ class Facts:
     conda_cuda_packages: Dict[str, List[str]] = field(default_factory=dict)  # conda prefix -> CUDA packages
     net_interfaces: Optional[List[str]] = None
     python_executable: str = ""
+    health: Dict[int, Any] = field(default_factory=dict)  # index -> keras_scale.nvml.GpuHealth
+    links: List[Any] = field(default_factory=list)  # keras_scale.nvml.GpuLink between visible GPUs
+    host: Optional[HostFacts] = None
+    installed: Dict[str, str] = field(default_factory=dict)  # distribution -> version (importlib.metadata)
+    requirements: Optional[List[str]] = None  # importlib.metadata.requires("keras-scale"); None: not installed
+    xla_unknown_flags: Optional[List[str]] = None  # XLA_FLAGS names TensorFlow's XLA does not define; None: unchecked
+    nccl_conf: Dict[str, Tuple[str, str]] = field(default_factory=dict)  # NCCL variable -> (value, where it is set)
+
+    @property
+    def visible_gpus(self) -> List[Any]:
+        return [g for g in self.gpus if g.index in set(self.visible_gpu_indices)]
 
     @property
     def tf_version(self) -> Optional[str]:
@@ -103,88 +133,69 @@ class Facts:
 
 # ================================================================================================ gathering
 def load_driver_minimums(path: str = _DATA_FILE) -> Dict[str, Dict[str, str]]:
-    """The driver-minimum table (``{"toolkit": {"12.5": "555.42.02"}, "minor_version_compatibility": ...}``).
+    """The driver-minimum table as ``{"toolkit": {"12.5.1": "555.42.06", ...}, "minor_version_compatibility":
+    {"12": "525.60.13", ...}}``; the data file also names each row's release and source.
 
     Example:
-        >>> load_driver_minimums()["toolkit"]["12.0"]
-        '525.60.13'
+        >>> load_driver_minimums()["toolkit"]["12.5.1"]
+        '555.42.06'
     """
     with open(path) as f:
         data = json.load(f)
-    return {k: v for k, v in data.items() if not k.startswith("_")}
-
-
-def _probe_tensorflow() -> Dict[str, Any]:
-    """Runs in the child process: versions, build info, GPUs, memory growth and a matmul on each device."""
-    out: Dict[str, Any] = {"tensorflow": None, "error": None, "keras": None, "keras_backend": None,
-                           "keras_error": None, "build": {}, "gpus": [], "memory_growth": {}, "placements": []}
-    try:
-        import tensorflow as tf
-    except Exception as e:  # noqa: BLE001 - ImportError, or a broken install raising anything
-        out["error"] = f"{type(e).__name__}: {e}"
-        return out
-    out["tensorflow"] = tf.__version__
-    try:
-        info = dict(tf.sysconfig.get_build_info())
-        out["build"] = {k: info.get(k) for k in ("cuda_version", "cudnn_version", "is_cuda_build")}
-    except Exception as e:  # noqa: BLE001
-        out["build"] = {"error": str(e)}
-    try:
-        import keras
-
-        out["keras"] = keras.__version__
-        out["keras_backend"] = keras.config.backend() if hasattr(keras, "config") else "tensorflow"
-    except Exception as e:  # noqa: BLE001
-        out["keras_error"] = f"{type(e).__name__}: {e}"
-    gpus = tf.config.list_physical_devices("GPU")
-    out["gpus"] = [g.name for g in gpus]
-    for g in gpus:
-        try:
-            out["memory_growth"][g.name] = bool(tf.config.experimental.get_memory_growth(g))
-            # the smoke test must not reserve every GPU's memory under someone else's running job
-            tf.config.experimental.set_memory_growth(g, True)
-        except Exception:  # noqa: BLE001
-            pass
-    targets = [d.name for d in tf.config.list_logical_devices("GPU")] or ["/device:CPU:0"]
-    for name in targets:
-        entry = {"requested": name, "device": None, "ok": False, "error": None}
-        try:
-            with tf.device(name):
-                a = tf.ones((64, 64))
-                c = tf.matmul(a, a)
-            entry["device"] = c.device
-            entry["ok"] = bool(abs(float(c[0, 0]) - 64.0) < 1e-3)
-        except Exception as e:  # noqa: BLE001
-            entry["error"] = f"{type(e).__name__}: {e}"[:500]
-        out["placements"].append(entry)
-    return out
+    return {section: {k: row["driver"] for k, row in data[section].items()}
+            for section in ("toolkit", "minor_version_compatibility")}
 
 
 _LOG_HINT = re.compile(
     r"Could not load dynamic library|Cannot dlopen|Could not find cuda drivers|failed call to cuInit|"
-    r"Loaded runtime CuDNN library|cuDNN.*version|Could not find TensorRT|libcu\w+\.so", re.IGNORECASE)
+    r"Loaded runtime CuDNN library|cuDNN.*version|Could not find TensorRT|libcu\w+\.so|Unknown flags? in|"
+    r"PTX version|UNSUPPORTED_PTX|older than the PTX compiler|no kernel image", re.IGNORECASE)
+
+
+class _TfProbe:
+    """The TensorFlow probe as a child process: started first, collected after the other facts are gathered."""
+
+    def __init__(self, timeout_s: float = 180.0) -> None:
+        self.timeout_s = timeout_s
+        self.started_s = time.perf_counter()
+        self.proc = subprocess.Popen([sys.executable, _PROBE_SCRIPT],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+
+    def result(self) -> Dict[str, Any]:
+        left = max(1.0, self.timeout_s - (time.perf_counter() - self.started_s))
+        try:
+            stdout, stderr = self.proc.communicate(timeout=left)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            stdout, stderr = self.proc.communicate()
+            return _probe_result(stdout, stderr, self.proc.returncode, timed_out_s=self.timeout_s)
+        return _probe_result(stdout, stderr, self.proc.returncode)
+
+
+def _probe_result(stdout: str, stderr: str, returncode: Optional[int],
+                  timed_out_s: Optional[float] = None) -> Dict[str, Any]:
+    """The probe's last reported state, with TensorFlow's telling log lines; a crash or hang said plainly."""
+    result: Optional[Dict[str, Any]] = None
+    for line in stdout.splitlines():
+        if line.startswith(_PROBE_MARK):
+            result = json.loads(line[len(_PROBE_MARK):])
+    hints = [ln.strip()[:300] for ln in stderr.splitlines() if _LOG_HINT.search(ln)]
+    finished = result is not None and result.get("stage") in ("done", "import")
+    if result is None or not finished:
+        stage = (result or {}).get("stage", "start-up")
+        why = (f"did not finish within {timed_out_s:.0f} s (hung at: {stage})" if timed_out_s else
+               f"exited with code {returncode} at: {stage}")
+        tail = " | ".join(stderr.strip().splitlines()[-5:])[-800:]
+        if result is None:
+            result = {"tensorflow": None}
+        result.update(crashed=True, error=f"the TensorFlow probe {why}: {tail}")
+    result["log_hints"] = hints[:12]
+    return result
 
 
 def _run_tf_probe(timeout_s: float = 180.0) -> Dict[str, Any]:
-    """Run :func:`_probe_tensorflow` in a child Python; collect its result and TensorFlow's telling log lines."""
-    cmd = [sys.executable, os.path.abspath(__file__), _PROBE_FLAG]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=dict(os.environ))
-    except subprocess.TimeoutExpired:
-        return {"tensorflow": None, "error": f"TensorFlow did not finish starting within {timeout_s:.0f} s "
-                                             "(hung while initialising the GPUs?)", "crashed": True}
-    result: Optional[Dict[str, Any]] = None
-    for line in proc.stdout.splitlines():
-        if line.startswith(_PROBE_MARK):
-            result = json.loads(line[len(_PROBE_MARK):])
-    hints = [ln.strip()[:300] for ln in proc.stderr.splitlines() if _LOG_HINT.search(ln)]
-    if result is None:
-        tail = proc.stderr.strip().splitlines()[-5:]
-        result = {"tensorflow": None, "crashed": True,
-                  "error": f"the TensorFlow probe exited with code {proc.returncode} before reporting: "
-                           + " | ".join(tail)[-800:]}
-    result["log_hints"] = hints[:12]
-    return result
+    """Run :func:`keras_scale._tf_probe.probe_tensorflow` in a child Python and wait for its result."""
+    return _TfProbe(timeout_s).result()
 
 
 def _pip_nvidia_packages() -> List[str]:
@@ -236,13 +247,115 @@ def _net_interfaces() -> Optional[List[str]]:
         return None
 
 
-def gather_facts(nvml: Any = None, probe_tensorflow: bool = True) -> Facts:
-    """Collect :class:`Facts` from this machine: NVML, the TensorFlow probe, environment, packages.
+def _tf_library_paths() -> List[str]:
+    """TensorFlow's shared libraries that define the XLA flags, found without importing TensorFlow."""
+    try:
+        spec = importlib.util.find_spec("tensorflow")
+    except (ImportError, ValueError):
+        return []
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    out = []
+    for d in spec.submodule_search_locations:
+        out.extend(os.path.join(d, f) for f in sorted(os.listdir(d)) if f.startswith("libtensorflow_framework.so"))
+    return out[:1]
+
+
+def _xla_flag_names(value: str) -> List[str]:
+    """Flag names in an ``XLA_FLAGS`` value, tokenised as XLA does (quotes group a value with spaces)."""
+    try:
+        tokens = shlex.split(value)
+    except ValueError:
+        tokens = value.split()
+    return [t[2:].split("=", 1)[0] for t in tokens if t.startswith("--")]
+
+
+def unknown_xla_flags(value: str, libraries: Sequence[str]) -> Optional[List[str]]:
+    """Names in ``XLA_FLAGS`` that the XLA inside ``libraries`` does not define (XLA aborts on them at its first
+    compile); None when no library could be read.
+
+    Example:
+        >>> unknown_xla_flags("--xla_gpu_autotune_level=2", [])  # no library to look in
+    """
+    names = [n for n in _xla_flag_names(value) if n]
+    for path in libraries:
+        try:
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                return [n for n in names if m.find(n.encode() + b"\0") < 0]
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _read_nccl_conf(env: Mapping[str, str], root: str = "/") -> Dict[str, Tuple[str, str]]:
+    """NCCL settings as NCCL sees them: ``/etc/nccl.conf``, then ``~/.nccl.conf`` (or ``NCCL_CONF_FILE``), then
+    the environment, each overriding the one before."""
+    out: Dict[str, Tuple[str, str]] = {}
+    files = ["/etc/nccl.conf", env.get("NCCL_CONF_FILE") or os.path.join(env.get("HOME", "~"), ".nccl.conf")]
+    for path in files:
+        text = read_text(root, path) if path.startswith("/") else None
+        for line in (text or "").splitlines():
+            line = line.split("#", 1)[0].strip()
+            if "=" in line:
+                key, value = (x.strip() for x in line.split("=", 1))
+                if key.startswith("NCCL_"):
+                    out[key] = (value, path)
+    for key, value in env.items():
+        if key.startswith("NCCL_") and key != "NCCL_CONF_FILE":
+            out[key] = (value, "environment")
+    return dict(sorted(out.items()))
+
+
+_VERSIONED = ("tensorflow", "tensorflow-cpu", "tf-nightly", "keras", "keras-nightly", "nvidia-ml-py", "keras-scale")
+
+
+def _installed_versions() -> Dict[str, str]:
+    out = {}
+    for name in _VERSIONED:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _requirements() -> Optional[List[str]]:
+    try:
+        return list(importlib.metadata.requires("keras-scale") or [])
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _health_and_links(nv: Any, gpus: Sequence[Any], visible: Sequence[int]) -> Tuple[Dict[int, Any], List[Any]]:
+    """Per-GPU state and the links between visible GPUs; a GPU or pair NVML fails on is left out (its checks
+    then say "not reported") rather than costing the other readings."""
+    health: Dict[int, Any] = {}
+    for g in gpus:
+        try:
+            health[g.index] = nv.health(g.index)
+        except Exception:  # noqa: BLE001 - e.g. a GPU fallen off the bus, an nvidia-ml-py without a function
+            pass
+    links = []
+    for i, a in enumerate(visible):
+        for b in visible[i + 1:]:
+            try:
+                links.append(nv.link(a, b))
+            except Exception:  # noqa: BLE001
+                pass
+    return health, links
+
+
+def gather_facts(nvml: Any = None, probe_tensorflow: bool = True, root: str = "/", paths: Sequence[str] = (),
+                 progress: Callable[[str], None] = lambda msg: None) -> Facts:
+    """Collect :class:`Facts` from this machine: NVML, the TensorFlow probe, host, environment, packages.
 
     Args:
         nvml: an object with the :class:`keras_scale.nvml.Nvml` methods (tests pass a fake); default opens
             the real NVML.
-        probe_tensorflow: run the TensorFlow probe (a child process, a few seconds).
+        probe_tensorflow: run the TensorFlow probe (a child process, started first and collected last).
+        root: where ``/proc``, ``/sys`` and ``/etc`` are read from.
+        paths: data/checkpoint paths to classify (default: the working directory).
+        progress: called with a short message as each stage starts (the CLI prints them on stderr).
 
     Example:
         >>> facts = gather_facts(probe_tensorflow=False)
@@ -253,6 +366,11 @@ def gather_facts(nvml: Any = None, probe_tensorflow: bool = True) -> Facts:
 
     env = dict(os.environ)
     facts = Facts(env=env, python_executable=sys.executable)
+    probe = None
+    if probe_tensorflow:
+        progress("starting the TensorFlow probe (a child process: import, GPUs, 4 smoke ops per device)")
+        probe = _TfProbe()
+    progress("reading the GPUs through NVML")
     owned = nvml is None
     try:
         nv = nvml_lib.open_nvml() if nvml is None else nvml
@@ -269,17 +387,27 @@ def gather_facts(nvml: Any = None, probe_tensorflow: bool = True) -> Facts:
             for g in facts.gpus:
                 facts.processes.extend(p for p in nv.processes(g.index) if p.pid != me)
                 facts.samples[g.index] = nv.sample(g.index)
+            facts.health, facts.links = _health_and_links(nv, facts.gpus, facts.visible_gpu_indices)
         except Exception as e:  # noqa: BLE001 - NVML half-working: report it, keep going
             facts.nvml_error, facts.nvml_error_kind = f"NVML query failed: {type(e).__name__}: {e}", "other"
         finally:
             if owned:
                 nv.close()
-    if probe_tensorflow:
-        facts.tf = _run_tf_probe()
+    progress("reading the host: CPUs, memory, NUMA, storage, /dev/shm")
+    facts.host = gather_host_facts(root=root, paths=paths, gpus=facts.gpus)
+    progress("reading packages, libraries and settings")
     facts.pip_nvidia_packages = _pip_nvidia_packages()
     facts.ld_cuda_dirs = _ld_cuda_dirs(env)
     facts.conda_cuda_packages = _conda_cuda_packages(env, list(facts.ld_cuda_dirs))
     facts.net_interfaces = _net_interfaces()
+    facts.installed = _installed_versions()
+    facts.requirements = _requirements()
+    facts.nccl_conf = _read_nccl_conf(env, root)
+    if env.get("XLA_FLAGS", "").strip():
+        facts.xla_unknown_flags = unknown_xla_flags(env["XLA_FLAGS"], _tf_library_paths())
+    if probe is not None:
+        progress("waiting for the TensorFlow probe")
+        facts.tf = probe.result()
     return facts
 
 
@@ -288,128 +416,129 @@ def _ver(text: str) -> Tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", text or ""))
 
 
-def _no_tf(f: Facts, name: str) -> Optional[Finding]:
+def _no_tf(f: Facts, name: str) -> Optional[CheckResult]:
     if f.tf_version is None:
         why = "TensorFlow is not installed" if not f.tf.get("crashed") else "TensorFlow failed to start"
         if not f.tf:
             why = "TensorFlow was not probed"
-        return Finding(name, "skip", f"{why}; this check needs it.")
+        return CheckResult(name, "skip", f"{why}; this check needs it.")
     return None
 
 
-def check_python(f: Facts) -> Finding:
+def check_python(f: Facts) -> CheckResult:
     """Python version (TensorFlow 2.21 wheels exist for 3.10-3.13)."""
     v = _ver(f.python_version)
     detail = f"Python {f.python_version}" + (f" ({f.python_executable})" if f.python_executable else "")
     if v[:2] < (3, 10):
-        return Finding("python", "warn", detail, "Recent TensorFlow wheels need Python >= 3.10; use a newer Python.")
-    return Finding("python", "ok", detail)
+        return CheckResult("python", "warn", detail,
+                           "Recent TensorFlow wheels need Python >= 3.10; use a newer Python.")
+    return CheckResult("python", "ok", detail)
 
 
-def check_tensorflow(f: Facts) -> Finding:
+def check_tensorflow(f: Facts) -> CheckResult:
     """TensorFlow importable (missing: warn and go on; crashing on import: error)."""
     if f.tf_version:
-        return Finding("tensorflow", "ok", f"TensorFlow {f.tf_version}")
+        return CheckResult("tensorflow", "ok", f"TensorFlow {f.tf_version}")
     if not f.tf:
-        return Finding("tensorflow", "skip", "TensorFlow was not probed.")
+        return CheckResult("tensorflow", "skip", "TensorFlow was not probed.")
     err = f.tf.get("error") or "unknown error"
     if "No module named 'tensorflow'" in err:
-        return Finding("tensorflow", "warn", "TensorFlow is not installed; the NVML checks still ran, the "
+        return CheckResult("tensorflow", "warn", "TensorFlow is not installed; the NVML checks still ran, the "
                        "TensorFlow checks are skipped.", "pip install 'tensorflow[and-cuda]' (Linux with GPUs) or "
                        "pip install tensorflow")
-    return Finding("tensorflow", "error", f"TensorFlow fails to import: {err}",
+    return CheckResult("tensorflow", "error", f"TensorFlow fails to import: {err}",
                    "Reinstall it in a clean virtualenv: pip install 'tensorflow[and-cuda]'; see the cuda_libraries "
                    "check for library problems.")
 
 
-def check_keras(f: Facts) -> Finding:
+def check_keras(f: Facts) -> CheckResult:
     """Keras 3 with the TensorFlow backend."""
     if no := _no_tf(f, "keras"):
         return no
     if f.tf.get("keras") is None:
-        return Finding("keras", "error", f"Keras fails to import: {f.tf.get('keras_error')}",
-                       "pip install 'keras>=3.5'")
+        return CheckResult("keras", "error", f"Keras fails to import: {f.tf.get('keras_error')}",
+                           f"pip install 'keras>={_floors(f).get('keras', '3')}'")
     version, backend = f.tf["keras"], f.tf.get("keras_backend") or "?"
     if _ver(version)[:1] < (3,):
-        return Finding("keras", "error", f"Keras {version}: keras_scale needs Keras 3.", "pip install 'keras>=3.5'")
+        return CheckResult("keras", "error", f"Keras {version}: keras_scale needs Keras 3.",
+                           f"pip install 'keras>={_floors(f).get('keras', '3')}'")
     if backend != "tensorflow":
-        return Finding("keras", "warn", f"Keras {version} uses the {backend!r} backend; keras_scale needs "
+        return CheckResult("keras", "warn", f"Keras {version} uses the {backend!r} backend; keras_scale needs "
                        "'tensorflow'.", "export KERAS_BACKEND=tensorflow (or set \"backend\" in ~/.keras/keras.json)")
-    return Finding("keras", "ok", f"Keras {version}, backend tensorflow")
+    return CheckResult("keras", "ok", f"Keras {version}, backend tensorflow")
 
 
-def check_tf_build(f: Facts) -> Finding:
+def check_tf_build(f: Facts) -> CheckResult:
     """How the TensorFlow wheel was built (CUDA/cuDNN versions, or CPU-only)."""
     if no := _no_tf(f, "tf_build"):
         return no
     b = f.tf.get("build") or {}
     if not b.get("is_cuda_build"):
         if f.gpus:
-            return Finding("tf_build", "error", f"This TensorFlow {f.tf_version} is a CPU-only build, but the "
+            return CheckResult("tf_build", "error", f"This TensorFlow {f.tf_version} is a CPU-only build, but the "
                            f"machine has {len(f.gpus)} NVIDIA GPU(s).",
                            "pip install 'tensorflow[and-cuda]' (in a clean virtualenv)")
-        return Finding("tf_build", "ok", "CPU-only TensorFlow build (no GPU on this machine either)")
-    return Finding("tf_build", "ok", f"built for CUDA {b.get('cuda_version')}, cuDNN {b.get('cudnn_version')}")
+        return CheckResult("tf_build", "ok", "CPU-only TensorFlow build (no GPU on this machine either)")
+    return CheckResult("tf_build", "ok", f"built for CUDA {b.get('cuda_version')}, cuDNN {b.get('cudnn_version')}")
 
 
-def check_nvidia_driver(f: Facts) -> Finding:
+def check_nvidia_driver(f: Facts) -> CheckResult:
     """The NVIDIA driver as NVML reports it — or, plainly, that there is no GPU."""
     if f.nvml_error:
         if f.nvml_error_kind == "no_driver":
-            return Finding("nvidia_driver", "skip", f"No GPU present: {f.nvml_error}. Training runs on the CPU.")
+            return CheckResult("nvidia_driver", "skip", f"No GPU present: {f.nvml_error}. Training runs on the CPU.")
         if f.nvml_error_kind == "no_module":
-            return Finding("nvidia_driver", "warn", f"Cannot check the GPUs: {f.nvml_error}.",
+            return CheckResult("nvidia_driver", "warn", f"Cannot check the GPUs: {f.nvml_error}.",
                            "pip install nvidia-ml-py")
-        return Finding("nvidia_driver", "error", f"The NVIDIA driver is installed but not usable: {f.nvml_error}.",
+        return CheckResult("nvidia_driver", "error", f"The NVIDIA driver is installed but not usable: {f.nvml_error}.",
                        "Run `nvidia-smi`; reboot after a driver update, or reinstall the driver.")
     if not f.gpus:
-        return Finding("nvidia_driver", "skip", f"NVIDIA driver {f.driver_version} but no GPU present.")
+        return CheckResult("nvidia_driver", "skip", f"NVIDIA driver {f.driver_version} but no GPU present.")
     cuda = f.cuda_driver_version
-    return Finding("nvidia_driver", "ok", f"driver {f.driver_version}, supports CUDA up to "
+    return CheckResult("nvidia_driver", "ok", f"driver {f.driver_version}, supports CUDA up to "
                    f"{'%d.%d' % cuda if cuda else '?'}; {len(f.gpus)} GPU(s): "
                    + ", ".join(sorted({g.name for g in f.gpus})))
 
 
-def check_driver_cuda(f: Facts, minimums: Optional[Dict[str, Dict[str, str]]] = None) -> Finding:
+def check_driver_cuda(f: Facts, minimums: Optional[Dict[str, Dict[str, str]]] = None) -> CheckResult:
     """Does the driver support the CUDA version the TensorFlow wheel was built for? (table in data_files/)."""
     name = "driver_vs_cuda"
     if not f.driver_version:
-        return Finding(name, "skip", "No NVIDIA driver to compare.")
+        return CheckResult(name, "skip", "No NVIDIA driver to compare.")
     if no := _no_tf(f, name):
         return no
     b = f.tf.get("build") or {}
     if not b.get("is_cuda_build") or not b.get("cuda_version"):
-        return Finding(name, "skip", "TensorFlow is not a CUDA build.")
+        return CheckResult(name, "skip", "TensorFlow is not a CUDA build.")
     table = minimums or load_driver_minimums()
     wheel = _ver(str(b["cuda_version"]))
-    key = f"{wheel[0]}.{wheel[1] if len(wheel) > 1 else 0}"
+    key = str(b["cuda_version"])
     drv = _ver(f.driver_version)
-    known = sorted((k for k in table["toolkit"] if _ver(k)[0] == wheel[0] and _ver(k) <= _ver(key)), key=_ver)
-    toolkit_min = table["toolkit"].get(key) or (table["toolkit"][known[-1]] if known else None)
+    toolkit_min = _toolkit_minimum(table, key)
     compat_min = table["minor_version_compatibility"].get(str(wheel[0]))
     if toolkit_min is None and compat_min is None:
-        return Finding(name, "skip", f"No driver minimum known for CUDA {b['cuda_version']}; update "
+        return CheckResult(name, "skip", f"No driver minimum known for CUDA {b['cuda_version']}; update "
                        "keras_scale/data_files/cuda_driver_minimums.json.")
     cuda_max = f.cuda_driver_version
     if cuda_max and cuda_max[0] < wheel[0]:
-        return Finding(name, "error", f"Driver {f.driver_version} supports CUDA up to {cuda_max[0]}.{cuda_max[1]}, "
+        return CheckResult(name, "error", f"Driver {f.driver_version} supports CUDA up to {cuda_max[0]}.{cuda_max[1]}, "
                        f"but TensorFlow {f.tf_version} was built for CUDA {b['cuda_version']}: no GPU will work.",
                        f"Upgrade the NVIDIA driver to >= {toolkit_min or compat_min}.")
     # the x.0 toolkit's own driver can predate the minor-compatibility floor (11.0 GA: 450.36.06 < 450.80.02)
     floor = min((m for m in (compat_min, toolkit_min) if m), key=_ver)
     if drv < _ver(floor):
-        return Finding(name, "error", f"Driver {f.driver_version} is too old for CUDA {b['cuda_version']} "
+        return CheckResult(name, "error", f"Driver {f.driver_version} is too old for CUDA {b['cuda_version']} "
                        f"(TensorFlow {f.tf_version}): CUDA {wheel[0]}.x needs >= {floor}.",
                        f"Upgrade the NVIDIA driver to >= {toolkit_min or floor}.")
     if toolkit_min and drv < _ver(toolkit_min):
-        return Finding(name, "warn", f"Driver {f.driver_version} runs CUDA {b['cuda_version']} only through minor "
+        return CheckResult(name, "warn", f"Driver {f.driver_version} runs CUDA {b['cuda_version']} only through minor "
                        f"version compatibility (CUDA {key} shipped with {toolkit_min}): PTX JIT for newer GPUs and "
                        "some XLA kernels can fail (CUDA_ERROR_UNSUPPORTED_PTX_VERSION).",
                        f"Upgrade the NVIDIA driver to >= {toolkit_min}.")
-    return Finding(name, "ok", f"driver {f.driver_version} >= {toolkit_min} needed by CUDA {b['cuda_version']}")
+    return CheckResult(name, "ok", f"driver {f.driver_version} >= {toolkit_min} needed by CUDA {b['cuda_version']}")
 
 
-def check_gpu_visibility(f: Facts) -> Finding:
+def check_gpu_visibility(f: Facts) -> CheckResult:
     """GPUs seen by NVML vs by TensorFlow, and why they differ."""
     name = "gpu_visibility"
     n, v = len(f.gpus), len(f.visible_gpu_indices)
@@ -417,16 +546,20 @@ def check_gpu_visibility(f: Facts) -> Finding:
     cvd_text = f"CUDA_VISIBLE_DEVICES={cvd!r}" if cvd is not None else "CUDA_VISIBLE_DEVICES unset"
     t = len(f.tf_gpus) if f.tf_gpus is not None else None
     if n == 0 and not t:
-        return Finding(name, "skip", "No GPU present (NVML sees none" + (", TensorFlow sees none" if t == 0 else "")
+        return CheckResult(name, "skip", "No GPU present (NVML sees none" + (", TensorFlow sees none" if t == 0 else "")
                        + "): training runs on the CPU.")
     if t is None:
-        return Finding(name, "skip", f"NVML sees {n} GPU(s), {v} visible ({cvd_text}); TensorFlow not available "
+        return CheckResult(name, "skip", f"NVML sees {n} GPU(s), {v} visible ({cvd_text}); TensorFlow not available "
                        "to compare.")
     if n == 0:
-        return Finding(name, "warn", f"TensorFlow sees {t} GPU(s) but NVML none ({f.nvml_error or 'no devices'}).",
+        return CheckResult(name, "warn", f"TensorFlow sees {t} GPU(s) but NVML none ({f.nvml_error or 'no devices'}).",
                        "Install nvidia-ml-py and check `nvidia-smi` works for this user.")
+    if v == 0 and cvd and any(e.strip().upper().startswith("MIG-") for e in cvd.split(",")):
+        return CheckResult(name, "ok" if t else "warn", f"{cvd_text} selects MIG instance(s) that NVML could not "
+                           f"map to a GPU here; TensorFlow sees {t}.", "" if t else
+                           "List MIG instances with `nvidia-smi -L` and use one of their MIG-<uuid> names.")
     if v == 0:
-        return Finding(name, "warn", f"{cvd_text} hides all {n} GPU(s): TensorFlow sees {t}.",
+        return CheckResult(name, "warn", f"{cvd_text} hides all {n} GPU(s): TensorFlow sees {t}.",
                        "Unset CUDA_VISIBLE_DEVICES or list the GPU indices to use, e.g. CUDA_VISIBLE_DEVICES=0,1")
     if t == 0:
         build = f.tf.get("build") or {}
@@ -439,38 +572,31 @@ def check_gpu_visibility(f: Facts) -> Finding:
                    "other CUDA directories from LD_LIBRARY_PATH")
         else:
             why, fix = "TensorFlow found no usable GPU", "Run `nvidia-smi`; reinstall 'tensorflow[and-cuda]'"
-        return Finding(name, "error", f"NVML sees {n} GPU(s) ({v} visible, {cvd_text}) but TensorFlow sees none: "
+        return CheckResult(name, "error", f"NVML sees {n} GPU(s) ({v} visible, {cvd_text}) but TensorFlow sees none: "
                        f"{why}.", fix)
     if t < v:
-        return Finding(name, "warn", f"TensorFlow sees {t} of the {v} visible GPU(s) ({cvd_text}).",
+        return CheckResult(name, "warn", f"TensorFlow sees {t} of the {v} visible GPU(s) ({cvd_text}).",
                        "Check `nvidia-smi` for GPUs in a bad state and the TensorFlow log for skipped devices "
                        "(e.g. compute capability too old).")
-    return Finding(name, "ok", f"NVML sees {n} GPU(s), {v} visible ({cvd_text}), TensorFlow sees {t}.")
+    return CheckResult(name, "ok", f"NVML sees {n} GPU(s), {v} visible ({cvd_text}), TensorFlow sees {t}.")
 
 
-def check_gpu_processes(f: Facts) -> Finding:
+def check_gpu_processes(f: Facts) -> CheckResult:
     """Other processes already holding GPU memory (the leftover-run trap)."""
     name = "gpu_processes"
     if not f.gpus:
-        return Finding(name, "skip", "No GPU present.")
+        return CheckResult(name, "skip", "No GPU present.")
     if not f.processes:
-        return Finding(name, "ok", "No other process holds GPU memory.")
-    lines = "; ".join(f"GPU {p.gpu_index}: pid {p.pid} ({p.name}) "
-                      f"{'?' if p.used_memory_mb is None else '%.0f' % p.used_memory_mb} MiB" for p in f.processes)
-    busy = {p.gpu_index for p in f.processes}
-    free = [i for i in f.visible_gpu_indices if i not in busy]
-    pids = " ".join(sorted({str(p.pid) for p in f.processes}))
-    steer = f" or use the free GPU(s): CUDA_VISIBLE_DEVICES={','.join(map(str, free))}" if free else ""
-    return Finding(name, "warn", f"Processes already hold GPU memory: {lines}.",
-                   f"If they are leftovers of an earlier run (check with `ps -fp {pids.replace(' ', ',')}`): "
-                   f"kill {pids}{steer}.")
+        return CheckResult(name, "ok", "No other process holds GPU memory.")
+    what, fix = leftover_processes_message(f.processes, f.visible_gpu_indices)
+    return CheckResult(name, "warn", f"Processes already hold GPU memory: {what}.", fix + ".")
 
 
-def check_throttling(f: Facts) -> Finding:
+def check_throttling(f: Facts) -> CheckResult:
     """Clocks currently lowered by temperature, power cap or hardware slowdown."""
     name = "throttling"
     if not f.samples:
-        return Finding(name, "skip", "No GPU present.")
+        return CheckResult(name, "skip", "No GPU present.")
     bad = []
     for index, s in sorted(f.samples.items()):
         reasons = s.throttle_reasons()
@@ -478,13 +604,13 @@ def check_throttling(f: Facts) -> Finding:
             extra = f", {s.temperature_c:.0f} C" if s.temperature_c is not None else ""
             bad.append(f"GPU {index}: {', '.join(reasons)}{extra}")
     if bad:
-        return Finding(name, "warn", "Throttled now: " + "; ".join(bad) + ".",
+        return CheckResult(name, "warn", "Throttled now: " + "; ".join(bad) + ".",
                        "Check cooling and the power limit: nvidia-smi -q -d PERFORMANCE,TEMPERATURE,POWER")
     temps = [s.temperature_c for s in f.samples.values() if s.temperature_c is not None]
-    return Finding(name, "ok", "No GPU is throttled" + (f" (max {max(temps):.0f} C)." if temps else "."))
+    return CheckResult(name, "ok", "No GPU is throttled" + (f" (max {max(temps):.0f} C)." if temps else "."))
 
 
-def check_library_conflicts(f: Facts) -> Finding:
+def check_library_conflicts(f: Facts) -> CheckResult:
     """conda CUDA/cuDNN libraries on LD_LIBRARY_PATH together with pip NVIDIA wheels."""
     name = "library_conflicts"
     pip = f.pip_nvidia_packages
@@ -494,7 +620,7 @@ def check_library_conflicts(f: Facts) -> Finding:
     other_dirs = [d for d in f.ld_cuda_dirs if d not in conda_dirs]
     if pip and (conda_dirs or conda):
         where = "; ".join(f"{p}: {', '.join(v)}" for p, v in conda.items()) or ", ".join(conda_dirs)
-        return Finding(name, "warn", f"conda CUDA packages ({where}) alongside pip NVIDIA wheels "
+        return CheckResult(name, "warn", f"conda CUDA packages ({where}) alongside pip NVIDIA wheels "
                        f"({', '.join(pip[:4])}{'...' if len(pip) > 4 else ''})"
                        + (f"; on LD_LIBRARY_PATH: {', '.join(conda_dirs)}" if conda_dirs else "")
                        + ". The first library found wins, so TensorFlow may load a cuDNN/CUDA other than the one "
@@ -502,96 +628,123 @@ def check_library_conflicts(f: Facts) -> Finding:
                        "Use one source: `conda remove cudatoolkit cudnn` (keep the pip wheels from "
                        "'tensorflow[and-cuda]'), or drop the conda lib dir from LD_LIBRARY_PATH.")
     if pip and other_dirs:
-        return Finding(name, "warn", f"CUDA libraries on LD_LIBRARY_PATH ({', '.join(other_dirs)}) shadow the pip "
+        return CheckResult(name, "warn", f"CUDA libraries on LD_LIBRARY_PATH ({', '.join(other_dirs)}) shadow the pip "
                        "NVIDIA wheels TensorFlow was built with.",
                        "Remove those directories from LD_LIBRARY_PATH unless you built TensorFlow against them.")
     src = "pip NVIDIA wheels" if pip else ("LD_LIBRARY_PATH: " + ", ".join(f.ld_cuda_dirs) if f.ld_cuda_dirs
                                            else "no CUDA libraries installed outside the driver")
-    return Finding(name, "ok", f"One source of CUDA libraries ({src}).")
+    return CheckResult(name, "ok", f"One source of CUDA libraries ({src}).")
 
 
-def check_cuda_libraries(f: Facts) -> Finding:
+def check_cuda_libraries(f: Facts) -> CheckResult:
     """What TensorFlow said while loading CUDA/cuDNN (missing libraries, cuDNN version mismatch)."""
     name = "cuda_libraries"
     if not f.tf:
-        return Finding(name, "skip", "TensorFlow was not probed.")
+        return CheckResult(name, "skip", "TensorFlow was not probed.")
     hints = f.tf.get("log_hints") or []
     mismatch = [h for h in hints if "Loaded runtime CuDNN library" in h]
     missing = [h for h in hints if re.search(r"Could not load dynamic library|Cannot dlopen", h)]
     if mismatch:
-        return Finding(name, "error", "cuDNN version mismatch: " + mismatch[0],
+        return CheckResult(name, "error", "cuDNN version mismatch: " + mismatch[0],
                        "Install the cuDNN TensorFlow was built for (pip install 'tensorflow[and-cuda]') and remove "
                        "other cuDNN copies from LD_LIBRARY_PATH.")
     if missing and f.gpus:
-        return Finding(name, "error", "TensorFlow could not load CUDA libraries: " + " | ".join(missing[:3]),
+        return CheckResult(name, "error", "TensorFlow could not load CUDA libraries: " + " | ".join(missing[:3]),
                        "pip install 'tensorflow[and-cuda]' (CUDA, cuDNN as pip wheels), or install the CUDA/cuDNN "
                        "versions of the tf_build check and put them on LD_LIBRARY_PATH.")
-    if f.tf.get("crashed"):
-        return Finding(name, "error", f"TensorFlow crashed while starting: {f.tf.get('error')}",
+    if f.tf.get("crashed") and not f.tf_version:
+        return CheckResult(name, "error", f"TensorFlow crashed while starting: {f.tf.get('error')}",
                        "Reinstall 'tensorflow[and-cuda]' in a clean virtualenv; check library_conflicts.")
     if not f.gpus:
-        return Finding(name, "skip", "No GPU present: CUDA libraries not needed.")
-    return Finding(name, "ok", "TensorFlow loaded its CUDA libraries without complaint.")
+        return CheckResult(name, "skip", "No GPU present: CUDA libraries not needed.")
+    return CheckResult(name, "ok", "TensorFlow loaded its CUDA libraries without complaint.")
 
 
-def check_placement(f: Facts) -> Finding:
-    """Smoke test: a matmul placed on each visible GPU (or the CPU) and where it ran."""
+def check_placement(f: Facts) -> CheckResult:
+    """Smoke test on each visible GPU (or the CPU): element-wise ops, a matmul, a convolution and a
+    ``jit_compile`` function — each can fail where the others pass (kernels, cuBLAS, cuDNN, XLA/PTX)."""
     name = "placement"
     if no := _no_tf(f, name):
         return no
     runs = f.tf.get("placements") or []
-    if not runs:
-        return Finding(name, "error", "The matmul smoke test did not run.", "Run with TensorFlow logging on: "
-                       "TF_CPP_MIN_LOG_LEVEL=0 keras-scale doctor")
-    bad, good = [], []
+    if not runs and not f.tf.get("crashed"):
+        return CheckResult(name, "error", "The smoke test did not run.", "Run with TensorFlow logging on: "
+                           "TF_CPP_MIN_LOG_LEVEL=0 keras-scale doctor")
+    bad, good = [], {}
     for r in runs:
+        op = r.get("op", "matmul")
         want = r["requested"].split("device:")[-1].upper()
         got = (r.get("device") or "").upper()
         if r.get("error"):
-            bad.append(f"{r['requested']}: {r['error']}")
+            bad.append(f"{op} on {want}: {r['error']}")
         elif not got.endswith(want):
-            bad.append(f"{r['requested']}: asked for {want}, ran on {r.get('device')}")
+            bad.append(f"{op}: asked for {want}, ran on {r.get('device')}")
         elif not r.get("ok"):
-            bad.append(f"{r['requested']}: ran on {r.get('device')} but gave a wrong result")
+            bad.append(f"{op} on {want} gave a wrong result")
         else:
-            good.append(f"{want} -> {r['device']}")
+            good.setdefault(want, []).append(op)
+    if f.tf.get("crashed"):
+        bad.append(f.tf.get("error") or "the probe crashed")
+    hints = [h for h in f.tf.get("log_hints") or [] if re.search(r"PTX|no kernel image|Unknown flag", h)]
     if bad:
-        return Finding(name, "error", "Matmul smoke test failed: " + "; ".join(bad),
-                       "See cuda_libraries and driver_vs_cuda; `nvidia-smi` for a GPU in a bad state.")
-    suffix = " (no GPU: CPU only)" if all("CPU" in g for g in good) else ""
-    return Finding(name, "ok", "matmul ran: " + "; ".join(good) + suffix)
+        return CheckResult(name, "error", "Smoke test failed: " + "; ".join(bad) + (
+            " | TensorFlow said: " + " | ".join(hints[:2]) if hints else ""),
+            "See compute_capability, driver_vs_cuda, cuda_wheels, cuda_libraries and xla_flags; `nvidia-smi` for "
+            "a GPU in a bad state.")
+    suffix = " (no GPU: CPU only)" if all("CPU" in d for d in good) else ""
+    return CheckResult(name, "ok", "; ".join(f"{d}: {', '.join(ops)}" for d, ops in good.items()) + " ran" + suffix)
 
 
-def check_memory_growth(f: Facts) -> Finding:
+def check_memory_growth(f: Facts) -> CheckResult:
     """TF_FORCE_GPU_ALLOW_GROWTH and per-GPU memory growth (TensorFlow reserves almost all GPU memory by default)."""
     name = "memory_growth"
     raw = f.env.get("TF_FORCE_GPU_ALLOW_GROWTH")
     if raw is not None and raw not in ("true", "false"):
-        return Finding(name, "warn", f"TF_FORCE_GPU_ALLOW_GROWTH={raw!r} is ignored: TensorFlow accepts only "
+        return CheckResult(name, "warn", f"TF_FORCE_GPU_ALLOW_GROWTH={raw!r} is ignored: TensorFlow accepts only "
                        "'true' or 'false' (lower case).", "export TF_FORCE_GPU_ALLOW_GROWTH=true")
     if not f.gpus and not f.tf_gpus:
-        return Finding(name, "skip", "No GPU present" + (f" (TF_FORCE_GPU_ALLOW_GROWTH={raw})" if raw else "") + ".")
+        shown = f" (TF_FORCE_GPU_ALLOW_GROWTH={raw})" if raw else ""
+        return CheckResult(name, "skip", f"No GPU present{shown}.")
     growth = f.tf.get("memory_growth") or {}
+    allocator = f.env.get("TF_GPU_ALLOCATOR", "").strip()
+    if allocator == "cuda_malloc_async":
+        return CheckResult(name, "ok", "TF_GPU_ALLOCATOR=cuda_malloc_async: CUDA's stream-ordered allocator manages "
+                           "GPU memory; its pool grows to the peak in use and keeps it, so nvidia-smi shows the peak, "
+                           "not a full GPU, and out-of-memory reports come from CUDA rather than TensorFlow's BFC "
+                           "allocator.")
+    if allocator:
+        return CheckResult(name, "warn", f"TF_GPU_ALLOCATOR={allocator!r} is not a value TensorFlow knows "
+                           "('cuda_malloc_async' is the one alternative to the default).",
+                           "unset TF_GPU_ALLOCATOR, or export TF_GPU_ALLOCATOR=cuda_malloc_async")
     if raw == "true" or (growth and all(growth.values())):
-        return Finding(name, "ok", "Memory growth on: TensorFlow allocates GPU memory as needed; nvidia-smi shows "
+        return CheckResult(name, "ok", "Memory growth on: TensorFlow allocates GPU memory as needed; nvidia-smi shows "
                        "real use.")
-    return Finding(name, "ok", "Memory growth off (default): TensorFlow reserves nearly all memory of each GPU at "
+    return CheckResult(name, "ok", "Memory growth off (default): TensorFlow reserves nearly all memory of each GPU at "
                    "start, so nvidia-smi shows the GPUs full and a second process on the same GPU runs out of memory.",
                    "To share GPUs or see real use: export TF_FORCE_GPU_ALLOW_GROWTH=true")
 
 
-def check_xla_flags(f: Facts) -> Finding:
-    """TF_XLA_FLAGS / XLA_FLAGS: malformed entries, dumps left on, CUDA data dir that does not exist."""
+def check_xla_flags(f: Facts) -> CheckResult:
+    """TF_XLA_FLAGS / XLA_FLAGS: flags XLA does not know (it aborts), dumps left on, a CUDA data dir that does not
+    exist. Values are tokenised as XLA does: quotes group a value with spaces."""
     name = "xla_flags"
-    problems, shown = [], []
+    errors, problems, shown = [], [], []
     for var in ("TF_XLA_FLAGS", "XLA_FLAGS"):
         value = f.env.get(var, "").strip()
         if not value:
             continue
         shown.append(f"{var}={value!r}")
-        for tok in value.split():
+        try:
+            tokens = shlex.split(value)
+        except ValueError as e:
+            errors.append(f"{var}: cannot be parsed ({e}): unbalanced quotes")
+            continue
+        for tok in tokens:
             if not tok.startswith("--"):
                 problems.append(f"{var}: {tok!r} is not a --flag (XLA aborts on unknown or malformed flags)")
+            elif var == "XLA_FLAGS" and not tok.startswith("--xla_"):
+                errors.append(f"XLA_FLAGS: {tok} is not an XLA flag (they start with --xla_); XLA aborts with "
+                              "'Unknown flags in XLA_FLAGS'")
             elif tok.startswith("--xla_dump_to"):
                 problems.append(f"{var}: {tok} dumps every compiled module (slow, fills the disk)")
             elif tok.startswith("--xla_gpu_cuda_data_dir="):
@@ -599,41 +752,500 @@ def check_xla_flags(f: Facts) -> Finding:
                 if not os.path.isdir(path):
                     problems.append(f"{var}: --xla_gpu_cuda_data_dir={path} does not exist (XLA cannot find "
                                     "ptxas/libdevice)")
+    unknown = [n for n in f.xla_unknown_flags or [] if n.startswith("xla_")]
+    if unknown:
+        errors.append(f"XLA_FLAGS: {', '.join('--' + n for n in unknown)} not defined by this TensorFlow's XLA: it "
+                      "aborts at the first compile ('Unknown flags in XLA_FLAGS')")
+    hints = [h for h in f.tf.get("log_hints") or [] if "Unknown flag" in h]
+    if hints:
+        errors.append("TensorFlow said: " + hints[0])
+    if errors:
+        return CheckResult(name, "error", "; ".join(errors + problems), "Remove or correct those flags (the "
+                           "names differ between XLA versions); check spelling against the XLA of your TensorFlow.")
     if problems:
-        return Finding(name, "warn", "; ".join(problems), "Fix or unset the flags; remove dump flags after "
-                       "debugging.")
+        return CheckResult(name, "warn", "; ".join(problems), "Fix or unset the flags; remove dump flags after "
+                           "debugging.")
     if not shown:
-        return Finding(name, "ok", "No XLA flags set.")
-    return Finding(name, "ok", "; ".join(shown))
+        return CheckResult(name, "ok", "No XLA flags set.")
+    return CheckResult(name, "ok", "; ".join(shown))
 
 
 _NCCL_SLOW = {"NCCL_P2P_DISABLE": "GPU peer-to-peer copies", "NCCL_IB_DISABLE": "InfiniBand",
               "NCCL_SHM_DISABLE": "shared-memory transport"}
 
 
-def check_nccl_env(f: Facts) -> Finding:
-    """NCCL_* variables: transports disabled (slow all-reduce), unknown socket interface, debug level."""
+def check_nccl_env(f: Facts) -> CheckResult:
+    """NCCL settings from the environment and ``/etc/nccl.conf`` / ``~/.nccl.conf``: transports disabled (slow
+    all-reduce), P2P or GPUDirect limited to nothing, an unknown socket interface, a trace-level debug log."""
     name = "nccl_env"
-    nccl = {k: v for k, v in sorted(f.env.items()) if k.startswith("NCCL_")}
+    nccl = {k: v for k, (v, _) in f.nccl_conf.items()} or {k: v for k, v in sorted(f.env.items())
+                                                          if k.startswith("NCCL_")}
+    where = {k: src for k, (_, src) in f.nccl_conf.items() if src != "environment"}
+
+    def shown(var: str) -> str:
+        return f"{var}={nccl[var]}" + (f" (from {where[var]})" if var in where else "")
+
     problems = []
     for var, what in _NCCL_SLOW.items():
         if nccl.get(var, "0").strip() not in ("", "0"):
-            problems.append(f"{var}={nccl[var]} turns off {what}: all-reduce gets slower")
+            problems.append(f"{shown(var)} turns off {what}: all-reduce gets slower")
+    for var, what in (("NCCL_P2P_LEVEL", "GPU peer-to-peer"), ("NCCL_NET_GDR_LEVEL", "GPUDirect RDMA")):
+        if nccl.get(var, "").strip().upper() in ("LOC", "0"):
+            problems.append(f"{shown(var)} allows {what} nowhere (LOC): it is silently off and all-reduce slower")
     ifname = nccl.get("NCCL_SOCKET_IFNAME", "").strip()
     if ifname and not ifname.startswith("^") and f.net_interfaces is not None:
         exact = ifname.startswith("=")
         wanted = [w for w in ifname.lstrip("=").split(",") if w]
         hits = [w for w in wanted if any((i == w) if exact else i.startswith(w) for i in f.net_interfaces)]
         if not hits:
-            problems.append(f"NCCL_SOCKET_IFNAME={ifname} matches no interface here ({', '.join(f.net_interfaces)})")
+            problems.append(f"{shown('NCCL_SOCKET_IFNAME')} matches no interface here "
+                            f"({', '.join(f.net_interfaces)})")
     if nccl.get("NCCL_DEBUG", "").upper() == "TRACE":
-        problems.append("NCCL_DEBUG=TRACE logs every call (slow); INFO is enough to debug")
-    listed = ", ".join(f"{k}={v}" for k, v in nccl.items())
+        problems.append(f"{shown('NCCL_DEBUG')} logs every call (slow); INFO is enough to debug")
+    listed = ", ".join(shown(k) for k in nccl)
     if problems:
-        return Finding(name, "warn", "; ".join(problems) + ".", "Unset these unless you are debugging a hang; "
-                       "NCCL_DEBUG=INFO shows which transports NCCL picked.")
-    return Finding(name, "ok", listed or "No NCCL_* variables set.",
-                   "" if "NCCL_DEBUG" in nccl else "When debugging multi-GPU hangs or slowness: export NCCL_DEBUG=INFO")
+        return CheckResult(name, "warn", "; ".join(problems) + ".", "Unset these unless you are debugging a hang "
+                           "(environment variables override the nccl.conf files); NCCL_DEBUG=INFO shows which "
+                           "transports NCCL picked.")
+    return CheckResult(name, "ok", listed or "No NCCL_* variables set.",
+                       "" if "NCCL_DEBUG" in nccl else
+                       "When debugging multi-GPU hangs or slowness: export NCCL_DEBUG=INFO")
+
+
+# ------------------------------------------------------------------------------- versions, wheels, GPU kinds
+_REQ = re.compile(r"^\s*([A-Za-z0-9_.\-]+)\s*(?:\[[^\]]*\])?\s*([^;]*)(?:;(.*))?$")
+_TF_DISTS = ("tensorflow", "tensorflow-cpu", "tf-nightly")
+
+
+def _floors(f: Facts) -> Dict[str, str]:
+    """``{"tensorflow": "2.16", "keras": "3.8"}``: the ``>=`` floors keras_scale declares (not in extras)."""
+    out: Dict[str, str] = {}
+    for req in f.requirements or []:
+        m = _REQ.match(req)
+        if not m or (m.group(3) and "extra" in m.group(3)):
+            continue
+        floor = re.search(r">=\s*([0-9][0-9A-Za-z.]*)", m.group(2) or "")
+        if floor:
+            out[m.group(1).lower().replace("_", "-")] = floor.group(1)
+    return out
+
+
+def check_versions(f: Facts) -> CheckResult:
+    """Installed TensorFlow and Keras against the floors keras_scale declares (its installed metadata)."""
+    name = "versions"
+    if f.requirements is None:
+        return CheckResult(name, "skip", "keras-scale is not installed as a package (running from a checkout), so "
+                           "its declared version floors cannot be read.",
+                           "pip install -e . (or pip install keras-scale)")
+    shown, low, upgrades = [], [], []
+    for dist, floor in _floors(f).items():
+        candidates = _TF_DISTS if dist == "tensorflow" else (dist,)
+        have = next(((d, f.installed[d]) for d in candidates if d in f.installed), None)
+        if have is None:
+            continue
+        shown.append(f"{have[0]} {have[1]} (needs >= {floor})")
+        if _ver(have[1])[:len(_ver(floor))] < _ver(floor):
+            low.append(f"{have[0]} {have[1]} is below keras_scale's floor {floor}")
+            upgrades.append(f"'{have[0]}>={floor}'")
+    if low:
+        return CheckResult(name, "error", "; ".join(low) + ".", "pip install " + " ".join(upgrades))
+    return CheckResult(name, "ok", ", ".join(shown) or "No versioned requirement installed to compare.")
+
+
+def _wheel_archs(build: Mapping[str, Any]) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]:
+    """``(sass, ptx)`` compute capabilities of the wheel (``sm_80`` -> (8, 0) binary; ``compute_90`` -> PTX)."""
+    sass, ptx = [], []
+    for arch in build.get("cuda_compute_capabilities") or []:
+        m = re.fullmatch(r"(sm|compute)_(\d+)(\d)[a-z]?", str(arch))
+        if m:
+            (sass if m.group(1) == "sm" else ptx).append((int(m.group(2)), int(m.group(3))))
+    return sass, ptx
+
+
+def check_compute_capability(f: Facts, minimums: Optional[Dict[str, Dict[str, str]]] = None) -> CheckResult:
+    """Each visible GPU's compute capability against the kernels in the TensorFlow wheel (``sm_XY`` binaries run
+    on the same major version; ``compute_XY`` PTX needs the driver to JIT-compile it)."""
+    name = "compute_capability"
+    if not f.visible_gpus:
+        return CheckResult(name, "skip", "No visible GPU.")
+    if no := _no_tf(f, name):
+        return no
+    build = f.tf.get("build") or {}
+    sass, ptx = _wheel_archs(build)
+    if not sass and not ptx:
+        return CheckResult(name, "skip", "The TensorFlow wheel does not report its CUDA architectures.")
+    wheel = ", ".join(str(a) for a in build.get("cuda_compute_capabilities") or [])
+    table = minimums or load_driver_minimums()
+    need = _toolkit_minimum(table, str(build.get("cuda_version") or ""))
+    errors, jit, native = [], [], []
+    for g in f.visible_gpus:
+        cc = getattr(f.health.get(g.index), "compute_capability", None)
+        if cc is None:
+            continue
+        label = f"GPU {g.index} ({g.name}, {cc[0]}.{cc[1]})"
+        if any(s[0] == cc[0] and s[1] <= cc[1] for s in sass):
+            native.append(label)
+        elif cc[0] >= 10 and not any(a[0] >= 10 for a in sass + ptx):
+            errors.append(f"{label}: Blackwell is not supported by this wheel (its newest kernels are for "
+                          f"{max(sass + ptx)[0]}.{max(sass + ptx)[1]}; TensorFlow issues report 'PTX version ... does "
+                          "not support sm_100/sm_120')")
+        elif any(p <= cc for p in ptx):
+            if need and f.driver_version and _ver(f.driver_version) < _ver(need):
+                errors.append(f"{label}: runs only on PTX JIT-compiled by the driver, and driver "
+                              f"{f.driver_version} cannot compile CUDA {build.get('cuda_version')} PTX "
+                              f"(needs >= {need}):"
+                              " the first kernel fails (CUDA_ERROR_UNSUPPORTED_PTX_VERSION)")
+            else:
+                jit.append(label)
+        else:
+            errors.append(f"{label}: older than every kernel in the wheel; TensorFlow skips this GPU")
+    detail_tail = f" Wheel kernels: {wheel}."
+    if errors:
+        driver = f"Upgrade the NVIDIA driver to >= {need} (PTX JIT), or u" if need else "U"
+        return CheckResult(name, "error", "; ".join(errors) + "." + detail_tail,
+                           f"{driver}se a TensorFlow build with kernels for these GPUs (e.g. NVIDIA's NGC TensorFlow "
+                           "container for Blackwell).")
+    if not native and not jit:
+        return CheckResult(name, "skip", "NVML does not report the compute capability of the visible GPUs.")
+    detail = "; ".join(filter(None, [f"native kernels: {', '.join(native)}" if native else "",
+                                     f"PTX JIT by the driver: {', '.join(jit)}" if jit else ""])) + "." + detail_tail
+    return CheckResult(name, "ok", detail, "The first run JIT-compiles PTX (minutes); keep the cache: export "
+                       "CUDA_CACHE_MAXSIZE=4294967296" if jit else "")
+
+
+def _toolkit_minimum(table: Dict[str, Dict[str, str]], cuda_version: str) -> Optional[str]:
+    """The driver a CUDA version's toolkit shipped with: the row of that version, or the nearest lower one of the
+    same major version."""
+    want = _ver(cuda_version)
+    if not want:
+        return None
+    known = sorted((k for k in table["toolkit"] if _ver(k)[0] == want[0] and _ver(k) <= want), key=_ver)
+    return table["toolkit"][known[-1]] if known else None
+
+
+_CUDA_WHEELS = {"nvidia-cuda-runtime": "CUDA runtime", "nvidia-cublas": "cuBLAS", "nvidia-cuda-nvcc": "ptxas (nvcc)",
+                "nvidia-cuda-nvrtc": "NVRTC"}
+
+
+def check_cuda_wheels(f: Facts) -> CheckResult:
+    """The pip CUDA wheels ``tensorflow[and-cuda]`` installed (newest ``nvidia-*-cu12`` by default) against the
+    driver: a newer CUDA major needs a newer driver; a newer minor runs through minor version compatibility."""
+    name = "cuda_wheels"
+    wheels = {}
+    for spec in f.pip_nvidia_packages:
+        dist, _, version = spec.partition("==")
+        base = re.sub(r"-cu\d+$", "", dist)
+        if base in _CUDA_WHEELS:
+            wheels[base] = (dist, version)
+    if not wheels:
+        return CheckResult(name, "skip", "No pip CUDA wheels (CUDA comes from the system or conda, or no GPU stack).")
+    listed = ", ".join(f"{d}=={v}" for d, v in wheels.values())
+    if not f.cuda_driver_version:
+        return CheckResult(name, "skip", f"{listed}; no NVIDIA driver to compare with.")
+    drv = f.cuda_driver_version
+    errors, warns = [], []
+    for base, (dist, version) in wheels.items():
+        cuda = _ver(version)[:2]
+        if len(cuda) < 2:
+            continue
+        what = f"{_CUDA_WHEELS[base]} {version} (CUDA {cuda[0]}.{cuda[1]})"
+        if cuda[0] > drv[0]:
+            errors.append(f"{what} needs a CUDA {cuda[0]} driver; driver {f.driver_version} supports CUDA up to "
+                          f"{drv[0]}.{drv[1]}")
+        elif cuda[0] == drv[0] and cuda[1] > drv[1]:
+            warns.append(f"{what} is newer than driver {f.driver_version} (CUDA {drv[0]}.{drv[1]})" + (
+                ": XLA warns that the driver is older than the PTX compiler and compiles serially, and PTX it "
+                "emits may not load (CUDA_ERROR_UNSUPPORTED_PTX_VERSION)" if base == "nvidia-cuda-nvcc" else
+                ": runs through CUDA minor version compatibility only"))
+    build = (f.tf.get("build") or {}).get("cuda_version")
+    if build and "nvidia-cuda-runtime" in wheels and _ver(wheels["nvidia-cuda-runtime"][1])[:1] != _ver(build)[:1]:
+        errors.append(f"the CUDA runtime wheel {wheels['nvidia-cuda-runtime'][1]} is not CUDA {_ver(build)[0]}, which "
+                      f"TensorFlow {f.tf_version} was built for")
+    fix = (f"Upgrade the NVIDIA driver to one supporting CUDA {max(_ver(v)[:2] for _, v in wheels.values())[0]}."
+           f"{max(_ver(v)[:2] for _, v in wheels.values())[1]}, or pin the wheels to the driver's CUDA, e.g. "
+           f"pip install 'nvidia-cuda-nvcc-cu{drv[0]}=={drv[0]}.{drv[1]}.*'")
+    if errors:
+        return CheckResult(name, "error", "; ".join(errors + warns) + ".", fix)
+    if warns:
+        return CheckResult(name, "warn", "; ".join(warns) + ".", fix)
+    return CheckResult(name, "ok", f"{listed}: all within the driver's CUDA {drv[0]}.{drv[1]}.")
+
+
+# --------------------------------------------------------------------------------------- GPU state (NVML)
+def _per_gpu(f: Facts, name: str) -> Optional[CheckResult]:
+    if not f.visible_gpus:
+        return CheckResult(name, "skip", "No visible GPU.")
+    if not f.health:
+        return CheckResult(name, "skip", "NVML did not report the GPUs' state.")
+    return None
+
+
+def check_mig(f: Facts) -> CheckResult:
+    """MIG mode: a process uses one MIG instance (CUDA enumerates only one); which one ``CUDA_VISIBLE_DEVICES``
+    selects."""
+    name = "mig"
+    on = [g for g in f.gpus if getattr(f.health.get(g.index), "mig_mode", None) or g.mig_uuids]
+    cvd = f.env.get("CUDA_VISIBLE_DEVICES")
+    mig_entries = [e.strip() for e in (cvd or "").split(",") if e.strip().upper().startswith("MIG-")]
+    if not on and not mig_entries:
+        return CheckResult(name, "skip" if not f.gpus else "ok", "No GPU in MIG mode." if f.gpus else "No GPU present.")
+    listing = "; ".join(f"GPU {g.index}: {len(g.mig_uuids)} MIG instance(s)" for g in on)
+    if len(mig_entries) == 1:
+        return CheckResult(name, "ok", f"{listing}; CUDA_VISIBLE_DEVICES selects {mig_entries[0]}.".lstrip("; "))
+    why = ("CUDA_VISIBLE_DEVICES lists several MIG instances but a CUDA process uses only the first"
+           if mig_entries else "CUDA_VISIBLE_DEVICES does not name a MIG instance, so CUDA picks one for you")
+    return CheckResult(name, "warn", f"{listing}; {why}: tf.distribute cannot spread one process over several MIG "
+                       "instances.", "Run one process per instance with CUDA_VISIBLE_DEVICES=MIG-<uuid> "
+                       "(`nvidia-smi -L` lists them), or disable MIG for multi-GPU training: nvidia-smi -mig 0")
+
+
+def check_gpu_memory_errors(f: Facts) -> CheckResult:
+    """ECC: uncorrectable errors since the driver loaded, failed row remapping, retired pages or remapped rows
+    waiting for a GPU reset."""
+    name = "gpu_memory_errors"
+    if no := _per_gpu(f, name):
+        return no
+    errors, warns = [], []
+    for g in f.visible_gpus:
+        h = f.health.get(g.index)
+        if h is None:
+            continue
+        if h.ecc_uncorrected_volatile:
+            errors.append(f"GPU {g.index}: {h.ecc_uncorrected_volatile} uncorrectable ECC error(s) since the driver "
+                          "loaded (results may be wrong; jobs crash with Xid 48/63/64)")
+        if h.row_remap_failed:
+            errors.append(f"GPU {g.index}: row remapping failed (the GPU needs service)")
+        if h.pages_pending:
+            warns.append(f"GPU {g.index}: retired pages / remapped rows pending until the GPU is reset")
+    fix = "Drain the GPU from jobs; reset it (`sudo nvidia-smi -r -i <index>`) or reboot; if errors return, RMA it. " \
+          "Details: nvidia-smi -q -d ECC,ROW_REMAPPER,PAGE_RETIREMENT"
+    if errors:
+        return CheckResult(name, "error", "; ".join(errors + warns) + ".", fix)
+    if warns:
+        return CheckResult(name, "warn", "; ".join(warns) + ".", fix)
+    return CheckResult(name, "ok", "No uncorrectable ECC errors, nothing pending.")
+
+
+def check_gpu_modes(f: Facts) -> CheckResult:
+    """Compute mode (Exclusive_Process: a second process on the GPU fails; Prohibited: none may run) and
+    persistence mode (off: the driver reinitialises the GPU for each process)."""
+    name = "gpu_modes"
+    if no := _per_gpu(f, name):
+        return no
+    prohibited = [g.index for g in f.visible_gpus if getattr(f.health.get(g.index), "compute_mode", "") == "Prohibited"]
+    exclusive = [g.index for g in f.visible_gpus
+                 if getattr(f.health.get(g.index), "compute_mode", "") in ("Exclusive_Process", "Exclusive_Thread")]
+    no_persist = [g.index for g in f.visible_gpus if getattr(f.health.get(g.index), "persistence_mode", None) is False]
+    note = (f"Persistence mode off on GPU(s) {no_persist}: the driver sets each GPU up again for every new process "
+            "(slower start)." if no_persist else "Persistence mode on.")
+    persist_fix = "sudo nvidia-smi -pm 1 (or enable the nvidia-persistenced service)" if no_persist else ""
+    if prohibited:
+        return CheckResult(name, "error", f"GPU(s) {prohibited} in compute mode Prohibited: no CUDA process can use "
+                           f"them. {note}", "sudo nvidia-smi -c DEFAULT -i <index>, or hide them with "
+                           "CUDA_VISIBLE_DEVICES")
+    if exclusive:
+        return CheckResult(name, "warn", f"GPU(s) {exclusive} in compute mode Exclusive_Process: a second process on "
+                           "the same GPU (a second worker, an evaluation job, this doctor's smoke test) fails with "
+                           f"'all CUDA-capable devices are busy or unavailable'. {note}",
+                           "One process per GPU (CUDA_VISIBLE_DEVICES), or sudo nvidia-smi -c DEFAULT -i <index>")
+    return CheckResult(name, "ok", f"Compute mode Default. {note}", persist_fix)
+
+
+def check_pcie_link(f: Facts) -> CheckResult:
+    """PCIe link width now vs the most the GPU and slot allow (a x16 card at x4 is the "adding GPUs makes it
+    slower" case), and a slot that holds the GPU below its PCIe generation."""
+    name = "pcie_link"
+    if no := _per_gpu(f, name):
+        return no
+    problems, shown = [], []
+    for g in f.visible_gpus:
+        h = f.health.get(g.index)
+        if h is None or h.pcie_width is None:
+            continue
+        shown.append(f"GPU {g.index}: gen {h.pcie_gen}/{h.pcie_gen_max} x{h.pcie_width}/x{h.pcie_width_max}")
+        if h.pcie_width_max and h.pcie_width < h.pcie_width_max:
+            problems.append(f"GPU {g.index} links at x{h.pcie_width} of x{h.pcie_width_max}: host-device copies and "
+                            f"PCIe all-reduce run at {h.pcie_width}/{h.pcie_width_max} of the bandwidth")
+        if h.pcie_gen_gpu_max and h.pcie_gen_max and h.pcie_gen_max < h.pcie_gen_gpu_max:
+            problems.append(f"GPU {g.index} supports PCIe gen {h.pcie_gen_gpu_max} but the slot allows gen "
+                            f"{h.pcie_gen_max}")
+    if not shown:
+        return CheckResult(name, "skip", "NVML does not report the PCIe link here (SXM/NVLink-only or virtual GPU).")
+    if problems:
+        return CheckResult(name, "warn", "; ".join(problems) + ".", "Reseat the card or move it to a full-width "
+                           "slot; check BIOS lane bifurcation and riser cables. nvidia-smi -q -d PCIE shows the link.")
+    return CheckResult(name, "ok", "; ".join(shown) + " (idle GPUs lower the link generation to save power; that "
+                       "is normal).")
+
+
+def check_power_limit(f: Facts) -> CheckResult:
+    """A power limit set below the GPU's default: clocks drop under load."""
+    name = "power_limit"
+    if no := _per_gpu(f, name):
+        return no
+    low, shown = [], []
+    for g in f.visible_gpus:
+        h = f.health.get(g.index)
+        if h is None or h.power_limit_w is None or not h.power_default_limit_w:
+            continue
+        shown.append(f"GPU {g.index}: {h.power_limit_w:.0f} W")
+        if h.power_limit_w < 0.95 * h.power_default_limit_w:
+            low.append(f"GPU {g.index}: {h.power_limit_w:.0f} W of its default {h.power_default_limit_w:.0f} W")
+    if not shown:
+        return CheckResult(name, "skip", "NVML does not report power limits here.")
+    if low:
+        return CheckResult(name, "warn", "Power limit below default (clocks drop under load): " + "; ".join(low) + ".",
+                           "sudo nvidia-smi -pl <watts> -i <index> (the default is in nvidia-smi -q -d POWER), unless "
+                           "the limit is deliberate (power or cooling budget).")
+    return CheckResult(name, "ok", "Power limits at their defaults: " + "; ".join(shown) + ".")
+
+
+def check_gpu_topology(f: Facts) -> CheckResult:
+    """How the visible GPUs talk: NVLink, PCIe peer-to-peer, or through host memory (no P2P: all-reduce slower)."""
+    name = "gpu_topology"
+    if len(f.visible_gpu_indices) < 2:
+        return CheckResult(name, "skip", "Fewer than 2 visible GPUs.")
+    if not f.links:
+        return CheckResult(name, "skip", "NVML did not report how the GPUs are connected.")
+    pairs, no_p2p = [], []
+    for link in f.links:
+        how = f"NVLink x{link.nvlinks}" if link.nvlinks else f"PCIe ({link.topology or '?'})"
+        pairs.append(f"{link.a}-{link.b} {how}")
+        if link.p2p is False and not link.nvlinks:
+            no_p2p.append(f"{link.a}-{link.b}")
+    detail = "; ".join(pairs)
+    if no_p2p:
+        return CheckResult(name, "warn", f"No peer-to-peer between GPU pair(s) {', '.join(no_p2p)}: NCCL copies "
+                           f"through host memory, all-reduce is slower. {detail}.",
+                           "Check `nvidia-smi topo -m` and `nvidia-smi topo -p2p r`; IOMMU/ACS settings in the BIOS or "
+                           "kernel (iommu=pt) often block P2P; in VMs P2P needs passthrough support.")
+    return CheckResult(name, "ok", detail + ".")
+
+
+# ------------------------------------------------------------------------------------------------ the host
+def _host(f: Facts, name: str, needs_gpu: bool = True) -> Optional[CheckResult]:
+    if f.host is None:
+        return CheckResult(name, "skip", "Host facts were not gathered.")
+    if needs_gpu and not f.visible_gpus:
+        return CheckResult(name, "skip", "No visible GPU.")
+    return None
+
+
+def check_cpu_per_gpu(f: Facts, min_cores_per_gpu: int = 4) -> CheckResult:
+    """Physical CPU cores this process may use per visible GPU (common guidance: 4-6 per GPU to feed it)."""
+    name = "cpu_per_gpu"
+    if no := _host(f, name):
+        return no
+    n = len(f.visible_gpus)
+    cores = f.host.physical_cores or f.host.usable_cpus
+    kind = "physical cores" if f.host.physical_cores else "CPUs"
+    if not cores:
+        return CheckResult(name, "skip", "The CPU count could not be read.")
+    per = cores / n
+    detail = f"{cores} {kind} usable ({f.host.usable_cpus} logical CPUs) for {n} GPU(s): {per:.1f} per GPU"
+    if per < min_cores_per_gpu:
+        return CheckResult(name, "warn", detail + f", below the usual {min_cores_per_gpu}-6: input pipelines "
+                           "(decoding, augmentation) may not keep the GPUs busy.",
+                           "Ask for more cores (Slurm: --cpus-per-task; docker: --cpus), cache decoded data, or move "
+                           "preprocessing offline; GpuMonitor's input-bound advice confirms it during training.")
+    return CheckResult(name, "ok", detail + ".")
+
+
+def check_host_memory(f: Facts) -> CheckResult:
+    """Host RAM vs the visible GPUs' memory (less RAM than GPU memory: data loading, pinned buffers and
+    checkpoint saves run out first)."""
+    name = "host_memory"
+    if no := _host(f, name):
+        return no
+    if not f.host.ram_mb:
+        return CheckResult(name, "skip", "Host memory could not be read.")
+    gpu_mb = sum(g.memory_total_mb for g in f.visible_gpus)
+    detail = (f"{f.host.ram_mb / 1024:.0f} GiB RAM for {gpu_mb / 1024:.0f} GiB of GPU memory "
+              f"({len(f.visible_gpus)} GPU(s))")
+    if f.host.ram_mb < gpu_mb:
+        return CheckResult(name, "warn", detail + ": less RAM than GPU memory; shuffle buffers, caches, pinned "
+                           "transfer buffers and checkpoint saves can exhaust it.",
+                           "Give the job more memory (container/Slurm limit), shrink shuffle/cache buffers; "
+                           "HostMemoryWatch tracks it during training.")
+    return CheckResult(name, "ok", detail + ".")
+
+
+def check_numa(f: Facts) -> CheckResult:
+    """The NUMA node of each GPU vs the CPUs this process may run on (input threads on the far socket cross
+    the SMP interconnect for every batch)."""
+    name = "numa"
+    if no := _host(f, name):
+        return no
+    nodes = {g.index: f.host.gpu_numa_nodes.get(g.index, -1) for g in f.visible_gpus}
+    if all(n < 0 for n in nodes.values()):
+        return CheckResult(name, "ok", "Single NUMA node (or none reported).")
+    detail = ", ".join(f"GPU {i}: node {n}" for i, n in nodes.items())
+    allowed = f.host.affinity_nodes
+    far = [i for i, n in nodes.items() if n >= 0 and allowed is not None and n not in allowed]
+    if far:
+        return CheckResult(name, "warn", f"{detail}; this process may only run on node(s) {f.host.affinity_nodes}, "
+                           f"so GPU(s) {far} are fed across sockets.",
+                           "Bind each worker to its GPU's node: numactl --cpunodebind=<node> --membind=<node>, or "
+                           "widen the CPU set (taskset / Slurm --cpu-bind).")
+    return CheckResult(name, "ok", detail + (f"; process may run on node(s) {f.host.affinity_nodes}"
+                                             if f.host.affinity_nodes is not None else "") + ".")
+
+
+def check_storage(f: Facts) -> CheckResult:
+    """The filesystem of the data/checkpoint path(s): NVMe/SSD fine; spinning disk, network or a container's
+    overlay layer slow input or lose checkpoints."""
+    name = "storage"
+    if no := _host(f, name, needs_gpu=False):
+        return no
+    notes, shown = [], []
+    for s in f.host.storage:
+        shown.append(f"{s['path']}: {s['kind']} ({s['fstype'] or '?'} on {s['device'] or '?'})")
+        if s["kind"] == "hdd":
+            notes.append(f"{s['path']} is on a spinning disk: random reads starve the GPU")
+        elif s["kind"] == "network":
+            notes.append(f"{s['path']} is on a network filesystem ({s['fstype']}): per-file latency and shared "
+                         "bandwidth slow input; checkpoints save slowly")
+        elif s["kind"] == "container":
+            notes.append(f"{s['path']} is in the container's overlay layer: slow writes, and checkpoints vanish "
+                         "with the container")
+    if notes:
+        return CheckResult(name, "warn", "; ".join(notes) + ".", "Stage data on local NVMe (or read it as large "
+                           "sharded TFRecords with `.cache()`/`.prefetch()`); write checkpoints to a mounted volume.")
+    return CheckResult(name, "ok", "; ".join(shown) + ".")
+
+
+def check_shm(f: Facts, min_mb: float = 1024.0) -> CheckResult:
+    """``/dev/shm`` size: NCCL's shared-memory transport between GPUs of one machine lives there (Docker's
+    default is 64 MB)."""
+    name = "shm"
+    if no := _host(f, name, needs_gpu=False):
+        return no
+    if f.host.shm_mb is None:
+        return CheckResult(name, "skip", "/dev/shm is not mounted here.")
+    detail = f"/dev/shm is {f.host.shm_mb:.0f} MiB"
+    if f.host.shm_mb < min_mb and len(f.visible_gpus) > 1:
+        return CheckResult(name, "warn", detail + f" with {len(f.visible_gpus)} GPUs: NCCL's shared-memory buffers "
+                           "can run out ('unhandled system error' / bus error).",
+                           "docker run --shm-size=16g (or --ipc=host); Kubernetes: an emptyDir with medium: Memory "
+                           "mounted at /dev/shm.")
+    return CheckResult(name, "ok", detail + ".")
+
+
+def check_memlock(f: Facts) -> CheckResult:
+    """``ulimit -l`` (locked memory) with InfiniBand: RDMA registers pinned buffers and fails under a small limit."""
+    name = "memlock"
+    if no := _host(f, name, needs_gpu=False):
+        return no
+    limit = f.host.memlock_bytes
+    shown = "unlimited" if limit is None else f"{limit // 1024} KiB"
+    if not f.host.infiniband:
+        return CheckResult(name, "ok", f"ulimit -l {shown}; no InfiniBand device, so RDMA is not used.")
+    if limit is not None and limit < 2 ** 30:
+        return CheckResult(name, "warn", f"ulimit -l {shown} with InfiniBand ({', '.join(f.host.infiniband)}): NCCL "
+                           "cannot pin enough memory for RDMA ('ibv_reg_mr failed') and falls back or fails.",
+                           "ulimit -l unlimited (limits.conf memlock, docker --ulimit memlock=-1, Slurm "
+                           "PropagateResourceLimits)")
+    return CheckResult(name, "ok", f"ulimit -l {shown} with InfiniBand ({', '.join(f.host.infiniband)}).")
 
 
 def _resolve(host: str) -> List[str]:
@@ -662,45 +1274,49 @@ def _local_addresses() -> set:
 
 
 def check_tf_config(f: Facts, resolve: Callable[[str], List[str]] = _resolve,
-                    port_free: Callable[[str, int], bool] = _port_free) -> Finding:
+                    port_free: Callable[[str, int], bool] = _port_free) -> CheckResult:
     """TF_CONFIG: valid JSON, this task inside the cluster, addresses host:port, resolvable, own port free."""
     name = "tf_config"
     raw = f.env.get("TF_CONFIG", "").strip()
     if not raw:
-        return Finding(name, "ok", "TF_CONFIG unset: single-machine training.")
+        return CheckResult(name, "ok", "TF_CONFIG unset: single-machine training.")
     fix = ('TF_CONFIG looks like {"cluster": {"worker": ["host1:port", "host2:port"]}, "task": {"type": "worker", '
            '"index": 0}}; `keras-scale launch` sets it for local workers.')
+    from keras_scale.distribute import tf_config
+
     try:
-        cfg = json.loads(raw)
-    except json.JSONDecodeError as e:
-        return Finding(name, "error", f"TF_CONFIG is not valid JSON ({e}): {raw[:120]!r}", fix)
+        cfg = tf_config(f.env)
+    except ValueError as e:
+        return CheckResult(name, "error", str(e), fix)
     if not isinstance(cfg, dict) or not isinstance(cfg.get("cluster"), dict) or not cfg["cluster"]:
-        return Finding(name, "error", f"TF_CONFIG has no \"cluster\" mapping: {raw[:120]!r}", fix)
+        return CheckResult(name, "error", f"TF_CONFIG has no \"cluster\" mapping: {raw[:120]!r}", fix)
     task = cfg.get("task")
     if not isinstance(task, dict) or "type" not in task:
-        return Finding(name, "error", "TF_CONFIG has no \"task\": {\"type\", \"index\"}: each process must say which "
+        return CheckResult(name, "error", "TF_CONFIG has no \"task\": {\"type\", \"index\"}: each process must say "
+                           "which "
                        "cluster member it is.", fix)
     cluster, ttype = cfg["cluster"], task["type"]
     try:
         index = int(task.get("index", 0))
     except (TypeError, ValueError):
-        return Finding(name, "error", f"TF_CONFIG task index {task.get('index')!r} is not an integer.", fix)
+        return CheckResult(name, "error", f"TF_CONFIG task index {task.get('index')!r} is not an integer.", fix)
     if ttype not in cluster:
-        return Finding(name, "error", f"TF_CONFIG task type {ttype!r} is not in the cluster {sorted(cluster)}.", fix)
+        return CheckResult(name, "error", f"TF_CONFIG task type {ttype!r} is not in the cluster {sorted(cluster)}.",
+                           fix)
     members = cluster[ttype] if isinstance(cluster[ttype], list) else []
     if not 0 <= index < len(members):
-        return Finding(name, "error", f"TF_CONFIG task {ttype}:{index} is outside the cluster: {ttype!r} has "
+        return CheckResult(name, "error", f"TF_CONFIG task {ttype}:{index} is outside the cluster: {ttype!r} has "
                        f"{len(members)} address(es).", fix)
     addresses, problems = [], []
     for role, addrs in cluster.items():
         for addr in addrs if isinstance(addrs, list) else [addrs]:
             m = re.fullmatch(r"\[?([^\]]+?)\]?:(\d+)", str(addr))
             if not m or not 0 < int(m.group(2)) < 65536:
-                return Finding(name, "error", f"TF_CONFIG address {addr!r} of {role!r} is not host:port.", fix)
+                return CheckResult(name, "error", f"TF_CONFIG address {addr!r} of {role!r} is not host:port.", fix)
             addresses.append((role, m.group(1), int(m.group(2))))
     dupes = sorted({f"{h}:{p}" for _, h, p in addresses if sum(1 for _, h2, p2 in addresses if (h2, p2) == (h, p)) > 1})
     if dupes:
-        return Finding(name, "error", f"TF_CONFIG lists the same address twice: {', '.join(dupes)}.", fix)
+        return CheckResult(name, "error", f"TF_CONFIG lists the same address twice: {', '.join(dupes)}.", fix)
     resolved = {}
     for _, host, _ in addresses:
         if host in resolved:
@@ -711,7 +1327,7 @@ def check_tf_config(f: Facts, resolve: Callable[[str], List[str]] = _resolve,
             problems.append(f"host {host!r} does not resolve")
             resolved[host] = []
     if problems:
-        return Finding(name, "error", f"TF_CONFIG: {'; '.join(problems)}.", "Use resolvable hostnames or IPs.")
+        return CheckResult(name, "error", f"TF_CONFIG: {'; '.join(problems)}.", "Use resolvable hostnames or IPs.")
     m = re.fullmatch(r"\[?([^\]]+?)\]?:(\d+)", str(members[index]))
     my_host, my_port = m.group(1), int(m.group(2))
     n_tasks = len(addresses)
@@ -719,23 +1335,30 @@ def check_tf_config(f: Facts, resolve: Callable[[str], List[str]] = _resolve,
     local = _local_addresses()
     if set(resolved.get(my_host, [])) & local:
         if not port_free("0.0.0.0" if ":" not in my_host else "::", my_port):
-            return Finding(name, "warn", f"{detail}; its port {my_port} is already in use here (a previous worker "
+            return CheckResult(name, "warn", f"{detail}; its port {my_port} is already in use here (a previous worker "
                            "still running?).", f"Find it with `ss -ltnp 'sport = :{my_port}'`, stop it, or pick "
                            "another port.")
     else:
-        return Finding(name, "warn", f"{detail}; its address {my_host} is not an address of this machine "
+        return CheckResult(name, "warn", f"{detail}; its address {my_host} is not an address of this machine "
                        f"({', '.join(resolved.get(my_host, []))}).", "Set task.index to this machine's entry.")
-    return Finding(name, "ok", detail + f", port {my_port} free.")
+    return CheckResult(name, "ok", detail + f", port {my_port} free.")
 
 
-CHECKS: Tuple[Callable[[Facts], Finding], ...] = (
-    check_python, check_tensorflow, check_keras, check_tf_build, check_nvidia_driver, check_driver_cuda,
-    check_gpu_visibility, check_gpu_processes, check_throttling, check_library_conflicts, check_cuda_libraries,
-    check_placement, check_memory_growth, check_xla_flags, check_nccl_env, check_tf_config,
+CHECKS: Tuple[Callable[[Facts], CheckResult], ...] = (
+    # versions and the CUDA stack
+    check_python, check_tensorflow, check_keras, check_versions, check_tf_build, check_nvidia_driver,
+    check_driver_cuda, check_compute_capability, check_cuda_wheels, check_library_conflicts, check_cuda_libraries,
+    # the GPUs
+    check_gpu_visibility, check_mig, check_gpu_processes, check_gpu_memory_errors, check_gpu_modes,
+    check_pcie_link, check_power_limit, check_throttling, check_gpu_topology, check_placement,
+    # the host that feeds them
+    check_cpu_per_gpu, check_host_memory, check_numa, check_storage, check_shm, check_memlock,
+    # environment variables
+    check_memory_growth, check_xla_flags, check_nccl_env, check_tf_config,
 )
 
 
-def run_checks(facts: Facts, checks: Sequence[Callable[[Facts], Finding]] = CHECKS) -> List[Finding]:
+def run_checks(facts: Facts, checks: Sequence[Callable[[Facts], CheckResult]] = CHECKS) -> List[CheckResult]:
     """Run each check on ``facts``; a check that raises becomes an ``error`` finding rather than a crash.
 
     Example:
@@ -748,43 +1371,51 @@ def run_checks(facts: Facts, checks: Sequence[Callable[[Facts], Finding]] = CHEC
             out.append(check(facts))
         except Exception as e:  # noqa: BLE001 - a bug in one check must not hide the others
             name = check.__name__.replace("check_", "")
-            out.append(Finding(name, "error", f"the check itself failed: {type(e).__name__}: {e}",
+            out.append(CheckResult(name, "error", f"the check itself failed: {type(e).__name__}: {e}",
                                "Report this as a keras_scale bug."))
     return out
 
 
-def report(facts: Facts, checks: Sequence[Callable[[Facts], Finding]] = CHECKS) -> Dict[str, Any]:
+def report(facts: Facts, checks: Sequence[Callable[[Facts], CheckResult]] = CHECKS) -> Dict[str, Any]:
     """The JSON-ready report of :func:`doctor` for given facts."""
     visible = set(facts.visible_gpu_indices)
     return {
         "python": facts.python_version,
         "tensorflow": facts.tf_version,
         "keras": facts.tf.get("keras"),
+        "tensorflow_probed": bool(facts.tf),
+        "installed": dict(facts.installed),
         "nvidia_driver": facts.driver_version,
         "gpus": [dict(dataclasses.asdict(g), visible=g.index in visible) for g in facts.gpus],
         "checks": [f.as_dict() for f in run_checks(facts, checks)],
     }
 
 
-def doctor(nvml: Any = None, probe_tensorflow: bool = True) -> Dict[str, Any]:
-    """Check this machine for training: versions, driver vs CUDA, GPUs, leftover processes, libraries, env vars.
+def doctor(nvml: Any = None, probe_tensorflow: bool = True, paths: Sequence[str] = (), root: str = "/",
+           progress: Callable[[str], None] = lambda msg: None) -> Dict[str, Any]:
+    """Check this machine for training: versions and drivers, the GPUs' state, the host, environment variables.
 
-    Returns ``{"python", "tensorflow", "keras", "nvidia_driver", "gpus": [...], "checks": [{"name", "status",
-    "detail", "fix"}]}`` with ``status`` in ``ok``/``warn``/``error``/``skip``. TensorFlow is probed in a child
-    process (a few seconds), so this process's TensorFlow stays uninitialised.
+    Returns ``{"python", "tensorflow", "keras", "tensorflow_probed", "installed", "nvidia_driver", "gpus": [...],
+    "checks": [{"name", "status", "detail", "fix"}]}`` with ``status`` in ``ok``/``warn``/``error``/``skip``.
+    TensorFlow is probed in a child process (a few seconds, in parallel with the other checks), so this
+    process's TensorFlow stays uninitialised.
 
     Args:
         nvml: an object with the :class:`keras_scale.nvml.Nvml` methods (tests); default: the real NVML.
         probe_tensorflow: False skips the TensorFlow probe (its checks report ``skip``).
+        paths: data/checkpoint paths whose storage to check (default: the working directory).
+        root: where ``/proc``, ``/sys`` and ``/etc`` are read (tests pass a fabricated tree).
+        progress: called with a message as each stage starts.
 
     Example:
-        >>> report = doctor()
-        >>> report["gpus"]  # on a machine without GPUs
+        >>> report = doctor(probe_tensorflow=False)
+        >>> report["gpus"]  # on a machine without GPUs  # doctest: +SKIP
         []
-        >>> any(c["status"] == "error" for c in report["checks"])
+        >>> any(c["status"] == "error" for c in report["checks"])  # doctest: +SKIP
         False
     """
-    return report(gather_facts(nvml=nvml, probe_tensorflow=probe_tensorflow))
+    return report(gather_facts(nvml=nvml, probe_tensorflow=probe_tensorflow, root=root, paths=paths,
+                               progress=progress))
 
 
 if __name__ != "__main__":
@@ -797,15 +1428,28 @@ if __name__ != "__main__":
 _MARK = {"ok": "ok", "warn": "WARN", "error": "ERROR", "skip": "skip"}
 
 
-def format_report(rep: Dict[str, Any], width: int = 110) -> str:
-    """The human-readable table of a :func:`doctor` report.
+def _version_text(rep: Dict[str, Any], name: str) -> str:
+    probed = rep.get(name)
+    if probed:
+        return probed
+    installed = rep.get("installed") or {}
+    have = next((installed[d] for d in ((name,) + (_TF_DISTS if name == "tensorflow" else ())) if d in installed), None)
+    if not rep.get("tensorflow_probed", True):
+        return f"{have} (not probed)" if have else "not probed"
+    return "not installed" if have is None else f"{have} (fails to start)"
+
+
+def format_report(rep: Dict[str, Any], width: Optional[int] = None) -> str:
+    """The human-readable table of a :func:`doctor` report, wrapped to ``width`` (default: the terminal's).
 
     Example:
-        >>> print(format_report(doctor()))  # doctest: +SKIP
+        >>> print(format_report(doctor(probe_tensorflow=False), width=100))  # doctest: +SKIP
     """
+    width = max(60, width or shutil.get_terminal_size((100, 24)).columns)
     lines = ["keras-scale doctor", ""]
-    lines.append(f"  python {rep['python']}   tensorflow {rep['tensorflow'] or 'not installed'}   "
-                 f"keras {rep['keras'] or 'not installed'}")
+    head = (f"python {rep['python']}   tensorflow {_version_text(rep, 'tensorflow')}   "
+            f"keras {_version_text(rep, 'keras')}")
+    lines.extend("  " + ln for ln in textwrap.wrap(head, width - 2))
     if rep["gpus"]:
         lines.append(f"  NVIDIA driver {rep['nvidia_driver']}")
         for g in rep["gpus"]:
@@ -817,17 +1461,16 @@ def format_report(rep: Dict[str, Any], width: int = 110) -> str:
         lines.extend("  " + ln for ln in textwrap.wrap(text, width - 2, subsequent_indent="  "))
     lines.append("")
     name_w = max(len(c["name"]) for c in rep["checks"]) + 2
-    detail_w = max(40, width - 8 - name_w)
+    detail_w = max(30, width - 10 - name_w)
     lines.append(f"  {'status':<6}  {'check':<{name_w}}detail")
     lines.append(f"  {'-' * 6}  {'-' * (name_w - 2)}  {'-' * min(detail_w, 60)}")
     pad = " " * (10 + name_w)
     for c in rep["checks"]:
-        body = textwrap.wrap(c["detail"], detail_w) or [""]
+        body = textwrap.wrap(c["detail"], detail_w, break_on_hyphens=False) or [""]
         lines.append(f"  {_MARK[c['status']]:<6}  {c['name']:<{name_w}}{body[0]}")
         lines.extend(pad + b for b in body[1:])
         if c["fix"]:
-            fix = textwrap.wrap("fix: " + c["fix"], detail_w)
-            lines.extend(pad + b for b in fix)
+            lines.extend(pad + b for b in textwrap.wrap("fix: " + c["fix"], detail_w, break_on_hyphens=False))
     counts = {s: sum(1 for c in rep["checks"] if c["status"] == s) for s in STATUSES}
     lines.append("")
     lines.append(f"  {counts['error']} error(s), {counts['warn']} warning(s), {counts['ok']} ok, "
@@ -835,38 +1478,72 @@ def format_report(rep: Dict[str, Any], width: int = 110) -> str:
     return "\n".join(lines)
 
 
-def exit_code(rep: Dict[str, Any]) -> int:
-    """1 when any check is ``error``, else 0 (warnings do not fail).
+def exit_code(rep: Dict[str, Any], strict: bool = False) -> int:
+    """1 when any check is ``error`` (or, with ``strict``, ``warn``), else 0.
 
     Example:
         >>> exit_code({"checks": [{"status": "warn"}, {"status": "ok"}]})
         0
+        >>> exit_code({"checks": [{"status": "warn"}]}, strict=True)
+        1
     """
-    return 1 if any(c["status"] == "error" for c in rep["checks"]) else 0
+    failing = ("error", "warn") if strict else ("error",)
+    return 1 if any(c["status"] in failing for c in rep["checks"]) else 0
+
+
+class _Progress:
+    """Progress lines on stderr: rewritten in place on a terminal, one line each otherwise; timed."""
+
+    def __init__(self, stream: Any = None) -> None:
+        self.stream = stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.t0 = time.perf_counter()
+        self.shown = False
+
+    def __call__(self, msg: str) -> None:
+        text = f"keras-scale doctor [{time.perf_counter() - self.t0:4.1f} s]: {msg}"
+        if self.tty:
+            cols = shutil.get_terminal_size((100, 24)).columns
+            self.stream.write("\r\033[K" + text[:cols - 1])
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+        self.shown = True
+
+    def done(self) -> None:
+        if self.tty and self.shown:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
 
 
 def cli(argv: Sequence[str]) -> int:
-    """``keras-scale doctor [--json]``: print the report; exit code 1 only when a check says ``error``.
+    """``keras-scale doctor [--json] [--strict] [--no-tensorflow] [--path P ...] [--quiet]``.
+
+    Prints the report (progress on stderr while it runs); exit code 1 when a check says ``error``, or with
+    ``--strict`` also ``warn`` (for CI).
 
     Example:
         $ keras-scale doctor --json | python -c "import json,sys; print(json.load(sys.stdin)['gpus'])"
     """
     parser = argparse.ArgumentParser(prog="keras-scale doctor",
-                                     description="Check drivers, CUDA, GPUs, leftover processes and env variables.")
+                                     description="Check what breaks or slows training here: drivers and CUDA, GPU "
+                                                 "state, the host (CPU, RAM, NUMA, storage, /dev/shm), env variables.")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--strict", action="store_true", help="exit with 1 on warnings too (for CI)")
     parser.add_argument("--no-tensorflow", action="store_true",
-                        help="skip the TensorFlow probe (only NVML and environment checks)")
+                        help="skip the TensorFlow probe (only NVML, host and environment checks)")
+    parser.add_argument("--path", action="append", default=[], metavar="P",
+                        help="data or checkpoint path whose storage to check (repeatable; default: the working "
+                             "directory)")
+    parser.add_argument("--quiet", "-q", action="store_true", help="no progress messages on stderr")
     args = parser.parse_args(list(argv))
-    rep = doctor(probe_tensorflow=not args.no_tensorflow)
+    progress = _Progress()
+    rep = doctor(probe_tensorflow=not args.no_tensorflow, paths=args.path,
+                 progress=(lambda msg: None) if args.quiet else progress)
+    progress.done()
     print(json.dumps(rep, indent=2) if args.json else format_report(rep))
-    return exit_code(rep)
+    return exit_code(rep, strict=args.strict)
 
 
 if __name__ == "__main__":
-    if _PROBE_FLAG in sys.argv[1:]:
-        # Child process: never import keras_scale modules that sit next to this file as top-level modules.
-        here = os.path.dirname(os.path.abspath(__file__))
-        sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
-        print(_PROBE_MARK + json.dumps(_probe_tensorflow()), flush=True)
-        sys.exit(0)
     sys.exit(cli(sys.argv[1:]))

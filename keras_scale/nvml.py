@@ -6,7 +6,9 @@ fake and the NVML tools run on machines without TensorFlow. This module imports 
 - :func:`open_nvml` returns an :class:`Nvml` (initialised), or raises :class:`NvmlUnavailable` with a plain
   reason (no driver, no library, no GPU permissions).
 - :class:`Nvml` methods: :meth:`~Nvml.driver_version`, :meth:`~Nvml.cuda_driver_version`,
-  :meth:`~Nvml.devices`, :meth:`~Nvml.sample`, :meth:`~Nvml.processes`, :meth:`~Nvml.close`.
+  :meth:`~Nvml.devices`, :meth:`~Nvml.sample`, :meth:`~Nvml.processes`, :meth:`~Nvml.health` (compute
+  capability, ECC, persistence/compute mode, PCIe link, power limits, MIG), :meth:`~Nvml.link` (P2P/NVLink
+  between two GPUs), :meth:`~Nvml.close`.
 - :func:`visible_gpu_indices` maps ``CUDA_VISIBLE_DEVICES`` to NVML indices (NVML itself ignores it).
 
 Units are in the field names: ``_pct``, ``_mb`` (MiB), ``_w``, ``_c``, ``_mhz``, ``_mb_s`` (MiB/s).
@@ -31,8 +33,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = [
-    "NvmlUnavailable", "GpuInfo", "GpuSample", "GpuProcess", "Nvml", "open_nvml", "visible_gpu_indices",
-    "THROTTLE_REASONS", "main",
+    "NvmlUnavailable", "GpuInfo", "GpuSample", "GpuProcess", "GpuHealth", "GpuLink", "Nvml", "open_nvml",
+    "visible_gpu_indices", "THROTTLE_REASONS", "COMPUTE_MODES", "TOPOLOGY_LEVELS", "main",
 ]
 
 _MIB = 1024 * 1024
@@ -82,6 +84,7 @@ class GpuInfo:
     uuid: str
     memory_total_mb: float
     pci_bus_id: str = ""
+    mig_uuids: Tuple[str, ...] = ()  # the MIG instances' UUIDs ("MIG-..."), when MIG mode is on
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,61 @@ class GpuProcess:
     used_memory_mb: Optional[float]
 
 
+# NVML compute modes and topology levels, named as nvidia-smi names them.
+COMPUTE_MODES: Dict[int, str] = {0: "Default", 1: "Exclusive_Thread", 2: "Prohibited", 3: "Exclusive_Process"}
+TOPOLOGY_LEVELS: Dict[int, str] = {0: "same board", 10: "one PCIe switch", 20: "several PCIe switches",
+                                   30: "one PCIe host bridge", 40: "one NUMA node (across host bridges)",
+                                   50: "across NUMA nodes (SMP interconnect)"}
+
+
+@dataclass(frozen=True)
+class GpuHealth:
+    """The state of one GPU that decides whether training works or crawls. ``None``: not reported by this GPU.
+
+    ``compute_capability`` is ``(major, minor)``; ``ecc_uncorrected_volatile`` counts uncorrectable ECC errors
+    since the driver loaded; ``pages_pending``: retired pages or remapped rows waiting for a GPU reset;
+    ``compute_mode`` is a name from :data:`COMPUTE_MODES`; PCIe ``gen``/``width`` now vs the most the GPU and
+    slot allow (``pcie_gen_gpu_max``: the GPU alone); power limits in watts; ``mig_mode`` on/off.
+
+    Example:
+        >>> GpuHealth(index=0, compute_capability=(9, 0), pcie_width=4, pcie_width_max=16).compute_capability
+        (9, 0)
+    """
+
+    index: int
+    compute_capability: Optional[Tuple[int, int]] = None
+    ecc_uncorrected_volatile: Optional[int] = None
+    pages_pending: Optional[bool] = None
+    row_remap_failed: Optional[bool] = None
+    persistence_mode: Optional[bool] = None
+    compute_mode: Optional[str] = None
+    pcie_gen: Optional[int] = None
+    pcie_gen_max: Optional[int] = None
+    pcie_gen_gpu_max: Optional[int] = None
+    pcie_width: Optional[int] = None
+    pcie_width_max: Optional[int] = None
+    power_limit_w: Optional[float] = None
+    power_default_limit_w: Optional[float] = None
+    mig_mode: Optional[bool] = None
+
+
+@dataclass(frozen=True)
+class GpuLink:
+    """How two GPUs talk: ``p2p`` (CUDA peer-to-peer reads possible), ``nvlinks`` (active NVLinks between them),
+    ``topology`` (the closest common PCIe ancestor, a value of :data:`TOPOLOGY_LEVELS`).
+
+    Example:
+        >>> GpuLink(0, 1, p2p=True, nvlinks=4, topology="same board").nvlinks
+        4
+    """
+
+    a: int
+    b: int
+    p2p: Optional[bool] = None
+    nvlinks: int = 0
+    topology: Optional[str] = None
+
+
 class Nvml:
     """NVML through ``pynvml``. Create it with :func:`open_nvml`; :meth:`close` when done.
 
@@ -205,8 +263,22 @@ class Nvml:
                 uuid=_text(self._try(self._nv.nvmlDeviceGetUUID, h) or ""),
                 memory_total_mb=float(mem.total) / _MIB if mem is not None else 0.0,
                 pci_bus_id=_text(getattr(pci, "busId", "") or "") if pci is not None else "",
+                mig_uuids=self._mig_uuids(h),
             ))
         return out
+
+    def _mig_uuids(self, h: Any) -> Tuple[str, ...]:
+        nv = self._nv
+        mode = self._try(getattr(nv, "nvmlDeviceGetMigMode", None), h)
+        if not mode or not mode[0]:
+            return ()
+        out = []
+        for i in range(int(self._try(nv.nvmlDeviceGetMaxMigDeviceCount, h) or 0)):
+            mig = self._try(nv.nvmlDeviceGetMigDeviceHandleByIndex, h, i)
+            uuid = self._try(nv.nvmlDeviceGetUUID, mig) if mig is not None else None
+            if uuid:
+                out.append(_text(uuid))
+        return tuple(out)
 
     # ---------------------------------------------------------------------------------------------- readings
     def sample(self, index: int) -> GpuSample:
@@ -244,6 +316,60 @@ class Nvml:
             throttle_hw_slowdown=throttle["hw_slowdown"],
         )
 
+    def health(self, index: int) -> GpuHealth:
+        """Compute capability, ECC, persistence and compute mode, PCIe link, power limits, MIG of GPU ``index``."""
+        nv, h = self._nv, self._handle(index)
+        ecc = self._try(nv.nvmlDeviceGetTotalEccErrors, h, getattr(nv, "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", 1),
+                        getattr(nv, "NVML_VOLATILE_ECC", 0))
+        rows = self._try(getattr(nv, "nvmlDeviceGetRemappedRows", None), h)  # Ampere+: (corr, unc, pending, failed)
+        pending = bool(rows[2]) if rows is not None else None
+        if rows is None:  # older GPUs retire pages instead
+            retired = self._try(getattr(nv, "nvmlDeviceGetRetiredPagesPendingStatus", None), h)
+            pending = None if retired is None else bool(retired)
+        cc = self._try(nv.nvmlDeviceGetCudaComputeCapability, h)
+        persistence = self._try(nv.nvmlDeviceGetPersistenceMode, h)
+        mode = self._try(nv.nvmlDeviceGetComputeMode, h)
+        limit = self._try(nv.nvmlDeviceGetPowerManagementLimit, h)
+        default = self._try(nv.nvmlDeviceGetPowerManagementDefaultLimit, h)
+        mig = self._try(getattr(nv, "nvmlDeviceGetMigMode", None), h)
+        return GpuHealth(
+            index=index,
+            compute_capability=None if cc is None else (int(cc[0]), int(cc[1])),
+            ecc_uncorrected_volatile=None if ecc is None else int(ecc),
+            pages_pending=pending,
+            row_remap_failed=None if rows is None else bool(rows[3]),
+            persistence_mode=None if persistence is None else bool(persistence),
+            compute_mode=None if mode is None else COMPUTE_MODES.get(int(mode), str(mode)),
+            pcie_gen=_int(self._try(nv.nvmlDeviceGetCurrPcieLinkGeneration, h)),
+            pcie_gen_max=_int(self._try(nv.nvmlDeviceGetMaxPcieLinkGeneration, h)),
+            pcie_gen_gpu_max=_int(self._try(getattr(nv, "nvmlDeviceGetGpuMaxPcieLinkGeneration", None), h)),
+            pcie_width=_int(self._try(nv.nvmlDeviceGetCurrPcieLinkWidth, h)),
+            pcie_width_max=_int(self._try(nv.nvmlDeviceGetMaxPcieLinkWidth, h)),
+            power_limit_w=None if limit is None else float(limit) / 1000.0,
+            power_default_limit_w=None if default is None else float(default) / 1000.0,
+            mig_mode=None if mig is None else bool(mig[0]),
+        )
+
+    def link(self, a: int, b: int) -> GpuLink:
+        """Peer-to-peer support, active NVLinks and PCIe topology between GPUs ``a`` and ``b``."""
+        nv, ha, hb = self._nv, self._handle(a), self._handle(b)
+        p2p = self._try(getattr(nv, "nvmlDeviceGetP2PStatus", None), ha, hb, getattr(nv, "NVML_P2P_CAPS_INDEX_READ", 0))
+        level = self._try(getattr(nv, "nvmlDeviceGetTopologyCommonAncestor", None), ha, hb)
+        pci_b = self._try(nv.nvmlDeviceGetPciInfo, hb)
+        bus_b = _text(getattr(pci_b, "busId", "") or "").lower() if pci_b is not None else ""
+        nvlinks = 0
+        for link in range(int(getattr(nv, "NVML_NVLINK_MAX_LINKS", 0))):
+            state = self._try(getattr(nv, "nvmlDeviceGetNvLinkState", None), ha, link)
+            if state is None:
+                break  # no NVLink on this GPU (or no more links)
+            if not state:
+                continue
+            remote = self._try(nv.nvmlDeviceGetNvLinkRemotePciInfo, ha, link)
+            if remote is not None and bus_b and _text(getattr(remote, "busId", "")).lower() == bus_b:
+                nvlinks += 1
+        return GpuLink(a, b, p2p=None if p2p is None else int(p2p) == 0, nvlinks=nvlinks,
+                       topology=None if level is None else TOPOLOGY_LEVELS.get(int(level), str(level)))
+
     def processes(self, index: int) -> List[GpuProcess]:
         """Processes holding memory on GPU ``index`` (compute and graphics), largest first."""
         nv, h = self._nv, self._handle(index)
@@ -275,7 +401,9 @@ class Nvml:
             self._handles[index] = self._nv.nvmlDeviceGetHandleByIndex(int(index))
         return self._handles[index]
 
-    def _try(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def _try(self, fn: Optional[Callable[..., Any]], *args: Any) -> Any:
+        if fn is None:  # an older nvidia-ml-py without this function
+            return None
         try:
             return fn(*args)
         except self._nv.NVMLError:  # NotSupported, NoPermission, ...: the metric is just missing
@@ -314,6 +442,10 @@ def _text(value: Any) -> str:
 
 def _num(value: Any) -> Optional[float]:
     return None if value is None else float(value)
+
+
+def _int(value: Any) -> Optional[int]:
+    return None if value is None else int(value)
 
 
 def open_nvml() -> Nvml:
@@ -360,8 +492,9 @@ def _explain_init_error(error: Exception) -> Tuple[str, str]:
 def visible_gpu_indices(devices: Sequence[GpuInfo], env: Optional[Mapping[str, str]] = None) -> List[int]:
     """NVML indices of the GPUs this process may use, following ``CUDA_VISIBLE_DEVICES`` like CUDA does.
 
-    Unset: all. Empty or ``-1``: none. Entries are indices or UUID prefixes (``GPU-...``); CUDA stops at the
-    first entry it cannot match, and so does this. Order is the variable's order.
+    Unset: all. Empty or ``-1``: none. Entries are indices, UUID prefixes (``GPU-...``) or MIG instances
+    (``MIG-<uuid>``, or the older ``MIG-GPU-<uuid>/<gi>/<ci>``), which map to the GPU holding them; CUDA stops at
+    the first entry it cannot match, and so does this. Order is the variable's order.
 
     Example:
         >>> gpus = [GpuInfo(i, "GPU", f"GPU-{i}abc", 1.0) for i in range(4)]
@@ -383,7 +516,18 @@ def visible_gpu_indices(devices: Sequence[GpuInfo], env: Optional[Mapping[str, s
         elif entry.upper().startswith("GPU-"):
             hits = [d.index for d in devices if d.uuid.upper().startswith(entry.upper())]
             match = hits[0] if len(hits) == 1 else None
-        if match is None or match in out:
+        elif entry.upper().startswith("MIG-GPU-"):  # MIG-GPU-<parent uuid>/<gi>/<ci> (drivers before R470)
+            parent = entry[4:].split("/")[0].upper()
+            hits = [d.index for d in devices if d.uuid.upper() == parent]
+            match = hits[0] if hits else None
+        elif entry.upper().startswith("MIG-"):
+            hits = [d.index for d in devices if any(m.upper().startswith(entry.upper()) for m in d.mig_uuids)]
+            match = hits[0] if len(hits) == 1 else None
+        if match is None:
+            break
+        if match in out:
+            if entry.upper().startswith("MIG-"):
+                continue  # a second MIG instance of the same GPU
             break
         out.append(match)
     return out
@@ -421,12 +565,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"  {name:<22} {shown}")
             reasons = s.throttle_reasons()
             print(f"  throttle reasons       {', '.join(reasons) if reasons else 'none'}")
+            for name, value in dataclasses.asdict(nv.health(g.index)).items():
+                if name != "index":
+                    print(f"  {name:<22} {'not supported' if value is None else value}")
             procs = nv.processes(g.index)
             if not procs:
                 print("  processes              none")
             for p in procs:
                 mem = "?" if p.used_memory_mb is None else f"{p.used_memory_mb:.0f}"
                 print(f"  process                pid {p.pid}  {mem} MiB  {p.name}")
+        for a, b in ((a.index, b.index) for i, a in enumerate(gpus) for b in gpus[i + 1:]):
+            link = nv.link(a, b)
+            print(f"GPU {a} <-> GPU {b}: p2p {link.p2p}, {link.nvlinks} NVLink(s), {link.topology}")
     finally:
         nv.close()
     return 0

@@ -1,5 +1,6 @@
 """keras-scale doctor: every check's decision on fabricated facts, the gatherers on real files/sockets, the JSON
 schema, exit codes and the text table, the real run on this machine and a run without TensorFlow."""
+import dataclasses
 import json
 import os
 import socket
@@ -16,7 +17,7 @@ from tests.fakes.fake_nvml import FakeNvml
 
 # `keras_scale.doctor` is both a module and the function it exports; take the module explicitly.
 dr = importlib.import_module("keras_scale.doctor")
-Facts, Finding = dr.Facts, dr.Finding
+Facts, CheckResult = dr.Facts, dr.CheckResult
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TF_OK = {"tensorflow": "2.21.0", "error": None, "keras": "3.15.1", "keras_backend": "tensorflow",
@@ -37,7 +38,7 @@ def _gpus(n):
 
 
 def _facts(num_gpus=0, tf=None, env=None, **kw):
-    gpus = _gpus(num_gpus)
+    gpus = kw.pop("gpus", None) or _gpus(num_gpus)
     base = dict(env=env or {}, tf=_tf() if tf is None else tf, gpus=gpus,
                 visible_gpu_indices=[g.index for g in gpus], driver_version="555.42.06" if num_gpus else None,
                 cuda_driver_version=(12, 5) if num_gpus else None)
@@ -50,7 +51,7 @@ def _facts(num_gpus=0, tf=None, env=None, **kw):
 # ------------------------------------------------------------------------------------- versions, driver
 def test_finding_rejects_unknown_status():
     with pytest.raises(ValueError, match="'fine'"):
-        Finding("x", "fine", "")
+        CheckResult("x", "fine", "")
 
 
 @pytest.mark.parametrize("version,status", [("3.11.7", "ok"), ("3.13.0", "ok"), ("3.9.18", "warn")])
@@ -107,7 +108,7 @@ def test_driver_minimum_table_is_well_formed():
     table = dr.load_driver_minimums()
     assert set(table) == {"toolkit", "minor_version_compatibility"}
     for cuda, drv in table["toolkit"].items():
-        major, minor = cuda.split(".")
+        major, minor = cuda.split(".")[:2]
         assert major in table["minor_version_compatibility"]
         if minor != "0":
             assert dr._ver(drv) >= dr._ver(table["minor_version_compatibility"][major])
@@ -124,8 +125,12 @@ def test_driver_minimum_table_is_well_formed():
     ("470.82.01", None, "12.3", "error"),
     ("470.82.01", (11, 4), "11.8", "warn"),
     ("545.23.06", (12, 3), "12.7", "warn"),  # 12.7 not in the table: the nearest lower minor (12.6) is used
-    ("450.36.06", (11, 0), "11.0", "ok"),  # the 11.0 GA driver predates the 11.x compatibility floor
+    ("450.51.05", (11, 0), "11.0", "ok"),  # the 11.0 GA driver predates the 11.x compatibility floor
+    ("450.36.06", (11, 0), "11.0", "error"),  # 11.0's release-candidate driver: older than GA
     ("450.36.06", (11, 0), "11.2", "error"),
+    ("555.42.02", (12, 5), "12.5.1", "warn"),  # TF 2.21's CUDA 12.5 Update 1 shipped with 555.42.06
+    ("590.44.01", (13, 1), "13.1", "ok"),
+    ("580.65.06", (13, 0), "13.2", "warn"),
 ])
 def test_driver_vs_cuda(driver, cuda_max, wheel, status):
     f = _facts(num_gpus=1, driver_version=driver, cuda_driver_version=cuda_max,
@@ -134,6 +139,18 @@ def test_driver_vs_cuda(driver, cuda_max, wheel, status):
     assert finding.status == status, finding
     if status != "ok":
         assert "Upgrade the NVIDIA driver to >=" in finding.fix
+
+
+def test_every_driver_row_cites_its_source_and_the_corrected_rows():
+    with open(dr._DATA_FILE) as fh:
+        data = json.load(fh)
+    for section in ("toolkit", "minor_version_compatibility"):
+        for version, row in data[section].items():
+            assert row["source"] in data["sources"], (version, row)
+            assert "https://docs.nvidia.com/" in data["sources"][row["source"]]
+    table = dr.load_driver_minimums()["toolkit"]
+    assert table["11.0"] == "450.51.05"  # GA, not the 450.36.06 release candidate
+    assert table["12.5.1"] == "555.42.06" and table["13.1"] == "590.44.01" and table["13.2"] == "595.45.04"
 
 
 def test_driver_vs_cuda_skips_without_driver_tf_or_table_entry():
@@ -167,6 +184,18 @@ def test_visibility_cuda_visible_devices_hides_all():
     assert f.status == "warn" and "CUDA_VISIBLE_DEVICES=''" in f.detail
 
 
+def test_visibility_mig_instance_is_not_hiding_all_gpus():
+    gpus = [GpuInfo(0, "NVIDIA A100", "GPU-aaaa", 40960.0, mig_uuids=("MIG-1111", "MIG-2222"))]
+    from keras_scale.nvml import visible_gpu_indices
+    env = {"CUDA_VISIBLE_DEVICES": "MIG-2222"}
+    f = dr.check_gpu_visibility(_facts(num_gpus=1, gpus=gpus, tf=_tf_with_gpus(1), env=env,
+                                       visible_gpu_indices=visible_gpu_indices(gpus, env)))
+    assert f.status == "ok", f
+    # NVML could not list the MIG instances (no permission): still not "hides all"
+    unmapped = dr.check_gpu_visibility(_facts(num_gpus=1, tf=_tf_with_gpus(1), env=env, visible_gpu_indices=[]))
+    assert unmapped.status == "ok" and "MIG instance" in unmapped.detail and "hides" not in unmapped.detail
+
+
 def test_visibility_cpu_only_wheel():
     f = dr.check_gpu_visibility(_facts(num_gpus=2, tf=_tf_with_gpus(0, is_cuda_build=False)))
     assert f.status == "error" and "CPU-only" in f.detail and "tensorflow[and-cuda]" in f.fix
@@ -191,7 +220,8 @@ def test_gpu_processes_warn_with_kill_and_free_gpu():
     procs = [GpuProcess(0, 4242, "python old.py", 30000.0), GpuProcess(0, 4243, "python old2.py", None)]
     f = dr.check_gpu_processes(_facts(num_gpus=2, processes=procs))
     assert f.status == "warn"
-    assert "GPU 0: pid 4242 (python old.py) 30000 MiB" in f.detail and "pid 4243 (python old2.py) ? MiB" in f.detail
+    assert "GPU 0: pid 4242 (python old.py) holds 30000 MiB" in f.detail
+    assert "pid 4243 (python old2.py) holds ? MiB" in f.detail
     assert "kill 4242 4243" in f.fix and "CUDA_VISIBLE_DEVICES=1" in f.fix
     assert dr.check_gpu_processes(_facts(num_gpus=2)).status == "ok"
     assert dr.check_gpu_processes(_facts()).status == "skip"
@@ -271,6 +301,19 @@ def test_placement():
                               "error": "InternalError: CUDA_ERROR_OUT_OF_MEMORY"}])
     assert "OUT_OF_MEMORY" in dr.check_placement(_facts(num_gpus=1, tf=failed)).detail
     assert dr.check_placement(_facts(tf=_tf(placements=[]))).status == "error"
+    # a jit_compile function fails where the matmul passes
+    ops = [{"requested": "/device:GPU:0", "op": op, "device": "/job:localhost/replica:0/task:0/device:GPU:0",
+            "ok": op != "jit_compile", "error": None if op != "jit_compile" else "InternalError: ptxas too old"}
+           for op in dr.SMOKE_OPS]
+    jit = dr.check_placement(_facts(num_gpus=1, tf=_tf(placements=ops)))
+    assert jit.status == "error" and "jit_compile on GPU:0: InternalError: ptxas too old" in jit.detail
+    assert "matmul" not in jit.detail
+    # the probe died in the middle (an XLA abort): what ran is kept, the crash is the finding
+    crashed = _tf(placements=ops[:3], crashed=True,
+                  error="the TensorFlow probe exited with code -6 at: jit_compile on /device:GPU:0",
+                  log_hints=["F0000 Unknown flags in XLA_FLAGS: --xla_foo"])
+    c = dr.check_placement(_facts(num_gpus=1, tf=crashed))
+    assert c.status == "error" and "jit_compile on /device:GPU:0" in c.detail and "--xla_foo" in c.detail
     assert dr.check_placement(_facts(tf={"tensorflow": None, "error": "x"})).status == "skip"
 
 
@@ -285,6 +328,10 @@ def test_memory_growth():
     off = dr.check_memory_growth(_facts(num_gpus=1))
     assert off.status == "ok" and "reserves nearly all" in off.detail and "TF_FORCE_GPU_ALLOW_GROWTH=true" in off.fix
     assert dr.check_memory_growth(_facts()).status == "skip"
+    asy = dr.check_memory_growth(_facts(num_gpus=1, env={"TF_GPU_ALLOCATOR": "cuda_malloc_async"}))
+    assert asy.status == "ok" and "pool grows to the peak" in asy.detail and not asy.fix
+    typo = dr.check_memory_growth(_facts(num_gpus=1, env={"TF_GPU_ALLOCATOR": "cuda_malloc_asnyc"}))
+    assert typo.status == "warn" and "cuda_malloc_asnyc" in typo.detail
 
 
 def test_xla_flags(tmp_path):
@@ -296,6 +343,25 @@ def test_xla_flags(tmp_path):
                         ({"TF_XLA_FLAGS": "tf_xla_auto_jit=2"}, "not a --flag")]:
         f = dr.check_xla_flags(_facts(env=env))
         assert f.status == "warn" and needle in f.detail, (env, f)
+    # a quoted value with spaces is one token, as XLA reads it: no false warning
+    quoted = dr.check_xla_flags(_facts(env={"XLA_FLAGS": f"--xla_gpu_cuda_data_dir='{tmp_path}'"}))
+    assert quoted.status == "ok", quoted
+    # not an XLA flag at all: XLA aborts
+    foreign = dr.check_xla_flags(_facts(env={"XLA_FLAGS": "--tf_xla_auto_jit=2"}))
+    assert foreign.status == "error" and "Unknown flags in XLA_FLAGS" in foreign.detail
+
+
+def test_unknown_xla_flag_is_found_in_tensorflows_own_library(tmp_path):
+    lib = tmp_path / "libtensorflow_framework.so.2"  # a stand-in holding two flag names as C strings
+    lib.write_bytes(b"\x7fELF...\0xla_gpu_autotune_level\0xla_dump_to\0...")
+    value = "--xla_gpu_autotune_level=0 --xla_gpu_autotun_level=2 --xla_dump_to='/tmp/a b'"
+    assert dr.unknown_xla_flags(value, [str(lib)]) == ["xla_gpu_autotun_level"]
+    assert dr.unknown_xla_flags(value, [str(tmp_path / "missing.so")]) is None
+    f = dr.check_xla_flags(_facts(env={"XLA_FLAGS": value}, xla_unknown_flags=["xla_gpu_autotun_level"]))
+    assert f.status == "error" and "--xla_gpu_autotun_level" in f.detail
+    assert "--xla_gpu_autotune_level=0" not in f.detail.split("not defined")[0]
+    if dr._tf_library_paths():  # the real TensorFlow here: its XLA knows autotune_level, not the typo
+        assert dr.unknown_xla_flags(value, dr._tf_library_paths()) == ["xla_gpu_autotun_level"]
 
 
 @pytest.mark.parametrize("env,status,needle", [
@@ -309,12 +375,28 @@ def test_xla_flags(tmp_path):
     ({"NCCL_SOCKET_IFNAME": "=eth"}, "warn", "matches no interface"),  # exact match wanted
     ({"NCCL_SOCKET_IFNAME": "^docker,lo"}, "ok", "^docker"),  # exclusion list: not checked
     ({"NCCL_DEBUG": "TRACE"}, "warn", "TRACE"),
+    ({"NCCL_P2P_LEVEL": "LOC"}, "warn", "silently off"),
+    ({"NCCL_P2P_LEVEL": "NVL"}, "ok", "NCCL_P2P_LEVEL=NVL"),
 ])
 def test_nccl_env(env, status, needle):
     f = dr.check_nccl_env(_facts(env=env, net_interfaces=["eth0", "lo"]))
     assert f.status == status and needle in f.detail, f
     if not env:
         assert "NCCL_DEBUG=INFO" in f.fix
+
+
+def test_nccl_conf_files_are_read_and_the_environment_wins(tmp_path):
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "nccl.conf").write_text("# site defaults\nNCCL_P2P_LEVEL=LOC\nNCCL_IB_DISABLE = 1\n")
+    conf = dr._read_nccl_conf({"HOME": "/nonexistent"}, root=str(tmp_path))
+    assert conf == {"NCCL_IB_DISABLE": ("1", "/etc/nccl.conf"), "NCCL_P2P_LEVEL": ("LOC", "/etc/nccl.conf")}
+    f = dr.check_nccl_env(_facts(nccl_conf=conf))
+    assert f.status == "warn" and "NCCL_P2P_LEVEL=LOC (from /etc/nccl.conf)" in f.detail and "InfiniBand" in f.detail
+    _write(tmp_path, "/home/u/.nccl.conf", "NCCL_DEBUG=TRACE\n")  # the user's file, read after /etc/nccl.conf
+    assert dr._read_nccl_conf({"HOME": "/home/u"}, root=str(tmp_path))["NCCL_DEBUG"] == ("TRACE", "/home/u/.nccl.conf")
+    env = {"NCCL_P2P_LEVEL": "NVL", "NCCL_IB_DISABLE": "0", "HOME": "/nonexistent"}
+    overridden = dr._read_nccl_conf(env, root=str(tmp_path))
+    assert dr.check_nccl_env(_facts(env=env, nccl_conf=overridden)).status == "ok"
 
 
 def _cfg(cluster, task_type="worker", index=0):
@@ -418,7 +500,7 @@ def test_exit_code_and_text_table(monkeypatch, capsys):
     assert any(ln.split()[:2] == ["ERROR", "tf_config"] for ln in lines)
     assert any(ln.split()[:2] == ["WARN", "nccl_env"] for ln in lines)
     assert any("fix:" in ln for ln in lines)
-    assert "1 error(s), 1 warning(s)" in out
+    assert "1 error(s)" in out
     for check in dr.CHECKS:
         assert check.__name__.replace("check_", "") in out or check is dr.check_driver_cuda
     monkeypatch.delenv("TF_CONFIG")
@@ -491,3 +573,300 @@ def test_keras_scale_doctor_is_callable_however_it_was_imported():
     importlib.import_module("keras_scale.doctor")
     rep = keras_scale.doctor(probe_tensorflow=False)
     assert set(rep) >= {"python", "gpus", "checks"}
+
+
+# ------------------------------------------------------------------------- versions and the CUDA stack
+def test_versions_below_the_declared_floor_from_installed_metadata():
+    reqs = ["tensorflow>=2.16", "keras>=3.8", "numpy", 'matplotlib; extra == "plot"', "pytest>=9; extra == 'test'"]
+    low = dr.check_versions(_facts(requirements=reqs, installed={"tensorflow": "2.21.0", "keras": "3.5.0"}))
+    assert low.status == "error" and "keras 3.5.0 is below keras_scale's floor 3.8" in low.detail
+    assert low.fix == "pip install 'keras>=3.8'"
+    cpu = dr.check_versions(_facts(requirements=reqs, installed={"tensorflow-cpu": "2.15.1", "keras": "3.15.1"}))
+    assert cpu.status == "error" and "tensorflow-cpu 2.15.1" in cpu.detail  # the CPU wheel counts as tensorflow
+    ok = dr.check_versions(_facts(requirements=reqs, installed={"tensorflow": "2.21.0", "keras": "3.15.1"}))
+    assert ok.status == "ok" and "keras 3.15.1 (needs >= 3.8)" in ok.detail and "pytest" not in ok.detail
+    assert dr.check_versions(_facts(requirements=None)).status == "skip"
+    # the floors come from the installed distribution's metadata (pyproject.toml is the one source)
+    assert dr._requirements() is None or "tensorflow" in dr._floors(_facts(requirements=dr._requirements()))
+
+
+def _health(**kw):
+    from keras_scale.nvml import GpuHealth
+
+    base = dict(compute_capability=(8, 0), ecc_uncorrected_volatile=0, pages_pending=False, row_remap_failed=False,
+                persistence_mode=True, compute_mode="Default", pcie_gen=4, pcie_gen_max=4, pcie_gen_gpu_max=4,
+                pcie_width=16, pcie_width_max=16, power_limit_w=300.0, power_default_limit_w=300.0, mig_mode=False)
+    base.update(kw)
+    return GpuHealth(index=kw.pop("index", 0), **{k: v for k, v in base.items() if k != "index"})
+
+
+TF_221_ARCHS = ["sm_60", "sm_70", "sm_80", "sm_89", "compute_90"]
+
+
+@pytest.mark.parametrize("cc,driver,status,needle", [
+    ((8, 0), "555.42.06", "ok", "native kernels"),
+    ((8, 6), "555.42.06", "ok", "native kernels"),  # sm_80 binaries run on 8.6
+    ((9, 0), "555.42.06", "ok", "PTX JIT"),  # Hopper: compute_90 PTX, driver can compile CUDA 12.5.1 PTX
+    ((9, 0), "535.104.05", "error", "UNSUPPORTED_PTX_VERSION"),  # R535 cannot compile 12.5 PTX
+    ((12, 0), "575.51.03", "error", "Blackwell"),
+    ((10, 0), "575.51.03", "error", "Blackwell"),
+    ((5, 2), "555.42.06", "error", "older than every kernel"),
+])
+def test_compute_capability_against_the_wheels_kernels(cc, driver, status, needle):
+    tf = _tf(build={"cuda_version": "12.5.1", "cudnn_version": "9", "is_cuda_build": True,
+                    "cuda_compute_capabilities": TF_221_ARCHS})
+    f = dr.check_compute_capability(_facts(num_gpus=1, tf=tf, driver_version=driver,
+                                           health={0: _health(compute_capability=cc)}))
+    assert f.status == status and needle in f.detail, f
+    assert "sm_89, compute_90" in f.detail
+    if status == "error" and cc == (9, 0):
+        assert "555.42.06" in f.fix
+
+
+def test_compute_capability_skips_without_gpu_tf_or_arch_list():
+    assert dr.check_compute_capability(_facts()).status == "skip"
+    assert dr.check_compute_capability(_facts(num_gpus=1, health={0: _health()})).status == "skip"  # no arch list
+
+
+@pytest.mark.parametrize("wheels,cuda_max,status,needle", [
+    (["nvidia-cuda-runtime-cu12==12.5.82", "nvidia-cublas-cu12==12.5.3.2", "nvidia-cuda-nvcc-cu12==12.5.82"],
+     (12, 5), "ok", "within the driver's CUDA 12.5"),
+    (["nvidia-cuda-runtime-cu12==12.9.79", "nvidia-cuda-nvcc-cu12==12.9.86", "nvidia-cudnn-cu12==9.10.2.21"],
+     (12, 4), "warn", "older than the PTX compiler"),
+    (["nvidia-cuda-runtime-cu13==13.0.88"], (12, 8), "error", "needs a CUDA 13 driver"),
+    (["nvidia-cudnn-cu12==9.3.0.75"], (12, 5), "ok", ""),
+])
+def test_cuda_wheels_against_the_driver(wheels, cuda_max, status, needle):
+    f = dr.check_cuda_wheels(_facts(num_gpus=1, pip_nvidia_packages=wheels, cuda_driver_version=cuda_max))
+    if wheels == ["nvidia-cudnn-cu12==9.3.0.75"]:
+        assert f.status == "skip"  # no runtime/cuBLAS/nvcc wheel to compare
+        return
+    assert f.status == status and needle in f.detail, f
+    if status != "ok":
+        assert "driver" in f.fix
+    assert dr.check_cuda_wheels(_facts(pip_nvidia_packages=wheels, cuda_driver_version=None)).status == "skip"
+
+
+# ------------------------------------------------------------------------------------ GPU state (NVML)
+def test_mig_mode_reported_and_which_instance_is_used():
+    gpus = [GpuInfo(0, "NVIDIA A100", "GPU-aaaa", 40960.0, mig_uuids=("MIG-1111", "MIG-2222"))]
+    unset = dr.check_mig(_facts(num_gpus=1, gpus=gpus, health={0: _health(mig_mode=True)}))
+    assert unset.status == "warn" and "2 MIG instance(s)" in unset.detail and "MIG-<uuid>" in unset.fix
+    one = dr.check_mig(_facts(num_gpus=1, gpus=gpus, env={"CUDA_VISIBLE_DEVICES": "MIG-2222"}))
+    assert one.status == "ok" and "MIG-2222" in one.detail
+    two = dr.check_mig(_facts(num_gpus=1, gpus=gpus, env={"CUDA_VISIBLE_DEVICES": "MIG-1111,MIG-2222"}))
+    assert two.status == "warn" and "only the first" in two.detail
+    assert dr.check_mig(_facts(num_gpus=1, health={0: _health()})).status == "ok"
+    assert dr.check_mig(_facts()).status == "skip"
+
+
+def test_gpu_memory_errors():
+    bad = dr.check_gpu_memory_errors(_facts(num_gpus=2, health={0: _health(), 1: _health(ecc_uncorrected_volatile=3)}))
+    assert bad.status == "error" and "GPU 1: 3 uncorrectable" in bad.detail and "GPU 0" not in bad.detail
+    pending = dr.check_gpu_memory_errors(_facts(num_gpus=1, health={0: _health(pages_pending=True)}))
+    assert pending.status == "warn" and "nvidia-smi -r" in pending.fix
+    assert dr.check_gpu_memory_errors(_facts(num_gpus=1, health={0: _health(row_remap_failed=True)})).status == "error"
+    assert dr.check_gpu_memory_errors(_facts(num_gpus=1, health={0: _health()})).status == "ok"
+    assert dr.check_gpu_memory_errors(_facts(num_gpus=1)).status == "skip"  # NVML gave no state
+
+
+def test_gpu_modes():
+    ex = dr.check_gpu_modes(_facts(num_gpus=2, health={0: _health(), 1: _health(compute_mode="Exclusive_Process")}))
+    assert ex.status == "warn" and "GPU(s) [1]" in ex.detail and "busy or unavailable" in ex.detail
+    assert dr.check_gpu_modes(_facts(num_gpus=1, health={0: _health(compute_mode="Prohibited")})).status == "error"
+    off = dr.check_gpu_modes(_facts(num_gpus=1, health={0: _health(persistence_mode=False)}))
+    assert off.status == "ok" and "Persistence mode off" in off.detail and "nvidia-smi -pm 1" in off.fix
+
+
+def test_pcie_link_width_and_slot_generation():
+    x4 = dr.check_pcie_link(_facts(num_gpus=2, health={0: _health(), 1: _health(pcie_width=4)}))
+    assert x4.status == "warn" and "GPU 1 links at x4 of x16" in x4.detail and "GPU 0 links" not in x4.detail
+    slot = dr.check_pcie_link(_facts(num_gpus=1, health={0: _health(pcie_gen_max=3, pcie_gen_gpu_max=4)}))
+    assert slot.status == "warn" and "slot allows gen 3" in slot.detail
+    idle = dr.check_pcie_link(_facts(num_gpus=1, health={0: _health(pcie_gen=1)}))  # idle downshift is normal
+    assert idle.status == "ok" and "gen 1/4 x16/x16" in idle.detail
+    assert dr.check_pcie_link(_facts(num_gpus=1, health={0: _health(pcie_width=None)})).status == "skip"
+
+
+def test_power_limit_below_default():
+    low = dr.check_power_limit(_facts(num_gpus=1, health={0: _health(power_limit_w=200.0)}))
+    assert low.status == "warn" and "200 W of its default 300 W" in low.detail and "nvidia-smi -pl" in low.fix
+    assert dr.check_power_limit(_facts(num_gpus=1, health={0: _health(power_limit_w=290.0)})).status == "ok"
+
+
+def test_gpu_topology_p2p_and_nvlink():
+    from keras_scale.nvml import GpuLink
+
+    links = [GpuLink(0, 1, p2p=True, nvlinks=4, topology="same board"),
+             GpuLink(0, 2, p2p=False, nvlinks=0, topology="across NUMA nodes (SMP interconnect)"),
+             GpuLink(1, 2, p2p=True, nvlinks=0, topology="one PCIe switch")]
+    f = dr.check_gpu_topology(_facts(num_gpus=3, links=links))
+    assert f.status == "warn" and "pair(s) 0-2" in f.detail and "0-1 NVLink x4" in f.detail
+    assert "1-2 PCIe (one PCIe switch)" in f.detail and "topo" in f.fix
+    assert dr.check_gpu_topology(_facts(num_gpus=2, links=links[:1])).status == "ok"
+    assert dr.check_gpu_topology(_facts(num_gpus=1)).status == "skip"
+
+
+# ---------------------------------------------------------------------------------------------- the host
+def _write(root, path, text):
+    full = root / path.lstrip("/")
+    full.parent.mkdir(parents=True, exist_ok=True)
+    full.write_text(text)
+
+
+def _fake_host_tree(root, shm_size="65536k", rotational="1", cpus=8, nodes=2):
+    """A fabricated /proc and /sys: `cpus` logical CPUs as cpus/2 cores (2 threads each), 2 NUMA nodes, a GPU
+    on each node, a data disk, a docker-sized /dev/shm, an NFS mount."""
+    per = cpus // nodes
+    for cpu in range(cpus):
+        _write(root, f"/sys/devices/system/cpu/cpu{cpu}/topology/physical_package_id", str(cpu // per))
+        _write(root, f"/sys/devices/system/cpu/cpu{cpu}/topology/core_id", str((cpu % per) // 2))
+    for n in range(nodes):
+        _write(root, f"/sys/devices/system/node/node{n}/cpulist", f"{n * per}-{n * per + per - 1}")
+    _write(root, "/proc/meminfo", "MemTotal:       33554432 kB\nMemFree:         1000 kB\n")
+    _write(root, "/sys/bus/pci/devices/0000:01:00.0/numa_node", "0")
+    _write(root, "/sys/bus/pci/devices/0000:02:00.0/numa_node", "1")
+    _write(root, "/sys/class/block/sdb/queue/rotational", rotational)
+    _write(root, "/sys/class/block/nvme0n1/queue/rotational", "0")
+    _write(root, "/proc/mounts", "\n".join([
+        "overlay / overlay rw,relatime 0 0",
+        f"shm /dev/shm tmpfs rw,nosuid,nodev,noexec,relatime,size={shm_size} 0 0",
+        "/dev/sdb1 /data ext4 rw,relatime 0 0",
+        "/dev/nvme0n1p2 /scratch xfs rw 0 0",
+        "server:/export /nfs nfs4 rw,vers=4.2 0 0",
+        "/dev/vda1 /vm ext4 rw 0 0"]) + "\n")
+    _write(root, "/sys/class/block/vda/queue/rotational", "1")  # virtio says 1 whatever backs it
+
+
+def test_gather_host_facts_from_a_fabricated_tree(tmp_path):
+    _fake_host_tree(tmp_path)
+    gpus = [GpuInfo(0, "G", "GPU-0", 81920.0, "00000000:01:00.0"),
+            GpuInfo(1, "G", "GPU-1", 81920.0, "00000000:02:00.0")]
+    host = dr.gather_host_facts(root=str(tmp_path), paths=["/data/train", "/scratch", "/nfs/x", "/etc", "/vm/d"],
+                                gpus=gpus, affinity=[0, 1, 2, 3], memlock_bytes=64 * 1024)
+    assert host.usable_cpus == 4 and host.physical_cores == 2  # 4 hyperthreads on node 0 = 2 cores
+    assert host.ram_mb == 32768.0 and host.shm_mb == 64.0
+    assert host.gpu_numa_nodes == {0: 0, 1: 1} and host.affinity_nodes == [0]
+    assert [s["kind"] for s in host.storage] == ["hdd", "nvme", "network", "container", "virtual"]
+    assert host.memlock_bytes == 64 * 1024 and host.infiniband == []
+    _write(tmp_path, "/sys/fs/cgroup/cpu.max", "100000 100000")  # a 1-CPU container quota
+    _write(tmp_path, "/sys/fs/cgroup/memory.max", str(8 * 2 ** 30))
+    (tmp_path / "sys/class/infiniband/mlx5_0").mkdir(parents=True)
+    capped = dr.gather_host_facts(root=str(tmp_path), gpus=gpus, affinity=list(range(8)), memlock_bytes=None)
+    assert capped.usable_cpus == 1 and capped.physical_cores == 1 and capped.ram_mb == 8192.0
+    assert capped.infiniband == ["mlx5_0"] and capped.memlock_bytes is None
+
+
+def test_host_checks_on_fabricated_host_facts(tmp_path):
+    _fake_host_tree(tmp_path)
+    gpus = [GpuInfo(0, "G", "GPU-0", 81920.0, "00000000:01:00.0"),
+            GpuInfo(1, "G", "GPU-1", 81920.0, "00000000:02:00.0")]
+    host = dr.gather_host_facts(root=str(tmp_path), paths=["/data", "/nfs/x"], gpus=gpus, affinity=[0, 1, 2, 3],
+                                memlock_bytes=64 * 1024)
+    f = _facts(num_gpus=2, gpus=gpus, host=host)
+    cpu = dr.check_cpu_per_gpu(f)
+    assert cpu.status == "warn" and "2 physical cores usable (4 logical CPUs) for 2 GPU(s): 1.0 per GPU" in cpu.detail
+    mem = dr.check_host_memory(f)
+    assert mem.status == "warn" and "32 GiB RAM for 160 GiB of GPU memory" in mem.detail
+    numa = dr.check_numa(f)
+    assert numa.status == "warn" and "GPU(s) [1] are fed across sockets" in numa.detail and "numactl" in numa.fix
+    storage = dr.check_storage(f)
+    assert storage.status == "warn" and "/data is on a spinning disk" in storage.detail and "nfs4" in storage.detail
+    shm = dr.check_shm(f)
+    assert shm.status == "warn" and "64 MiB with 2 GPUs" in shm.detail and "--shm-size" in shm.fix
+    assert dr.check_memlock(f).status == "ok"  # no InfiniBand: the limit does not matter
+    ib = dataclasses.replace(host, infiniband=["mlx5_0"])
+    lock = dr.check_memlock(_facts(num_gpus=2, gpus=gpus, host=ib))
+    assert lock.status == "warn" and "ulimit -l 64 KiB" in lock.detail and "unlimited" in lock.fix
+    # a roomy host: all fine
+    (tmp_path / "sys/class/block/sdb/queue/rotational").write_text("0")
+    good = dr.gather_host_facts(root=str(tmp_path), paths=["/scratch"], gpus=gpus[:1], affinity=list(range(8)))
+    g = _facts(num_gpus=1, gpus=gpus[:1], host=dataclasses.replace(good, ram_mb=512000.0, physical_cores=8))
+    for check in (dr.check_cpu_per_gpu, dr.check_host_memory, dr.check_numa, dr.check_storage, dr.check_shm):
+        assert check(g).status == "ok", check(g)
+    for check in (dr.check_cpu_per_gpu, dr.check_host_memory, dr.check_numa):
+        assert check(_facts(host=good)).status == "skip"  # no GPU: nothing to feed
+
+
+def test_report_from_fake_nvml_flags_sick_gpus_end_to_end(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    _fake_host_tree(tmp_path)
+    fake = FakeNvml.with_gpus(2, health={1: dict(pcie_width=4, ecc_uncorrected_volatile=1,
+                                                 compute_mode="Exclusive_Process", power_limit_w=150.0)},
+                              links={(0, 1): dict(p2p=False)})
+    rep = dr.doctor(nvml=fake, probe_tensorflow=False, root=str(tmp_path), paths=["/data"])
+    _assert_schema(rep)
+    by = {c["name"]: c for c in rep["checks"]}
+    assert by["pcie_link"]["status"] == "warn" and "GPU 1 links at x4" in by["pcie_link"]["detail"]
+    assert by["gpu_memory_errors"]["status"] == "error" and by["gpu_modes"]["status"] == "warn"
+    assert by["power_limit"]["status"] == "warn" and by["gpu_topology"]["status"] == "warn"
+    assert by["storage"]["status"] == "warn" and by["shm"]["status"] == "warn"
+    assert by["compute_capability"]["status"] == "skip"  # TensorFlow not probed
+
+
+def test_probe_result_keeps_the_stages_before_a_crash():
+    partial = dict(TF_OK, stage="jit_compile on /device:GPU:0")
+    out = dr._probe_result(dr._PROBE_MARK + json.dumps(partial) + "\n", "F0000 Unknown flags in XLA_FLAGS: --xla_x\n",
+                           -6)
+    assert out["crashed"] and "code -6 at: jit_compile on /device:GPU:0" in out["error"]
+    assert out["tensorflow"] == "2.21.0" and out["log_hints"] == ["F0000 Unknown flags in XLA_FLAGS: --xla_x"]
+    done = dr._probe_result(dr._PROBE_MARK + json.dumps(dict(TF_OK, stage="done")) + "\n", "", 0)
+    assert not done.get("crashed")
+    hung = dr._probe_result("", "", None, timed_out_s=180.0)
+    assert hung["tensorflow"] is None and "did not finish within 180 s (hung at: start-up)" in hung["error"]
+
+
+def test_strict_width_and_header_without_tensorflow(monkeypatch, capsys):
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    monkeypatch.setenv("COLUMNS", "72")
+    assert dr.cli(["--no-tensorflow", "-q"]) == 0
+    assert dr.cli(["--no-tensorflow", "--strict", "-q"]) == 1  # the warning fails CI
+    out = capsys.readouterr().out
+    assert max(len(ln) for ln in out.splitlines()) <= 72
+    header = out.splitlines()[2]
+    assert "not installed" not in header and "(not probed)" in header  # TensorFlow is installed here
+
+
+def test_progress_on_stderr_and_path_option(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    assert dr.cli(["--no-tensorflow", "--json", "--path", str(tmp_path)]) in (0, 1)
+    captured = capsys.readouterr()
+    rep = json.loads(captured.out)  # stdout stays pure JSON
+    storage = next(c for c in rep["checks"] if c["name"] == "storage")
+    assert str(tmp_path) in storage["detail"]
+    lines = [ln for ln in captured.err.splitlines() if ln.startswith("keras-scale doctor [")]
+    assert any("reading the GPUs through NVML" in ln for ln in lines)
+    assert any("reading the host" in ln for ln in lines)
+
+
+def test_progress_rewrites_one_line_on_a_terminal():
+    import io
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Tty()
+    progress = dr._Progress(stream)
+    progress("reading the GPUs")
+    progress("reading the host")
+    progress.done()
+    text = stream.getvalue()
+    assert "\n" not in text and text.count("\r\033[K") == 3 and "reading the host" in text
+
+
+def test_a_gpu_nvml_fails_on_costs_only_its_own_state(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    fake = FakeNvml.with_gpus(2, health={1: dict(pcie_width=4)})
+    real_health = fake.health
+
+    def health(index):
+        if index == 0:
+            raise RuntimeError("fake NVML: GPU 0 fell off the bus")
+        return real_health(index)
+
+    monkeypatch.setattr(fake, "health", health)  # the fake's own method, not the world
+    facts = dr.gather_facts(nvml=fake, probe_tensorflow=False)
+    assert sorted(facts.health) == [1] and facts.nvml_error is None and len(facts.samples) == 2
+    assert "GPU 1 links at x4" in dr.check_pcie_link(facts).detail

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from keras_scale import advice as adv
 from keras_scale import nvml as nvml_lib
 from keras_scale.callbacks import gpu_monitor as gm
-from keras_scale.callbacks.gpu_monitor import AdviceThresholds, EpochStats, GpuMonitor
+from keras_scale.callbacks.gpu_monitor import GpuMonitor
 from keras_scale.nvml import GpuProcess, GpuSample
 from tests.fakes.fake_nvml import FakeNvml
 
@@ -52,6 +53,7 @@ def _monitor_threads():
 def _no_visible_devices_env(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.delenv("TF_FORCE_GPU_ALLOW_GROWTH", raising=False)
+    monkeypatch.delenv("TF_GPU_ALLOCATOR", raising=False)
     monkeypatch.delenv("TF_CONFIG", raising=False)
 
 
@@ -62,6 +64,8 @@ def _no_visible_devices_env(monkeypatch):
     (dict(devices=[-1]), "devices"), (dict(devices=[0.5]), "devices"), (dict(batch_size=0), "batch_size"),
     (dict(batch_size=2.5), "batch_size"), (dict(advice=[1, 2]), "advice"), (dict(log_dir=3), "log_dir"),
     (dict(input_batches_per_s=0.0), "input_batches_per_s"), (dict(input_batches_per_s="fast"), "input_batches_per_s"),
+    (dict(update_freq="batch"), "update_freq"), (dict(update_freq=0), "update_freq"),
+    (dict(update_freq="-5s"), "update_freq"), (dict(update_freq=True), "update_freq"),
 ])
 def test_bad_arguments_fail_at_construction_with_the_value(kwargs, match):
     with pytest.raises(ValueError, match=match) as e:
@@ -114,74 +118,6 @@ def test_step_timing_skips_first_step_and_counts_steps_per_execution():
     assert gm.step_timing([], 0.0) == {}
 
 
-# --------------------------------------------------------------------------------------- advice rules
-TH = AdviceThresholds()
-
-
-def _stats(util=None, cpu=None, mem=None, total=16000.0, meaningful=True, mixed=False, jit=False,
-           input_rate=None, **gpu):
-    g = dict(gpu)
-    if util is not None:
-        g["util_mean"] = util
-    if mem is not None:
-        g.update(mem_max_mb=mem, mem_total_mb=total)
-    return EpochStats(epoch=0, gpus={0: g}, host_cpu_mean_pct=cpu, timing={"steps_per_s": 4.0,
-                      "step_time_mean_ms": 250.0}, mixed_precision=mixed, jit_compile=jit,
-                      memory_readings_meaningful=meaningful, input_batches_per_s=input_rate)
-
-
-@pytest.mark.parametrize("rule,stats,fires", [
-    (gm.input_bound_rule, _stats(util=20, cpu=95), True),
-    (gm.input_bound_rule, _stats(util=20, cpu=30), False),  # host idle: not the input pipeline's CPU
-    (gm.input_bound_rule, _stats(util=80, cpu=95), False),  # GPU busy
-    (gm.input_bound_rule, _stats(util=20, cpu=None), False),  # no host reading: say nothing
-    (gm.input_bound_rule, _stats(util=20, cpu=95, input_rate=40.0), False),  # pipeline measured 10x faster
-    (gm.input_bound_rule, _stats(util=20, cpu=95, input_rate=5.0), True),
-    (gm.input_rate_rule, _stats(util=20, input_rate=4.5), True),  # 4.5 batches/s vs 4 steps/s
-    (gm.input_rate_rule, _stats(util=20, input_rate=20.0), False),
-    (gm.input_rate_rule, _stats(util=20), False),  # not measured: silent
-    (gm.gpu_idle_rule, _stats(util=20, cpu=30), True),
-    (gm.gpu_idle_rule, _stats(util=20, cpu=95), False),
-    (gm.gpu_idle_rule, _stats(util=70, cpu=10), False),
-    (gm.compute_bound_rule, _stats(util=97), True),
-    (gm.compute_bound_rule, _stats(util=97, mixed=True), True),  # XLA still off
-    (gm.compute_bound_rule, _stats(util=97, mixed=True, jit=True), False),  # nothing left to suggest
-    (gm.compute_bound_rule, _stats(util=60), False),
-    (gm.memory_rule, _stats(mem=15800.0), True),
-    (gm.memory_rule, _stats(mem=15800.0, meaningful=False), False),  # TF reserved it all: says nothing
-    (gm.memory_rule, _stats(mem=8000.0), False),
-    (gm.throttle_rule, _stats(throttle_thermal_frac=0.5, temp_max_c=91.0), True),
-    (gm.throttle_rule, _stats(throttle_power_cap_frac=0.3, power_max_w=299.0, power_limit_w=300.0), True),
-    (gm.throttle_rule, _stats(throttle_hw_slowdown_frac=0.25), True),
-    (gm.throttle_rule, _stats(throttle_thermal_frac=0.1, throttle_power_cap_frac=0.05), False),
-    (gm.throttle_rule, _stats(util=99), False),
-])
-def test_each_rule_fires_and_stays_silent(rule, stats, fires):
-    advice = rule(stats, TH)
-    assert bool(advice) == fires
-    for a in advice:
-        assert a.message and a.kind
-
-
-def test_advice_messages_point_to_the_fix():
-    (inp,) = gm.input_bound_rule(_stats(util=20, cpu=95), TH)
-    assert "prefetch" in inp.message and "num_parallel_calls" in inp.message and "ProfileWindow" in inp.message
-    assert "keras_scale.data.benchmark" in inp.message and "4.00 steps/s" in inp.message
-    (cb,) = gm.compute_bound_rule(_stats(util=97, mixed=True), TH)
-    assert "jit_compile=True" in cb.message and "mixed" not in cb.message.split("less work per sample")[1]
-    (mem,) = gm.memory_rule(_stats(mem=15800.0), TH)
-    assert "accum" in mem.message and "99%" in mem.message and mem.gpu_index == 0
-    (thr,) = gm.throttle_rule(_stats(throttle_thermal_frac=0.5, temp_max_c=91.0), TH)
-    assert "cooling" in thr.message and "91 C" in thr.message and "power limit" not in thr.message
-    (pwr,) = gm.throttle_rule(_stats(throttle_power_cap_frac=0.5), TH)
-    assert "power limit" in pwr.message and "cooling" not in pwr.message
-
-
-def test_thresholds_are_configurable():
-    assert gm.input_bound_rule(_stats(util=40, cpu=95), AdviceThresholds(low_util_pct=30.0)) == []
-    assert gm.input_bound_rule(_stats(util=20, cpu=95), AdviceThresholds(low_util_pct=30.0))
-
-
 # ------------------------------------------------------------------------------ the callback in fit
 def test_fit_logs_per_epoch_mean_max_from_background_thread():
     # util alternates 20 / 60 per reading on GPU 0, constant 90 on GPU 1
@@ -193,17 +129,20 @@ def test_fit_logs_per_epoch_mean_max_from_background_thread():
     monitor = GpuMonitor(interval_s=0.002, nvml=fake, batch_size=8, advice=False)
     _, history = _fit(monitor, epochs=2, steps=10, sleep_s=0.01)
     h = history.history
-    assert len(h["gpu0_util_mean"]) == 2
+    assert len(h["gpu_util_mean"]) == 2
     for epoch in range(2):
-        assert 20.0 <= h["gpu0_util_mean"][epoch] <= 60.0
-        assert h["gpu0_util_max"][epoch] == 60.0
-        assert h["gpu1_util_mean"][epoch] == 90.0
-        assert h["gpu1_mem_max_mb"][epoch] == 1010.0 and h["gpu0_mem_total_mb"][epoch] == 16000.0
+        g0, g1 = monitor.history[epoch]["gpu0"], monitor.history[epoch]["gpu1"]
+        assert 20.0 <= g0["util_mean"] <= 60.0 and g0["util_max"] == 60.0 and g1["util_mean"] == 90.0
+        assert g1["mem_max_mb"] == 1010.0 and g0["mem_total_mb"] == 16000.0
+        # logs: aggregates over the GPUs (mean utilisation, the fullest GPU's memory)
+        assert h["gpu_util_mean"][epoch] == pytest.approx((g0["util_mean"] + g1["util_mean"]) / 2)
+        assert h["gpu_mem_max_mb"][epoch] == 1010.0 and h["gpu_throttle_frac"][epoch] == 0.0
         assert h["samples_per_s"][epoch] == pytest.approx(8 * h["steps_per_s"][epoch])
         assert h["steps_per_s"][epoch] == pytest.approx(1000.0 / h["step_time_mean_ms"][epoch])
         assert monitor.history[epoch]["num_samples"] >= 2
-    # summary keys only by default; every metric in monitor.history
-    assert "gpu0_sm_clock_mean_mhz" not in h and "sm_clock_mean_mhz" in monitor.history[0]["gpu0"]
+    # no per-GPU key in logs by default; every metric in monitor.history
+    assert not [k for k in h if k.startswith("gpu0") or k.startswith("gpu1")]
+    assert "sm_clock_mean_mhz" in monitor.history[0]["gpu0"]
     # sampled by the background thread (at most one fallback reading per GPU per epoch elsewhere)
     threads = [name for _, name in fake.sample_calls]
     assert threads.count(THREAD_NAME) >= 4
@@ -233,6 +172,56 @@ def test_full_logs_puts_every_metric_in_logs_and_factory_nvml_is_closed():
     assert fakes[0].closed
 
 
+def test_logs_stay_short_with_eight_gpus():
+    one, eight = GpuMonitor(interval_s=0.002, nvml=FakeNvml.with_gpus(1)), GpuMonitor(
+        interval_s=0.002, nvml=FakeNvml.with_gpus(8), verbose=0)
+    _, h1 = _fit(one, epochs=1, steps=4)
+    _, h8 = _fit(eight, epochs=1, steps=4)
+    assert set(h8.history) == set(h1.history)  # the same few aggregate keys, whatever the number of GPUs
+    assert len(h8.history) <= 9
+    assert sorted(k for k in eight.history[0] if k.startswith("gpu")) == [f"gpu{i}" for i in range(8)]
+
+
+class _Untouchable:
+    """A log value that fails when read: a batch hook that reads logs (a device sync on a GPU) would raise."""
+
+    def __float__(self):
+        raise AssertionError("GpuMonitor read a log value in a batch hook")
+
+    def numpy(self):
+        raise AssertionError("GpuMonitor read a log value in a batch hook")
+
+
+def test_batch_hooks_never_read_log_values(tmp_path):
+    monitor = GpuMonitor(interval_s=0.001, nvml=FakeNvml.with_gpus(1), log_dir=str(tmp_path), update_freq=2)
+    monitor.set_model(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))
+    monitor.on_train_begin()
+    monitor.on_epoch_begin(0)
+    for step in range(6):
+        monitor.on_train_batch_end(step, {"loss": _Untouchable(), "accuracy": _Untouchable()})
+    monitor.on_epoch_end(0, {})
+    monitor.on_train_end()
+    assert monitor.history[0]["timing"]["steps_per_s"] > 0
+
+
+def test_tensorboard_points_every_n_steps_and_every_n_seconds(tmp_path):
+    steps = GpuMonitor(interval_s=0.002, nvml=FakeNvml.with_gpus(2), log_dir=str(tmp_path / "steps"),
+                       update_freq=4, batch_size=8, advice=False)
+    _fit(steps, epochs=2, steps=10)  # 20 steps: points at steps 4, 8, (10: epoch end), 14, 18, 20
+    scalars = _read_scalars(str(tmp_path / "steps"))
+    assert sorted(scalars["gpu1/util_mean"]) == [4, 8, 10, 14, 18, 20]
+    assert sorted(scalars["throughput/steps_per_s"]) == [4, 8, 10, 14, 18, 20]
+    assert all(v == 50.0 for v in scalars["gpu0/util_mean"].values())
+    assert all(v == pytest.approx(8 * scalars["throughput/steps_per_s"][k])
+               for k, v in scalars["throughput/samples_per_s"].items())
+    assert "gpu_util_mean" in steps.model.history.history  # logs keep the per-epoch aggregates
+    seconds = GpuMonitor(interval_s=0.002, nvml=FakeNvml.with_gpus(1), log_dir=str(tmp_path / "seconds"),
+                         update_freq="0.02s", advice=False)
+    _fit(seconds, epochs=1, steps=12, sleep_s=0.01)  # ~0.12 s of steps: a point about every 2 steps
+    points = sorted(_read_scalars(str(tmp_path / "seconds"))["gpu0/util_mean"])
+    assert 3 <= len(points) <= 12 and points[-1] == 12
+
+
 def test_batch_hooks_never_sample_and_train_end_stops_the_thread_promptly():
     fake = FakeNvml.with_gpus(1)
     monitor = GpuMonitor(interval_s=3600.0, nvml=fake)  # one reading at start, then the thread waits
@@ -255,9 +244,10 @@ def test_batch_hooks_never_sample_and_train_end_stops_the_thread_promptly():
 
 def test_sampling_error_on_one_gpu_does_not_break_training():
     fake = FakeNvml(FakeNvml.with_gpus(2).devices(), fail_sample_for=[1])
-    _, history = _fit(GpuMonitor(interval_s=0.002, nvml=fake, advice=False), epochs=1)
-    assert history.history["gpu0_util_mean"] == [50.0]
-    assert "gpu1_util_mean" not in history.history
+    monitor = GpuMonitor(interval_s=0.002, nvml=fake, advice=False)
+    _, history = _fit(monitor, epochs=1)
+    assert history.history["gpu_util_mean"] == [50.0]  # GPU 1's failed readings are left out, not counted as 0
+    assert monitor.history[0]["gpu1"] == {}
 
 
 def test_leftover_processes_are_listed_with_the_fix_and_own_process_ignored():
@@ -286,7 +276,8 @@ def test_cuda_visible_devices_selects_the_gpus_sampled(monkeypatch):
     monitor = GpuMonitor(interval_s=0.002, nvml=fake, advice=False)
     _, history = _fit(monitor, epochs=1)
     assert monitor.gpu_indices == [2]
-    assert "gpu2_util_mean" in history.history and "gpu0_util_mean" not in history.history
+    assert "gpu2" in monitor.history[0] and "gpu0" not in monitor.history[0]
+    assert history.history["gpu_util_mean"] == [50.0]
     assert {i for i, _ in fake.sample_calls} == {2}
 
 
@@ -296,6 +287,7 @@ def test_cuda_visible_devices_empty_means_one_warning_and_nothing_else(monkeypat
     with pytest.warns(RuntimeWarning, match="hides all 2 GPU"):
         _, history = _fit(GpuMonitor(nvml=fake), epochs=1)
     assert fake.sample_calls == [] and not any(k.startswith("gpu") for k in history.history)
+    assert "steps_per_s" in history.history  # the host-side numbers stay
 
 
 # ------------------------------------------------------------------------------------ no NVML at all
@@ -305,15 +297,20 @@ def test_without_nvml_one_warning_then_nothing():
         pytest.skip("this machine has a GPU; the no-GPU path is covered on GPU-less machines")
     except nvml_lib.NvmlUnavailable:
         pass
-    monitor = GpuMonitor(interval_s=0.001, log_dir=None)  # the real pynvml, which finds no driver here
+    monitor = GpuMonitor(interval_s=0.001, log_dir=None, batch_size=8)  # the real pynvml: no driver here
     with pytest.warns(RuntimeWarning, match="GPU metrics are off") as record:
         _, history = _fit(monitor, epochs=2)
     assert len([w for w in record if "GpuMonitor" in str(w.message)]) == 1
     assert "no NVIDIA driver found" in str(record[0].message)
-    assert monitor.unavailable_reason and monitor.history == []
-    assert monitor._batch_ends == []  # batch hooks did nothing
+    assert monitor.unavailable_reason and len(monitor.history) == 2
     assert not _monitor_threads()
-    assert set(history.history) == {"loss"}
+    # no GPU keys, but step time, throughput and host CPU are still logged
+    h = history.history
+    assert not [k for k in h if k.startswith("gpu")]
+    assert {"loss", "step_time_mean_ms", "steps_per_s", "samples_per_s"} <= set(h)
+    assert h["samples_per_s"][1] == pytest.approx(8 * h["steps_per_s"][1])
+    if monitor.read_host_cpu_pct is not None:
+        assert 0.0 <= h["host_cpu_mean_pct"][1] <= 100.0
     with warnings.catch_warnings():  # a second fit with the same monitor: no second warning
         warnings.simplefilter("error", RuntimeWarning)
         _fit(monitor, epochs=1)
@@ -332,6 +329,13 @@ def test_advice_printed_once_per_fit_and_recorded_each_epoch(monkeypatch, capsys
     kinds = [a.kind for a in monitor.advice_history]
     assert kinds.count("memory_full") == 3 and kinds.count("throttling") == 3
     assert "compute_bound" not in kinds  # 60% util: neither starved nor compute-bound
+
+
+def test_memory_advice_speaks_under_the_async_allocator(monkeypatch):
+    monkeypatch.setenv("TF_GPU_ALLOCATOR", "cuda_malloc_async")  # its pool grows to the peak in use
+    monitor = GpuMonitor(interval_s=0.002, nvml=FakeNvml.with_gpus(1, mem_used_mb=15900.0), verbose=0)
+    _fit(monitor, epochs=1)
+    assert "memory_full" in [a.kind for a in monitor.advice_history]
 
 
 def test_memory_advice_silent_when_tf_reserves_all_memory(capsys):
@@ -382,7 +386,7 @@ def test_only_the_chief_writes_tensorboard(tmp_path, monkeypatch):
     monitor = GpuMonitor(interval_s=0.002, log_dir=str(tmp_path / "tb"), nvml=FakeNvml.with_gpus(1), advice=False)
     _, history = _fit(monitor, epochs=1)
     assert not glob.glob(str(tmp_path / "tb" / "*"))
-    assert "gpu0_util_mean" in history.history  # the worker still samples its own GPUs
+    assert history.history["gpu_util_mean"] == [50.0]  # the worker still samples its own GPUs
 
 
 def test_input_rate_from_a_real_data_benchmark_feeds_the_advice():
@@ -392,8 +396,8 @@ def test_input_rate_from_a_real_data_benchmark_feeds_the_advice():
     monitor = GpuMonitor(nvml=FakeNvml.with_gpus(1), input_batches_per_s=result)
     assert monitor.input_batches_per_s == pytest.approx(result.batches_per_s)
     # a pipeline that is barely faster than training is reported as the limit
-    slow = _stats(util=30, input_rate=1.1 * 4.0)
-    (advice,) = gm.input_rate_rule(slow, TH)
+    slow = adv.EpochStats(0, {0: {"util_mean": 30.0}}, timing={"steps_per_s": 4.0}, input_batches_per_s=4.4)
+    (advice,) = adv.input_rate_rule(slow, adv.AdviceThresholds())
     assert "4.4 batches/s" in advice.message and "4.0 steps/s" in advice.message
 
 
@@ -409,7 +413,7 @@ def test_fit_that_raises_leaves_no_thread_after_the_next_fit():
         _fit(monitor, epochs=1, callbacks_extra=[Boom()])
     assert len(_monitor_threads()) == 1  # Keras calls no hook on an exception: the sampler still runs
     _, history = _fit(monitor, epochs=1)
-    assert not _monitor_threads() and history.history["gpu0_util_mean"] == [50.0]
+    assert not _monitor_threads() and history.history["gpu_util_mean"] == [50.0]
 
 
 WORKER_SCRIPT = r"""
@@ -429,7 +433,7 @@ with strategy.scope():
     model.compile(optimizer="sgd", loss="mse")
 monitor = ks.GpuMonitor(interval_s=0.005, log_dir=sys.argv[1], nvml=fake, devices=[0])  # CUDA_VISIBLE_DEVICES="" here
 h = model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=2, verbose=0, callbacks=[monitor])
-print(json.dumps({"chief": is_chief(strategy), "util": h.history["gpu0_util_mean"],
+print(json.dumps({"chief": is_chief(strategy), "util": h.history["gpu_util_mean"],
                   "advice": [a.kind for a in monitor.advice_history]}))
 """
 
@@ -447,3 +451,17 @@ def test_multi_worker_each_samples_its_own_gpu_only_chief_writes_and_prints(tmp_
     files = glob.glob(os.path.join(log_dir, "events.out.tfevents.*"))
     assert len(files) == 1
     assert _read_scalars(log_dir)["gpu0/util_mean"] == {0: 20.0, 1: 20.0}  # the chief's own GPU
+
+
+def test_without_gpus_tensorboard_still_gets_throughput_and_host_cpu(tmp_path):
+    def no_driver():
+        raise nvml_lib.NvmlUnavailable("no NVIDIA driver found (fake)", "no_driver")
+
+    monitor = GpuMonitor(interval_s=0.002, log_dir=str(tmp_path), nvml=no_driver, batch_size=8, advice=False)
+    with pytest.warns(RuntimeWarning, match="only step time, throughput and host CPU"):
+        _fit(monitor, epochs=2)
+    tags = set(_read_scalars(str(tmp_path)))
+    assert {"throughput/steps_per_s", "throughput/samples_per_s"} <= tags
+    assert not [t for t in tags if t.startswith("gpu")]
+    if monitor.read_host_cpu_pct is not None:
+        assert "host/cpu_mean_pct" in tags

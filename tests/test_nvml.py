@@ -1,5 +1,6 @@
 """keras_scale.nvml: the real NVML path up to "no GPU" (this machine), conversions on a fake pynvml,
 CUDA_VISIBLE_DEVICES mapping, and ``python keras_scale/nvml.py`` without TensorFlow."""
+import dataclasses
 import os
 import subprocess
 import sys
@@ -7,6 +8,7 @@ import sys
 import pytest
 
 from keras_scale import nvml
+from keras_scale.nvml import Nvml, visible_gpu_indices
 from tests.fakes.fake_nvml import FakeNvml, FakePynvml, sample_fields
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -171,3 +173,48 @@ def test_main_prints_every_metric_throttle_and_processes(monkeypatch, capsys):
     assert "throttle reasons       thermal" in out
     assert "pid 4242  3072 MiB  python old_run.py" in out
     assert "CUDA_VISIBLE_DEVICES='0' -> NVML indices [0]" in out
+
+
+def test_health_converts_raw_nvml_values():
+    nv = Nvml(FakePynvml())
+    h = nv.health(0)
+    assert h.compute_capability == (9, 0) and h.ecc_uncorrected_volatile == 2
+    assert h.pages_pending is True and h.row_remap_failed is False  # remapped rows: (corr, unc, pending, failed)
+    assert h.persistence_mode is False and h.compute_mode == "Exclusive_Process"
+    assert (h.pcie_gen, h.pcie_gen_max, h.pcie_gen_gpu_max, h.pcie_width, h.pcie_width_max) == (3, 4, 5, 4, 16)
+    assert h.power_limit_w == 450.0 and h.power_default_limit_w == 700.0  # milliwatts -> watts
+    assert h.mig_mode is False
+
+
+def test_health_fields_a_gpu_does_not_support_are_none():
+    h = Nvml(FakePynvml(unsupported=["nvmlDeviceGetTotalEccErrors", "nvmlDeviceGetRemappedRows",
+                                     "nvmlDeviceGetMigMode"])).health(0)
+    assert h.ecc_uncorrected_volatile is None and h.mig_mode is None
+    assert h.pages_pending is False and h.row_remap_failed is None  # falls back to retired-pages status
+
+
+def test_link_counts_nvlinks_to_that_gpu_and_reads_p2p_and_topology():
+    nv = Nvml(FakePynvml(num_gpus=2, nvlinks_to_gpu1=4))
+    link = nv.link(0, 1)
+    assert link.nvlinks == 4 and link.p2p is True and link.topology == "across NUMA nodes (SMP interconnect)"
+    pcie = Nvml(FakePynvml(num_gpus=2)).link(0, 1)  # no NVLink at all
+    assert pcie.nvlinks == 0 and pcie.p2p is False
+
+
+def test_mig_instances_are_listed_and_cuda_visible_devices_maps_them():
+    nv = Nvml(FakePynvml(num_gpus=2, mig_uuids=["MIG-aaaa-1111", "MIG-bbbb-2222"]))
+    gpus = nv.devices()
+    assert gpus[0].mig_uuids == ("MIG-aaaa-1111", "MIG-bbbb-2222") and gpus[1].mig_uuids == ()
+    assert visible_gpu_indices(gpus, {"CUDA_VISIBLE_DEVICES": "MIG-bbbb"}) == [0]
+    assert visible_gpu_indices(gpus, {"CUDA_VISIBLE_DEVICES": "MIG-aaaa-1111,MIG-bbbb-2222"}) == [0]
+    assert visible_gpu_indices(gpus, {"CUDA_VISIBLE_DEVICES": "MIG-GPU-0f0f1/1/0"}) == [1]  # pre-R470 form
+    assert visible_gpu_indices(gpus, {"CUDA_VISIBLE_DEVICES": "MIG-cccc"}) == []
+
+
+def test_fake_nvml_serves_health_and_links_like_the_real_one():
+    from keras_scale.nvml import GpuHealth, GpuLink
+
+    fake = FakeNvml.with_gpus(2, health={1: {"pcie_width": 8}}, links={(0, 1): {"nvlinks": 2}})
+    assert isinstance(fake.health(0), GpuHealth) and fake.health(1).pcie_width == 8
+    assert fake.link(1, 0) == GpuLink(1, 0, p2p=True, nvlinks=2, topology="one PCIe switch")
+    assert {f.name for f in dataclasses.fields(GpuHealth)} >= set(dataclasses.asdict(fake.health(0)))

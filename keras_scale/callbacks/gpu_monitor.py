@@ -1,38 +1,39 @@
 """``GpuMonitor``: is the GPU starved, and why — NVML metrics, step time and advice, inside ``model.fit``.
 
-A background thread samples NVML every ``interval_s`` (never the batch hooks); the batch hooks only append a
-timestamp. At each epoch end the samples taken during that epoch's training steps are reduced to mean/max per
-GPU and written to ``logs`` (``gpu0_util_mean``, ``gpu0_mem_max_mb``, ...), to TensorBoard (chief only), and
-checked against a few advice rules (input-bound, GPU idle, compute-bound, memory near full, throttling).
+A background thread samples NVML and the host CPU every ``interval_s`` (never the batch hooks); the batch hooks
+only append a timestamp and never read a tensor. At each epoch end the samples taken during that epoch's
+training steps are reduced to mean/max per GPU. A few aggregates go to ``logs`` (``gpu_util_mean``,
+``gpu_mem_max_mb``, step time, host CPU), the per-GPU detail to TensorBoard (chief only) and ``history``, and the
+advice rules of :mod:`keras_scale.advice` look at them (input-bound, GPU idle, compute-bound, memory near full,
+throttling). Without NVML (no GPU) step time, throughput and host CPU are still logged.
 
 Example:
     >>> import keras_scale as ks
     >>> monitor = ks.GpuMonitor(interval_s=1.0, log_dir="runs/gpu", batch_size=256)
     >>> model.fit(ds, epochs=3, callbacks=[monitor])  # doctest: +SKIP
-    >>> monitor.history[-1]["gpu0"]["util_gpu_pct_mean"]  # doctest: +SKIP
+    >>> monitor.history[-1]["gpu0"]["util_mean"]  # doctest: +SKIP
     93.5
 """
 from __future__ import annotations
 
-import math
 import numbers
 import os
+import re
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import keras
+from keras.src.utils.io_utils import print_msg
 
 from keras_scale import nvml as nvml_lib
+from keras_scale.advice import DEFAULT_RULES, Advice, AdviceThresholds, EpochStats, Rule, leftover_processes_message
+from keras_scale._validate import check_int, check_number
 from keras_scale.callbacks._scalars import ChiefScalars
 from keras_scale.distribute import is_chief
 
-__all__ = [
-    "GpuMonitor", "EpochStats", "Advice", "AdviceThresholds", "aggregate_samples", "step_timing",
-    "DEFAULT_RULES", "input_bound_rule", "input_rate_rule", "gpu_idle_rule", "compute_bound_rule", "memory_rule", "throttle_rule",
-]
+__all__ = ["GpuMonitor", "aggregate_samples", "step_timing"]
 
 NvmlLike = Any  # anything with the keras_scale.nvml.Nvml methods (devices, sample, processes, close)
 
@@ -50,9 +51,7 @@ _SHORT = {
     "pcie_tx_mb_s": ("pcie_tx", "_mb_s"),
 }
 _CONSTANT = {"mem_total_mb": "mem_total_mb", "power_limit_w": "power_limit_w"}
-# The few per-GPU values that go into Keras ``logs`` by default (all of them go to TensorBoard/history).
-_SUMMARY_KEYS = ("util_mean", "util_max", "mem_util_mean", "mem_max_mb", "mem_total_mb", "power_mean_w",
-                 "temp_max_c", "throttle_frac")
+_MIN_INTERVAL_S = 0.001
 
 
 # ------------------------------------------------------------------------------------------- aggregation
@@ -130,229 +129,6 @@ def step_timing(batch_ends: Sequence[Tuple[int, float]], epoch_begin_s: float,
     return out
 
 
-# ------------------------------------------------------------------------------------------------ advice
-@dataclass(frozen=True)
-class AdviceThresholds:
-    """When the advice rules speak. Percentages are 0-100; fractions 0-1.
-
-    Example:
-        >>> GpuMonitor(advice=AdviceThresholds(low_util_pct=30.0))  # doctest: +SKIP
-    """
-
-    low_util_pct: float = 50.0
-    busy_host_cpu_pct: float = 80.0
-    input_rate_margin: float = 1.25  # pipeline alone <= 1.25x the step rate: the pipeline is the limit
-    high_util_pct: float = 85.0
-    memory_full_frac: float = 0.95
-    throttle_frac: float = 0.2
-
-
-@dataclass
-class EpochStats:
-    """What the advice rules look at for one epoch (built by :class:`GpuMonitor`; easy to fabricate in tests).
-
-    ``gpus`` maps NVML index to :func:`aggregate_samples` output. ``memory_readings_meaningful`` is False when
-    TensorFlow reserves (almost) all GPU memory up front (its default), so NVML's "used" says nothing.
-
-    Example:
-        >>> stats = EpochStats(epoch=0, gpus={0: {"util_mean": 20.0}}, host_cpu_mean_pct=95.0)
-        >>> [a.kind for a in input_bound_rule(stats, AdviceThresholds())]
-        ['input_bound']
-    """
-
-    epoch: int
-    gpus: Dict[int, Dict[str, float]]
-    host_cpu_mean_pct: Optional[float] = None
-    timing: Dict[str, float] = field(default_factory=dict)
-    mixed_precision: bool = False
-    jit_compile: bool = False
-    memory_readings_meaningful: bool = True
-    input_batches_per_s: Optional[float] = None  # the pipeline alone (keras_scale.data.benchmark), when given
-
-
-@dataclass(frozen=True)
-class Advice:
-    """One piece of advice: ``kind`` (e.g. ``"input_bound"``), the GPU it is about (or None), the message.
-
-    Example:
-        >>> Advice("throttling", 0, "GPU 0 is throttled ...").kind
-        'throttling'
-    """
-
-    kind: str
-    gpu_index: Optional[int]
-    message: str
-
-
-Rule = Callable[[EpochStats, AdviceThresholds], List[Advice]]
-
-
-def _mean_util(stats: EpochStats) -> Optional[float]:
-    utils = [g["util_mean"] for g in stats.gpus.values() if "util_mean" in g]
-    return sum(utils) / len(utils) if utils else None
-
-
-def _rate_text(stats: EpochStats) -> str:
-    t = stats.timing
-    if "samples_per_s" in t:
-        return f" (training runs at {t['samples_per_s']:.0f} samples/s, {t['step_time_mean_ms']:.1f} ms/step)"
-    if "steps_per_s" in t:
-        return f" (training runs at {t['steps_per_s']:.2f} steps/s, {t['step_time_mean_ms']:.1f} ms/step)"
-    return ""
-
-
-def input_bound_rule(stats: EpochStats, th: AdviceThresholds) -> List[Advice]:
-    """Low GPU utilisation while the host CPU is busy: the input pipeline is the bottleneck.
-
-    Example:
-        >>> input_bound_rule(EpochStats(0, {0: {"util_mean": 90.0}}, host_cpu_mean_pct=95.0), AdviceThresholds())
-        []
-    """
-    util = _mean_util(stats)
-    cpu = stats.host_cpu_mean_pct
-    if util is None or cpu is None or util >= th.low_util_pct or cpu < th.busy_host_cpu_pct:
-        return []
-    if _input_ahead(stats, th):
-        return []  # measured: the pipeline alone is far faster than the steps, so it is not what starves the GPU
-    return [Advice("input_bound", None, (
-        f"Input-bound: GPU utilisation is {util:.0f}% while the host CPU is {cpu:.0f}% busy{_rate_text(stats)}. "
-        "The GPU waits for data. Fix the tf.data pipeline: `.map(f, num_parallel_calls=tf.data.AUTOTUNE)`, "
-        "`.prefetch(tf.data.AUTOTUNE)` at the end, `.cache()` after expensive decoding, no py_function in map "
-        "(`keras_scale.data.check(ds)` lists these). Measure the pipeline alone with "
-        "`keras_scale.data.benchmark(ds, num_steps=...)` and compare with the step rate; "
-        "`keras_scale.ProfileWindow` shows the input-wait share per step."))]
-
-
-def _input_ahead(stats: EpochStats, th: AdviceThresholds) -> bool:
-    steps = stats.timing.get("steps_per_s")
-    return bool(stats.input_batches_per_s and steps and stats.input_batches_per_s > 2 * th.input_rate_margin * steps)
-
-
-def input_rate_rule(stats: EpochStats, th: AdviceThresholds) -> List[Advice]:
-    """The pipeline alone (``keras_scale.data.benchmark``) is barely faster than training: input is the limit.
-
-    Only speaks when ``GpuMonitor(input_batches_per_s=...)`` was given.
-
-    Example:
-        >>> s = EpochStats(0, {0: {"util_mean": 40.0}}, timing={"steps_per_s": 10.0}, input_batches_per_s=11.0)
-        >>> [a.kind for a in input_rate_rule(s, AdviceThresholds())]
-        ['input_rate']
-    """
-    steps = stats.timing.get("steps_per_s")
-    rate = stats.input_batches_per_s
-    if not rate or not steps or rate > th.input_rate_margin * steps:
-        return []
-    return [Advice("input_rate", None, (
-        f"Input-limited: the input pipeline alone delivers {rate:.1f} batches/s and training runs at "
-        f"{steps:.1f} steps/s, so the steps cannot go faster than the data. Speed up the pipeline "
-        "(`keras_scale.data.optimize(ds)`: parallel map, prefetch; `.cache()` after expensive decoding) "
-        "and measure again with `keras_scale.data.benchmark(ds, num_steps=...)`."))]
-
-
-def gpu_idle_rule(stats: EpochStats, th: AdviceThresholds) -> List[Advice]:
-    """Low GPU utilisation and an idle host: launch-bound, tiny batches, single-threaded input or waiting on I/O.
-
-    Example:
-        >>> [a.kind for a in gpu_idle_rule(EpochStats(0, {0: {"util_mean": 10.0}}, 20.0), AdviceThresholds())]
-        ['gpu_idle']
-    """
-    util = _mean_util(stats)
-    cpu = stats.host_cpu_mean_pct
-    if util is None or cpu is None or util >= th.low_util_pct or cpu >= th.busy_host_cpu_pct:
-        return []
-    return [Advice("gpu_idle", None, (
-        f"GPU mostly idle: utilisation {util:.0f}% and the host CPU only {cpu:.0f}% busy{_rate_text(stats)}. "
-        "Likely causes: steps too small to fill the GPU (raise the batch size, or `steps_per_execution`), a "
-        "single-threaded input (a Python generator uses one core; use tf.data with parallel map), or reading "
-        "from slow storage. `keras_scale.ProfileWindow` tells these apart; "
-        "`keras_scale.data.benchmark(ds, num_steps=...)` measures the input alone."))]
-
-
-def compute_bound_rule(stats: EpochStats, th: AdviceThresholds) -> List[Advice]:
-    """High GPU utilisation: the GPU is the bottleneck; suggest the levers not already on (mixed precision, XLA).
-
-    Example:
-        >>> compute_bound_rule(EpochStats(0, {0: {"util_mean": 99.0}}, mixed_precision=True, jit_compile=True),
-        ...                    AdviceThresholds())
-        []
-    """
-    util = _mean_util(stats)
-    if util is None or util < th.high_util_pct:
-        return []
-    levers = []
-    if not stats.mixed_precision:
-        levers.append("mixed precision (`keras.mixed_precision.set_global_policy('mixed_bfloat16')` or "
-                      "'mixed_float16' before building the model; `keras_scale.choose_precision()` picks one)")
-    if not stats.jit_compile:
-        levers.append("XLA (`model.compile(..., jit_compile=True)`; `keras_scale.compare_xla` measures it)")
-    if not levers:
-        return []
-    return [Advice("compute_bound", None, (
-        f"Compute-bound: GPU utilisation is {util:.0f}%{_rate_text(stats)}, so more samples/s must come from "
-        "doing less work per sample: " + "; ".join(levers) + "."))]
-
-
-def memory_rule(stats: EpochStats, th: AdviceThresholds) -> List[Advice]:
-    """GPU memory close to full (only when readings mean something, see :class:`EpochStats`).
-
-    Example:
-        >>> s = EpochStats(0, {0: {"mem_max_mb": 79000.0, "mem_total_mb": 81000.0}})
-        >>> [a.kind for a in memory_rule(s, AdviceThresholds())]
-        ['memory_full']
-    """
-    if not stats.memory_readings_meaningful:
-        return []
-    out = []
-    for index, g in sorted(stats.gpus.items()):
-        used, total = g.get("mem_max_mb"), g.get("mem_total_mb")
-        if used is None or not total or used / total < th.memory_full_frac:
-            continue
-        out.append(Advice("memory_full", index, (
-            f"GPU {index} memory is near full: peak {used:.0f} of {total:.0f} MiB ({100 * used / total:.0f}%). "
-            "One larger batch or model will not fit. Keep the global batch and cut per-step memory with gradient "
-            "accumulation (`keras_scale.wrap(model, accum=N)` with an N times smaller batch), mixed precision, "
-            "or rematerialisation (`keras_scale.remat`).")))
-    return out
-
-
-def throttle_rule(stats: EpochStats, th: AdviceThresholds) -> List[Advice]:
-    """Clocks lowered by temperature, the power cap or a hardware slowdown for a noticeable share of the epoch.
-
-    Example:
-        >>> s = EpochStats(0, {0: {"throttle_thermal_frac": 0.5, "temp_max_c": 89.0}})
-        >>> [a.kind for a in throttle_rule(s, AdviceThresholds())]
-        ['throttling']
-    """
-    out = []
-    for index, g in sorted(stats.gpus.items()):
-        active = [(r, g[f"throttle_{r}_frac"]) for r in nvml_lib.THROTTLE_REASONS
-                  if g.get(f"throttle_{r}_frac", 0.0) >= th.throttle_frac]
-        if not active:
-            continue
-        what = ", ".join(f"{r.replace('_', ' ')} {100 * f:.0f}% of the time" for r, f in active)
-        details = []
-        if "temp_max_c" in g:
-            details.append(f"max {g['temp_max_c']:.0f} C")
-        if "power_max_w" in g and "power_limit_w" in g:
-            details.append(f"power up to {g['power_max_w']:.0f} of {g['power_limit_w']:.0f} W")
-        fixes = []
-        reasons = {r for r, _ in active}
-        if reasons & {"thermal", "hw_slowdown"}:
-            fixes.append("check cooling (airflow, fans, inlet temperature, dust) and `nvidia-smi -q -d "
-                         "PERFORMANCE,TEMPERATURE`")
-        if reasons & {"power_cap", "hw_slowdown"}:
-            fixes.append("check the power limit (`nvidia-smi -q -d POWER`; an admin can raise it with "
-                         "`nvidia-smi -pl`) and the PSU/power cables")
-        out.append(Advice("throttling", index, (
-            f"GPU {index} is throttled: {what}" + (f" ({', '.join(details)})" if details else "") +
-            ". Its clocks drop, so steps get slower: " + "; ".join(fixes) + ".")))
-    return out
-
-
-DEFAULT_RULES: Tuple[Rule, ...] = (input_bound_rule, input_rate_rule, gpu_idle_rule, compute_bound_rule,
-                                   memory_rule, throttle_rule)
-
-
 # ---------------------------------------------------------------------------------------------- sampling
 class _Sampler:
     """The background thread: samples every GPU (and the host CPU) every ``interval_s`` into a buffer."""
@@ -401,6 +177,11 @@ class _Sampler:
             if cpu is not None:
                 self.host_cpu.append((now, cpu))
 
+    def since(self, t0: float) -> Tuple[List[Tuple[float, nvml_lib.GpuSample]], List[Tuple[float, float]]]:
+        """Copies of the readings taken after ``t0`` (perf_counter seconds); the buffers stay as they are."""
+        with self.lock:
+            return [x for x in self.samples if x[0] > t0], [x for x in self.host_cpu if x[0] > t0]
+
     def drain(self) -> Tuple[List[Tuple[float, nvml_lib.GpuSample]], List[Tuple[float, float]]]:
         with self.lock:
             samples, cpu = self.samples, self.host_cpu
@@ -417,6 +198,51 @@ class _Sampler:
         return self.thread is not None and self.thread.is_alive()
 
 
+# ---------------------------------------------------------------------------------------------- callback
+def _check_devices(devices: Union[str, Iterable[int]]) -> Union[str, List[int]]:
+    bad = ValueError(f"GpuMonitor: devices must be 'all' or a non-empty list of GPU indices >= 0 (as nvidia-smi "
+                     f"numbers them), got {devices!r}")
+    if isinstance(devices, str):
+        if devices != "all":
+            raise bad
+        return "all"
+    try:
+        devs = list(devices)
+    except TypeError:
+        raise bad from None
+    if not devs or any(isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 0 for d in devs):
+        raise bad
+    return sorted({int(d) for d in devs})
+
+
+def _check_rules(advice: Union[bool, AdviceThresholds, Sequence[Rule]]) -> Tuple[AdviceThresholds, Tuple[Rule, ...]]:
+    if advice is True:
+        return AdviceThresholds(), tuple(DEFAULT_RULES)
+    if advice is False or advice is None:
+        return AdviceThresholds(), ()
+    if isinstance(advice, AdviceThresholds):
+        return advice, tuple(DEFAULT_RULES)
+    rules = tuple(advice)
+    if not all(callable(r) for r in rules):
+        raise ValueError(f"GpuMonitor: advice must be True/False, an AdviceThresholds, or a list of rule functions "
+                         f"(stats, thresholds) -> list[Advice]; got {advice!r}")
+    return AdviceThresholds(), rules
+
+
+def _check_update_freq(update_freq: Union[str, int]) -> Tuple[Optional[int], Optional[float]]:
+    """``(every_n_steps, every_s)``; both None for ``"epoch"``."""
+    if update_freq == "epoch":
+        return None, None
+    if isinstance(update_freq, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*s\s*", update_freq)
+        if m and float(m.group(1)) > 0:
+            return None, float(m.group(1))
+    elif isinstance(update_freq, numbers.Integral) and not isinstance(update_freq, bool) and update_freq >= 1:
+        return int(update_freq), None
+    raise ValueError(f"GpuMonitor: update_freq must be 'epoch', a number of steps (e.g. 100) or seconds as a "
+                     f"string (e.g. '30s'), got {update_freq!r}")
+
+
 def _psutil_cpu_reader() -> Optional[Callable[[], float]]:
     try:
         import psutil
@@ -425,42 +251,48 @@ def _psutil_cpu_reader() -> Optional[Callable[[], float]]:
     return lambda: psutil.cpu_percent(interval=None)
 
 
-# ---------------------------------------------------------------------------------------------- callback
+def _mean(values: Sequence[float]) -> Optional[float]:
+    return sum(values) / len(values) if values else None
+
+
 class GpuMonitor(keras.callbacks.Callback):
-    """Sample the GPUs in a background thread during ``fit``; per epoch, log mean/max, step time and advice.
+    """Sample the GPUs in a background thread during ``fit``; per epoch, log aggregates, step time and advice.
 
     Per epoch (over the epoch's training steps; the first step, which carries tracing, is left out):
 
-    - ``logs`` (and so ``History``/``CSVLogger``) get, per GPU ``i``: ``gpu{i}_util_mean``, ``gpu{i}_util_max``,
-      ``gpu{i}_mem_util_mean``, ``gpu{i}_mem_max_mb``, ``gpu{i}_mem_total_mb``, ``gpu{i}_power_mean_w``,
-      ``gpu{i}_temp_max_c``, ``gpu{i}_throttle_frac``; plus ``step_time_mean_ms``, ``steps_per_s``,
-      ``samples_per_s`` (when ``batch_size`` is given) and ``host_cpu_mean_pct``. ``full_logs=True`` adds every
-      metric (clocks, PCIe, each throttle reason).
-    - TensorBoard (``log_dir``, chief only): every metric as ``gpu{i}/<name>`` (one tag group per GPU),
-      ``throughput/<name>`` and ``host/cpu_mean_pct``, step = epoch.
-    - ``history``: a list with one dict per epoch holding all of it; ``advice_history``: every :class:`Advice`.
+    - ``logs`` (and so ``History``/``CSVLogger``/``TensorBoard``) get a few aggregates over all watched GPUs:
+      ``gpu_util_mean`` (mean utilisation), ``gpu_mem_max_mb`` (the fullest GPU's peak), ``gpu_throttle_frac``
+      (the most throttled GPU's share of samples); plus ``step_time_mean_ms``, ``steps_per_s``,
+      ``samples_per_s`` (when ``batch_size`` is given) and ``host_cpu_mean_pct``. The last four stay when NVML
+      is absent. ``full_logs=True`` adds every per-GPU metric as ``gpu{i}_<metric>``.
+    - TensorBoard (``log_dir``, chief only): every per-GPU metric as ``gpu{i}/<metric>``, ``throughput/<name>``
+      and ``host/cpu_mean_pct``. ``update_freq="epoch"``: one point per epoch (step = epoch); ``update_freq=N``
+      (steps) or ``"30s"`` (seconds): one point per window, step = training steps since the monitor was made.
+    - ``history``: one dict per epoch with every per-GPU aggregate; ``advice_history``: every :class:`Advice`.
 
     At train start it lists processes that already hold memory on the GPUs it watches (a leftover run) and
     warns. GPU indices are NVML's (as ``nvidia-smi`` shows them); ``devices="all"`` means the GPUs this process
-    may use after ``CUDA_VISIBLE_DEVICES``. Without NVML or GPUs it warns once and does nothing else.
+    may use after ``CUDA_VISIBLE_DEVICES``. Without NVML or GPUs it warns once and keeps the host-side numbers.
+    Advice is printed once per kind per fit with Keras's ``print_msg``, by the chief only, when ``verbose``.
 
     Args:
-        interval_s: seconds between samples (> 0).
+        interval_s: seconds between samples (>= 0.001).
         log_dir: TensorBoard directory, or None for no TensorBoard output.
         devices: ``"all"`` or a list of NVML GPU indices.
         batch_size: global samples per step, for ``samples_per_s`` (Keras callbacks do not see the batch size).
         advice: True (default rules), False, an :class:`AdviceThresholds`, or a list of rule functions.
-        full_logs: put every metric into ``logs``, not only the summary above.
-        verbose: 0 silences the printed advice (warnings still go through ``warnings``).
+        update_freq: ``"epoch"``, a number of steps, or seconds as ``"30s"``: how often TensorBoard gets a point.
+        full_logs: also put every per-GPU metric into ``logs`` (long lines with many GPUs).
+        verbose: 0 silences the printed advice (incidents still go through ``warnings``).
         input_batches_per_s: the input pipeline's own rate, e.g. ``keras_scale.data.benchmark(ds).batches_per_s``
             (a number, or the benchmark result itself); lets the advice tell input-bound from other stalls.
         nvml: an object with the :class:`keras_scale.nvml.Nvml` methods, or a callable returning one; default
             :func:`keras_scale.nvml.open_nvml`. An object passed in is not closed by the monitor.
 
     Example:
-        >>> monitor = GpuMonitor(interval_s=0.5, log_dir="runs/gpu", batch_size=128)
+        >>> monitor = GpuMonitor(interval_s=0.5, log_dir="runs/gpu", batch_size=128, update_freq=100)
         >>> model.fit(ds, epochs=2, callbacks=[monitor])  # doctest: +SKIP
-        >>> model.history.history["gpu0_util_mean"]  # doctest: +SKIP
+        >>> model.history.history["gpu_util_mean"]  # doctest: +SKIP
         [41.0, 88.5]
     """
 
@@ -471,68 +303,38 @@ class GpuMonitor(keras.callbacks.Callback):
         devices: Union[str, Iterable[int]] = "all",
         batch_size: Optional[int] = None,
         advice: Union[bool, AdviceThresholds, Sequence[Rule]] = True,
+        update_freq: Union[str, int] = "epoch",
         full_logs: bool = False,
         verbose: int = 1,
         input_batches_per_s: Any = None,
         nvml: Optional[Union[NvmlLike, Callable[[], NvmlLike]]] = None,
     ) -> None:
         super().__init__()
-        if isinstance(interval_s, bool) or not isinstance(interval_s, numbers.Real) or not (
-                math.isfinite(interval_s) and interval_s > 0):
-            raise ValueError(f"interval_s must be a number of seconds > 0, got {interval_s!r}. "
-                             "Use e.g. interval_s=1.0.")
+        owner = "GpuMonitor"
+        self.interval_s = check_number("interval_s", interval_s, _MIN_INTERVAL_S, owner=owner,
+                                       hint="It is the seconds between samples, e.g. interval_s=1.0.")
         if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
-            raise ValueError(f"log_dir must be a path or None, got {log_dir!r}")
-        if isinstance(devices, str):
-            if devices != "all":
-                raise ValueError(f"devices must be 'all' or a list of NVML GPU indices, got {devices!r}")
-            self.devices: Union[str, List[int]] = "all"
-        else:
-            try:
-                devs = list(devices)
-            except TypeError:
-                raise ValueError(f"devices must be 'all' or a list of NVML GPU indices, got {devices!r}") from None
-            if not devs or any(isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 0 for d in devs):
-                raise ValueError(f"devices must be 'all' or a non-empty list of GPU indices >= 0 (as nvidia-smi "
-                                 f"numbers them), got {devices!r}")
-            self.devices = sorted({int(d) for d in devs})
-        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral)
-                                       or batch_size <= 0):
-            raise ValueError(f"batch_size must be a positive integer (global samples per step) or None, "
-                             f"got {batch_size!r}")
-        if advice is True:
-            self.thresholds, self.rules = AdviceThresholds(), tuple(DEFAULT_RULES)
-        elif advice is False or advice is None:
-            self.thresholds, self.rules = AdviceThresholds(), ()
-        elif isinstance(advice, AdviceThresholds):
-            self.thresholds, self.rules = advice, tuple(DEFAULT_RULES)
-        else:
-            rules = tuple(advice)
-            if not all(callable(r) for r in rules):
-                raise ValueError(f"advice must be True/False, an AdviceThresholds, or a list of rule functions "
-                                 f"(stats, thresholds) -> list[Advice]; got {advice!r}")
-            self.thresholds, self.rules = AdviceThresholds(), rules
-        rate = getattr(input_batches_per_s, "batches_per_s", input_batches_per_s)
-        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, numbers.Real) or
-                                 not math.isfinite(rate) or rate <= 0):
-            raise ValueError(f"input_batches_per_s must be a positive number (batches/s) or the result of "
-                             f"keras_scale.data.benchmark(ds), got {input_batches_per_s!r}")
-        self.input_batches_per_s = None if rate is None else float(rate)
-        self.interval_s = float(interval_s)
+            raise ValueError(f"{owner}: log_dir must be a path or None, got {log_dir!r}")
         self.log_dir = None if log_dir is None else os.fspath(log_dir)
-        self.batch_size = None if batch_size is None else int(batch_size)
-        self.full_logs = bool(full_logs)
-        self.verbose = int(verbose)
+        self.devices = _check_devices(devices)
+        self.batch_size = None if batch_size is None else check_int(
+            "batch_size", batch_size, owner=owner, hint="It is the global samples per step, or None.")
+        self.thresholds, self.rules = _check_rules(advice)
+        self.update_freq = update_freq
+        self._every_steps, self._every_s = _check_update_freq(update_freq)
+        rate = getattr(input_batches_per_s, "batches_per_s", input_batches_per_s)
+        self.input_batches_per_s = None if rate is None else check_number(
+            "input_batches_per_s", rate, 1e-9, owner=owner,
+            hint="Give a positive rate (batches/s) or the result of keras_scale.data.benchmark(ds).")
+        self.full_logs, self.verbose = bool(full_logs), int(verbose)
         self._nvml_source = nvml
         self.read_host_cpu_pct: Optional[Callable[[], float]] = _psutil_cpu_reader()
-
         self.history: List[Dict[str, Any]] = []
         self.advice_history: List[Advice] = []
         self.leftover_processes: List[nvml_lib.GpuProcess] = []
         self.unavailable_reason: Optional[str] = None
         self.gpu_indices: List[int] = []
         self._warned_unavailable = False
-        self._active = False
         self._nvml: Optional[NvmlLike] = None
         self._owns_nvml = False
         self._sampler: Optional[_Sampler] = None
@@ -541,40 +343,50 @@ class GpuMonitor(keras.callbacks.Callback):
         self._epoch_begin_s = 0.0
         self._advised_kinds: set = set()
         self._context: Dict[str, bool] = {}
+        self._global_step = 0  # training steps seen by this monitor (all fits): the x-axis of per-window points
+        self._point = (0, 0.0)  # (global step, perf_counter) of the last TensorBoard point
 
     # ------------------------------------------------------------------------------------------- hooks
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
         self._shutdown()  # a previous fit that raised never reached on_train_end
         self._advised_kinds = set()
-        self._active = self._open()
-        if not self._active:
-            return
-        self.leftover_processes = self._find_leftover_processes()
+        if self._open():
+            self.leftover_processes = self._find_leftover_processes()
         self._context = self._training_context()
         self._scalars = ChiefScalars(self.log_dir, strategy=getattr(self.model, "distribute_strategy", None))
         self._sampler = _Sampler(self._nvml, self.gpu_indices, self.interval_s, self.read_host_cpu_pct)
         self._sampler.start()
 
     def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
-        if not self._active:
+        if self._sampler is None:
             return
         self._sampler.drain()  # samples from between epochs (validation, other callbacks) are not this epoch's
         self._batch_ends = []
         self._epoch_begin_s = time.perf_counter()
+        self._point = (self._global_step, self._epoch_begin_s)
 
     def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
-        if self._active:
-            self._batch_ends.append((batch, time.perf_counter()))
+        if self._sampler is None:
+            return
+        now = time.perf_counter()  # no tensor is read here: nothing waits for the device
+        last = self._batch_ends[-1][0] if self._batch_ends else -1
+        self._global_step += max(batch - last, 1)
+        self._batch_ends.append((batch, now))
+        if self._scalars.active and self._point_due(now):
+            self._write_point(now)
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
-        if not self._active:
+        if self._sampler is None:
             return
+        windows = bool(self._every_steps or self._every_s)
+        if windows and self._scalars.active and self._global_step > self._point[0]:
+            self._write_point(time.perf_counter())  # the epoch's last window (before the epoch drains the buffer)
         record = self._summarise_epoch(epoch)
         self.history.append(record)
         if logs is not None:
             logs.update(self._log_values(record))
-        if self._scalars is not None:
-            self._write_tensorboard(epoch, record)
+        if not windows and self._scalars.active:
+            self._scalars.write(self._scalar_values(record), step=epoch)
         self._advise(record["stats"])
 
     def on_train_end(self, logs: Optional[dict] = None) -> None:
@@ -583,6 +395,7 @@ class GpuMonitor(keras.callbacks.Callback):
     # ----------------------------------------------------------------------------------------- helpers
     def _open(self) -> bool:
         source = self._nvml_source
+        self.gpu_indices = []
         try:
             if source is None:
                 self._nvml, self._owns_nvml = nvml_lib.open_nvml(), True
@@ -593,24 +406,23 @@ class GpuMonitor(keras.callbacks.Callback):
             gpus = self._nvml.devices()
         except nvml_lib.NvmlUnavailable as e:
             return self._unavailable(str(e))
-        except Exception as e:  # noqa: BLE001 - any NVML failure means "no metrics", never a crashed fit
+        except Exception as e:  # noqa: BLE001 - any NVML failure means "no GPU metrics", never a crashed fit
             return self._unavailable(f"NVML failed: {type(e).__name__}: {e}")
         known = {g.index for g in gpus}
         if self.devices == "all":
-            self.gpu_indices = nvml_lib.visible_gpu_indices(gpus)
-            if not self.gpu_indices:
-                why = ("no GPU present" if not gpus else
-                       f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r} hides all "
-                       f"{len(gpus)} GPU(s)")
-                return self._unavailable(why)
+            indices = nvml_lib.visible_gpu_indices(gpus)
+            if not indices:
+                return self._unavailable("no GPU present" if not gpus else
+                                         f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r} hides "
+                                         f"all {len(gpus)} GPU(s)")
         else:
             missing = [d for d in self.devices if d not in known]
             if missing:
                 self._close_nvml()
                 raise ValueError(f"GpuMonitor(devices={self.devices}): GPU(s) {missing} do not exist; NVML sees "
                                  f"{sorted(known)}. Use devices='all' or indices nvidia-smi lists.")
-            self.gpu_indices = list(self.devices)
-        self.unavailable_reason = None
+            indices = list(self.devices)
+        self.gpu_indices, self.unavailable_reason = indices, None
         return True
 
     def _unavailable(self, reason: str) -> bool:
@@ -618,8 +430,8 @@ class GpuMonitor(keras.callbacks.Callback):
         self.unavailable_reason = reason
         if not self._warned_unavailable:
             self._warned_unavailable = True
-            warnings.warn(f"GpuMonitor: GPU metrics are off ({reason}). Training continues; GpuMonitor does "
-                          "nothing in this run.", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"GpuMonitor: GPU metrics are off ({reason}). Training continues; only step time, "
+                          "throughput and host CPU are recorded.", RuntimeWarning, stacklevel=3)
         return False
 
     def _close_nvml(self) -> None:
@@ -638,7 +450,6 @@ class GpuMonitor(keras.callbacks.Callback):
             self._scalars.close()
             self._scalars = None
         self._close_nvml()
-        self._active = False
 
     def _find_leftover_processes(self) -> List[nvml_lib.GpuProcess]:
         me = os.getpid()
@@ -649,25 +460,21 @@ class GpuMonitor(keras.callbacks.Callback):
             except Exception:  # noqa: BLE001 - process listing not permitted: nothing to report
                 continue
         if found:
-            lines = "\n".join(
-                f"  GPU {p.gpu_index}: pid {p.pid} ({p.name}) holds "
-                f"{'?' if p.used_memory_mb is None else f'{p.used_memory_mb:.0f}'} MiB" for p in found)
-            pids = " ".join(sorted({str(p.pid) for p in found}))
-            others = sorted(set(self.gpu_indices) - {p.gpu_index for p in found})
-            steer = (f" or run on the free GPU(s) with CUDA_VISIBLE_DEVICES={','.join(map(str, others))}"
-                     if others else " or choose other GPUs with CUDA_VISIBLE_DEVICES")
-            warnings.warn(
-                "GpuMonitor: other processes already hold memory on the GPUs this job uses (often a leftover "
-                f"run):\n{lines}\nThey slow this run or make it run out of memory. If they are stale: "
-                f"`kill {pids}`{steer}.", RuntimeWarning, stacklevel=3)
+            what, fix = leftover_processes_message(found, self.gpu_indices)
+            warnings.warn("GpuMonitor: other processes already hold memory on the GPUs this job uses: "
+                          f"{what}. They slow this run or make it run out of memory. {fix}.",
+                          RuntimeWarning, stacklevel=3)
         return found
 
     def _training_context(self) -> Dict[str, bool]:
         model = self.model
         policy = getattr(getattr(model, "dtype_policy", None), "name", "") or ""
         jit = getattr(model, "jit_compile", False)
-        meaningful = os.environ.get("TF_FORCE_GPU_ALLOW_GROWTH", "").strip().lower() == "true"
-        if not meaningful:
+        # NVML's "used" means something when TensorFlow does not reserve all memory up front: memory growth on,
+        # or CUDA's async allocator, whose pool grows to the peak in use.
+        meaningful = (os.environ.get("TF_FORCE_GPU_ALLOW_GROWTH", "").strip().lower() == "true"
+                      or os.environ.get("TF_GPU_ALLOCATOR", "").strip() == "cuda_malloc_async")
+        if not meaningful and self.gpu_indices:
             try:
                 import tensorflow as tf
 
@@ -678,47 +485,77 @@ class GpuMonitor(keras.callbacks.Callback):
         return {"mixed_precision": policy.startswith("mixed"), "jit_compile": jit is True,
                 "memory_readings_meaningful": meaningful}
 
+    def _window(self, samples: List[Tuple[float, nvml_lib.GpuSample]], cpu: List[Tuple[float, float]],
+                window: Optional[Tuple[float, float]]) -> Tuple[Dict[int, Dict[str, float]], Optional[float]]:
+        """Per-GPU aggregates and mean host CPU of the readings inside ``window`` (all of them when too few)."""
+        inside = [s for s in samples if window and window[0] <= s[0] <= window[1]] or samples
+        cpu_in = [c for t, c in cpu if window and window[0] <= t <= window[1]] or [c for _, c in cpu]
+        per_gpu: Dict[int, List[nvml_lib.GpuSample]] = {i: [] for i in self.gpu_indices}
+        for _, s in inside:
+            per_gpu.setdefault(s.index, []).append(s)
+        return {i: aggregate_samples(v) for i, v in per_gpu.items()}, _mean(cpu_in)
+
     def _summarise_epoch(self, epoch: int) -> Dict[str, Any]:
         samples, cpu = self._sampler.drain()
         ends = self._batch_ends
-        window = (ends[0][1], ends[-1][1]) if len(ends) >= 2 else None
-        in_window = [s for s in samples if window and window[0] <= s[0] <= window[1]]
-        if not in_window:
-            in_window = samples  # short epoch: use what there is
-        if not in_window:  # shorter than one interval: one reading now (an epoch hook, not a step hook)
+        if not samples and not cpu:  # shorter than one interval: one reading now (an epoch hook, not a step hook)
             self._sampler.take()
-            in_window, cpu = self._sampler.drain()
-        cpu_in = [c for t, c in cpu if window and window[0] <= t <= window[1]] or [c for _, c in cpu]
-        per_gpu: Dict[int, List[nvml_lib.GpuSample]] = {i: [] for i in self.gpu_indices}
-        for _, s in in_window:
-            per_gpu.setdefault(s.index, []).append(s)
-        gpus = {i: aggregate_samples(v) for i, v in per_gpu.items()}
+            samples, cpu = self._sampler.drain()
+        window = (ends[0][1], ends[-1][1]) if len(ends) >= 2 else None
+        gpus, host_cpu = self._window(samples, cpu, window)
         timing = step_timing(ends, self._epoch_begin_s, self.batch_size)
-        host_cpu = sum(cpu_in) / len(cpu_in) if cpu_in else None
         stats = EpochStats(epoch=epoch, gpus=gpus, host_cpu_mean_pct=host_cpu, timing=timing,
                            input_batches_per_s=self.input_batches_per_s, **self._context)
-        record: Dict[str, Any] = {"epoch": epoch, "num_samples": len(in_window), "timing": timing,
-                                  "host_cpu_mean_pct": host_cpu, "stats": stats}
+        record: Dict[str, Any] = {"epoch": epoch, "num_samples": sum(1 for s in samples if window is None
+                                                                     or window[0] <= s[0] <= window[1]),
+                                  "timing": timing, "host_cpu_mean_pct": host_cpu, "stats": stats}
         record.update({f"gpu{i}": g for i, g in gpus.items()})
         return record
 
     def _log_values(self, record: Dict[str, Any]) -> Dict[str, float]:
+        gpus = [record[f"gpu{i}"] for i in self.gpu_indices]
         out: Dict[str, float] = {}
-        for i in self.gpu_indices:
-            for key, value in record[f"gpu{i}"].items():
-                if self.full_logs or key in _SUMMARY_KEYS:
-                    out[f"gpu{i}_{key}"] = value
+        for key, values, reduce in (("gpu_util_mean", [g["util_mean"] for g in gpus if "util_mean" in g], _mean),
+                                    ("gpu_mem_max_mb", [g["mem_max_mb"] for g in gpus if "mem_max_mb" in g], max),
+                                    ("gpu_throttle_frac", [g["throttle_frac"] for g in gpus if "throttle_frac" in g],
+                                     max)):
+            if values:
+                out[key] = float(reduce(values))
+        if self.full_logs:
+            out.update({f"gpu{i}_{k}": v for i, g in zip(self.gpu_indices, gpus) for k, v in g.items()})
         out.update(record["timing"])
         if record["host_cpu_mean_pct"] is not None:
             out["host_cpu_mean_pct"] = record["host_cpu_mean_pct"]
         return out
 
-    def _write_tensorboard(self, epoch: int, record: Dict[str, Any]) -> None:
+    def _scalar_values(self, record: Dict[str, Any]) -> Dict[str, float]:
         scalars = {f"gpu{i}/{key}": value for i in self.gpu_indices for key, value in record[f"gpu{i}"].items()}
         scalars.update({f"throughput/{key}": value for key, value in record["timing"].items()})
         if record["host_cpu_mean_pct"] is not None:
             scalars["host/cpu_mean_pct"] = record["host_cpu_mean_pct"]
-        self._scalars.write(scalars, step=epoch)
+        return scalars
+
+    def _point_due(self, now: float) -> bool:
+        step0, t0 = self._point
+        if self._every_steps:
+            return self._global_step - step0 >= self._every_steps
+        return bool(self._every_s) and now - t0 >= self._every_s
+
+    def _write_point(self, now: float) -> None:
+        """One TensorBoard point for the window since the last one (host-side numbers only; no device sync)."""
+        step0, t0 = self._point
+        samples, cpu = self._sampler.since(t0)
+        gpus, host_cpu = self._window(samples, cpu, None)
+        steps = self._global_step - step0
+        timing: Dict[str, float] = {}
+        if steps > 0 and now > t0:
+            timing = {"steps_per_s": steps / (now - t0), "step_time_mean_ms": 1000.0 * (now - t0) / steps}
+            if self.batch_size:
+                timing["samples_per_s"] = self.batch_size * timing["steps_per_s"]
+        window = {"timing": timing, "host_cpu_mean_pct": host_cpu}
+        window.update({f"gpu{i}": g for i, g in gpus.items()})
+        self._scalars.write(self._scalar_values(window), step=self._global_step)
+        self._point = (self._global_step, now)
 
     def _advise(self, stats: EpochStats) -> None:
         chief = is_chief(getattr(self.model, "distribute_strategy", None))
@@ -730,4 +567,4 @@ class GpuMonitor(keras.callbacks.Callback):
                     continue  # say each thing once per fit; advice_history keeps every epoch
                 self._advised_kinds.add(key)
                 if chief and self.verbose:
-                    print(f"GpuMonitor (epoch {stats.epoch + 1}): {advice.message}", flush=True)
+                    print_msg(f"GpuMonitor (epoch {stats.epoch + 1}): {advice.message}")
