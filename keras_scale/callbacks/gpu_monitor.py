@@ -25,13 +25,12 @@ import warnings
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import keras
-from keras.src.utils.io_utils import print_msg
 
 from keras_scale import nvml as nvml_lib
 from keras_scale.advice import DEFAULT_RULES, Advice, AdviceThresholds, EpochStats, Rule, leftover_processes_message
 from keras_scale._validate import check_int, check_number
 from keras_scale.callbacks._scalars import ChiefScalars
-from keras_scale.distribute import is_chief
+from keras_scale.distribute import chief_print
 
 __all__ = ["GpuMonitor", "aggregate_samples", "step_timing"]
 
@@ -273,7 +272,7 @@ class GpuMonitor(keras.callbacks.Callback):
     At train start it lists processes that already hold memory on the GPUs it watches (a leftover run) and
     warns. GPU indices are NVML's (as ``nvidia-smi`` shows them); ``devices="all"`` means the GPUs this process
     may use after ``CUDA_VISIBLE_DEVICES``. Without NVML or GPUs it warns once and keeps the host-side numbers.
-    Advice is printed once per kind per fit with Keras's ``print_msg``, by the chief only, when ``verbose``.
+    Advice is printed once per kind per fit through ``keras_scale.distribute.chief_print`` (Keras's ``print_msg``, chief only, when ``verbose``).
 
     Args:
         interval_s: seconds between samples (>= 0.001).
@@ -558,7 +557,7 @@ class GpuMonitor(keras.callbacks.Callback):
         self._point = (self._global_step, now)
 
     def _advise(self, stats: EpochStats) -> None:
-        chief = is_chief(getattr(self.model, "distribute_strategy", None))
+        strategy = getattr(self.model, "distribute_strategy", None)
         for rule in self.rules:
             for advice in rule(stats, self.thresholds):
                 self.advice_history.append(advice)
@@ -566,5 +565,4 @@ class GpuMonitor(keras.callbacks.Callback):
                 if key in self._advised_kinds:
                     continue  # say each thing once per fit; advice_history keeps every epoch
                 self._advised_kinds.add(key)
-                if chief and self.verbose:
-                    print_msg(f"GpuMonitor (epoch {stats.epoch + 1}): {advice.message}")
+                chief_print(f"GpuMonitor (epoch {stats.epoch + 1}): {advice.message}", strategy, verbose=self.verbose)
