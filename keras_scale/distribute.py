@@ -15,7 +15,9 @@ Example:
 from __future__ import annotations
 
 import json
+import logging
 import os
+import warnings
 from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 
 
@@ -159,6 +161,25 @@ def keras_internals_report() -> dict:
     return report
 
 
+def _patch_refusal(report: dict, version: Tuple[int, int]) -> Optional[Tuple[str, bool]]:
+    """Why :func:`patch_keras_multi_worker` must not patch this Keras: ``(reason, warn_loudly)``, or None."""
+    if report["backend"] != "tensorflow":
+        return f"Keras backend is {report['backend']!r}, the fix is for the TensorFlow backend", False
+    if version < _KERAS_PATCH_MIN:
+        return f"Keras {report['keras_version']} predates the Keras 3 trainer this fix targets", False
+    if report["missing"]:
+        return (f"Keras {report['keras_version']} no longer has {report['missing']}; multi-worker fit is NOT "
+                "patched. Check keras-team/keras#20585 and update keras_scale."), True
+    if report["changed"]:
+        return (f"Keras {report['keras_version']} changed {report['changed']} (the crashing calls are gone); "
+                "not patching. If multi-worker fit still fails, update keras_scale."), True
+    if version > _KERAS_PATCH_TESTED_MAX:
+        logging.getLogger("keras_scale").info(
+            "Keras %s is newer than the newest version the multi-worker fix was tested on (%d.%d); applying it "
+            "because the patched internals are unchanged.", report["keras_version"], *_KERAS_PATCH_TESTED_MAX)
+    return None
+
+
 def patch_keras_multi_worker() -> bool:
     """Make Keras's own ``model.fit`` / ``evaluate`` work under ``MultiWorkerMirroredStrategy`` (idempotent).
 
@@ -184,38 +205,15 @@ def patch_keras_multi_worker() -> bool:
         >>> model.fit(ds)                                           # doctest: +SKIP
     """
     import functools
-    import logging
-    import warnings
 
     if _patch_state["applied"]:
         return True
-    log = logging.getLogger("keras_scale")
-    report = keras_internals_report()
-    version = _keras_version()
-    if report["backend"] != "tensorflow":
-        _patch_state["reason"] = f"Keras backend is {report['backend']!r}, the fix is for the TensorFlow backend"
+    refusal = _patch_refusal(keras_internals_report(), _keras_version())
+    if refusal is not None:
+        _patch_state["reason"], loud = refusal
+        if loud:
+            warnings.warn(_patch_state["reason"], RuntimeWarning, stacklevel=2)
         return False
-    if version < _KERAS_PATCH_MIN:
-        _patch_state["reason"] = f"Keras {report['keras_version']} predates the Keras 3 trainer this fix targets"
-        return False
-    if report["missing"]:
-        _patch_state["reason"] = (
-            f"Keras {report['keras_version']} no longer has {report['missing']}; multi-worker fit is NOT patched. "
-            "Check keras-team/keras#20585 and update keras_scale."
-        )
-        warnings.warn(_patch_state["reason"], RuntimeWarning, stacklevel=2)
-        return False
-    if report["changed"]:
-        _patch_state["reason"] = (
-            f"Keras {report['keras_version']} changed {report['changed']} (the crashing calls are gone); "
-            "not patching. If multi-worker fit still fails, update keras_scale."
-        )
-        warnings.warn(_patch_state["reason"], RuntimeWarning, stacklevel=2)
-        return False
-    if version > _KERAS_PATCH_TESTED_MAX:
-        log.info("Keras %s is newer than the newest version the multi-worker fix was tested on (%d.%d); "
-                 "applying it because the patched internals are unchanged.", report["keras_version"],
-                 *_KERAS_PATCH_TESTED_MAX)
 
     import tensorflow as tf
     from keras.src.backend.tensorflow import trainer as tf_trainer
@@ -251,8 +249,10 @@ def patch_keras_multi_worker() -> bool:
 
     tf_trainer.reduce_per_replica = reduce_per_replica
     tf_trainer.TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
-    _patch_state.update(applied=True, reason=f"patched Keras {report['keras_version']} (keras-team/keras#20585)")
-    log.debug(_patch_state["reason"])
+    import keras
+
+    _patch_state.update(applied=True, reason=f"patched Keras {keras.__version__} (keras-team/keras#20585)")
+    logging.getLogger("keras_scale").debug(_patch_state["reason"])
     return True
 
 
