@@ -361,7 +361,7 @@ def test_verbose_zero_and_non_chief_print_no_advice(monkeypatch, capsys):
 # ----------------------------------------------------------------------------------------- TensorBoard
 def _read_scalars(log_dir):
     scalars = {}
-    for path in glob.glob(os.path.join(log_dir, "events.out.tfevents.*")):
+    for path in glob.glob(os.path.join(log_dir, "train", "events.out.tfevents.*")):
         for event in tf.compat.v1.train.summary_iterator(path):
             for v in event.summary.value:
                 scalars.setdefault(v.tag, {})[event.step] = float(tf.make_ndarray(v.tensor))
@@ -448,7 +448,7 @@ def test_multi_worker_each_samples_its_own_gpu_only_chief_writes_and_prints(tmp_
     assert chief["util"] == [20.0, 20.0] and worker["util"] == [70.0, 70.0]
     assert chief["advice"].count("throttling") == 2 and worker["advice"].count("throttling") == 2
     assert "is throttled" in results[chief_i].stdout and "is throttled" not in results[1 - chief_i].stdout
-    files = glob.glob(os.path.join(log_dir, "events.out.tfevents.*"))
+    files = glob.glob(os.path.join(log_dir, "train", "events.out.tfevents.*"))
     assert len(files) == 1
     assert _read_scalars(log_dir)["gpu0/util_mean"] == {0: 20.0, 1: 20.0}  # the chief's own GPU
 

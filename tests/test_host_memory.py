@@ -65,7 +65,7 @@ def _scalars(log_dir):
             if "tfevents" in name:
                 for event in tf.compat.v1.train.summary_iterator(os.path.join(root, name)):
                     for value in event.summary.value:
-                        if value.tag == "host_rss_mb":
+                        if value.tag == "host/rss_mb":
                             values.append((event.step, float(tf.make_ndarray(value.tensor))))
     return sorted(values)
 

@@ -1,7 +1,12 @@
 """Chief-only TensorBoard scalars, expressed once for every keras_scale callback.
 
+One layout for the whole pack: every keras_scale scalar goes to the ``train`` run under ``log_dir`` (the run
+Keras's own ``TensorBoard`` callback writes ``epoch_loss`` to, so they sit side by side), with tags named
+``<piece>/<quantity_unit>`` (``nan_guard/skipped_steps``, ``host/rss_mb``, ``optimizer/learning_rate``), each
+written by one callback only.
+
 Example:
-    >>> writer = ChiefScalars("runs/exp", "nan_guard", strategy=model.distribute_strategy)
+    >>> writer = ChiefScalars("runs/exp", strategy=model.distribute_strategy)
     >>> writer.write({"nan_guard/skipped_steps": 3}, step=epoch)   # no-op on other workers / without log_dir
     >>> writer.close()
 """
@@ -22,13 +27,14 @@ class ChiefScalars:
         False
     """
 
-    def __init__(self, log_dir: Optional[str], subdir: str = "", strategy: Any = None) -> None:
+    RUN = "train"
+
+    def __init__(self, log_dir: Optional[str], strategy: Any = None) -> None:
         self._writer: Any = None
         if log_dir is not None and is_chief(strategy):
             import tensorflow as tf
 
-            path = os.path.join(os.fspath(log_dir), subdir) if subdir else os.fspath(log_dir)
-            self._writer = tf.summary.create_file_writer(path)
+            self._writer = tf.summary.create_file_writer(os.path.join(os.fspath(log_dir), self.RUN))
 
     @property
     def active(self) -> bool:

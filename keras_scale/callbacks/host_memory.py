@@ -119,7 +119,7 @@ class HostMemoryWatch(keras.callbacks.Callback):
         if self._epochs_seen > self.warmup_epochs:
             self.rss_mb_history.append(rss)
         if self._scalars is not None:
-            self._scalars.write({"host_rss_mb": rss}, step=epoch)
+            self._scalars.write({"host/rss_mb": rss}, step=epoch)
         if not self.warned:
             self._maybe_warn()
 

@@ -161,7 +161,7 @@ class NanGuard(keras.callbacks.Callback):
         self.skipped_steps = int(self._step.skipped_steps.numpy())
         self._batches = 0
         self._snapshot, self._snapshot_batch = None, -1
-        self._scalars = ChiefScalars(self.log_dir, "nan_guard", self.model.distribute_strategy)
+        self._scalars = ChiefScalars(self.log_dir, self.model.distribute_strategy)
         if self.policy == "rollback" and self._checkpoint is None:
             self._take_snapshot()
 
