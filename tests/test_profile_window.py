@@ -107,6 +107,18 @@ def test_summary_printed_when_window_closes(tmp_path, capsys):
     assert window.summary.capture_dir == window.capture_dir
 
 
+def test_summary_on_a_fresh_line_and_quiet_with_verbose_0(tmp_path, capsys):
+    window = ks.ProfileWindow(tmp_path / "a", start_step=2, num_steps=2)
+    _model().fit(_dataset(5), epochs=1, callbacks=[window], verbose=1)
+    out = capsys.readouterr().out
+    summary_lines = [line for line in out.splitlines() if "steps 2..3" in line]
+    assert summary_lines and not any("loss" in line for line in summary_lines)  # not glued to the progress bar
+    quiet = ks.ProfileWindow(tmp_path / "b", start_step=2, num_steps=2, verbose=0)
+    _model().fit(_dataset(5), epochs=1, callbacks=[quiet], verbose=0)
+    assert capsys.readouterr().out == ""
+    assert quiet.summary is not None and quiet.summary.step_numbers == [2, 3]  # computed, just not printed
+
+
 def test_training_ending_inside_the_window_stops_cleanly(tmp_path, capsys):
     window = ks.ProfileWindow(tmp_path, start_step=3, num_steps=10)
     _model().fit(_dataset(5), epochs=1, callbacks=[window], verbose=0)  # only steps 3, 4 exist

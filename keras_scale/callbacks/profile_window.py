@@ -10,7 +10,7 @@ import keras
 import tensorflow as tf
 
 from keras_scale._validate import check_int
-from keras_scale.distribute import is_chief
+from keras_scale.distribute import chief_print, is_chief
 
 __all__ = ["ProfileWindow"]
 
@@ -58,7 +58,9 @@ class ProfileWindow(keras.callbacks.Callback):
         log_dir: directory to write the capture under (the same ``log_dir`` as TensorBoard's works).
         start_step: first profiled step (0-based), >= 0.
         num_steps: how many steps to profile, >= 1.
-        print_summary: print the summary when the window closes (the chief only).
+        print_summary: summarize the capture when the window closes (kept in ``summary``) and print it.
+        verbose: 0 keeps it quiet (the summary is still computed); printing is the chief's only, on a fresh
+            line (not onto Keras's progress bar).
 
     Example:
         >>> import keras_scale as ks
@@ -77,6 +79,7 @@ class ProfileWindow(keras.callbacks.Callback):
         start_step: int = 10,
         num_steps: int = 5,
         print_summary: bool = True,
+        verbose: int = 1,
     ) -> None:
         super().__init__()
         if not isinstance(log_dir, (str, os.PathLike)) or not os.fspath(log_dir):
@@ -99,6 +102,7 @@ class ProfileWindow(keras.callbacks.Callback):
                 stacklevel=2,
             )
         self.print_summary = bool(print_summary)
+        self.verbose = verbose
         # public results
         self.capture_dir: Optional[str] = None  # the run directory this window wrote
         self.profiled_steps: list = []  # the step numbers marked in the capture
@@ -201,16 +205,20 @@ class ProfileWindow(keras.callbacks.Callback):
             self._trace.__exit__(None, None, None)
             self._trace = None
 
+    def _say(self, message: str) -> None:
+        # a fresh line: the window closes mid-epoch, while Keras's progress bar owns the current line
+        chief_print("\n" + message, getattr(self.model, "distribute_strategy", None), verbose=self.verbose)
+
     def _print_summary(self) -> None:
         if self.capture_dir is None:
-            print(f"ProfileWindow: the profiler wrote no capture under {self.log_dir!r}.")
+            self._say(f"ProfileWindow: the profiler wrote no capture under {self.log_dir!r}.")
             return
         from keras_scale import profiling
 
         try:
             self.summary = profiling.profile_summary(self.capture_dir)
         except ImportError:
-            print(f"ProfileWindow: capture written to {self.capture_dir}. {profiling.INSTALL_HINT}")
+            self._say(f"ProfileWindow: capture written to {self.capture_dir}. {profiling.INSTALL_HINT}")
             return
         except Exception as e:  # noqa: BLE001 - a summary must never end a training run
             warnings.warn(
@@ -219,11 +227,12 @@ class ProfileWindow(keras.callbacks.Callback):
                 stacklevel=2,
             )
             return
-        print(self.summary)
+        message = str(self.summary)
         if not self.summary.step_numbers and self.step_times_ms:
             mean_ms = sum(self.step_times_ms) / len(self.step_times_ms)
-            print(
-                f"  ProfileWindow measured steps {self.profiled_steps[0]}..{self.profiled_steps[-1]} on the host: "
+            message += (
+                f"\n  ProfileWindow measured steps {self.profiled_steps[0]}..{self.profiled_steps[-1]} on the host: "
                 f"{mean_ms:.2f} ms mean step time (min {min(self.step_times_ms):.2f}, "
                 f"max {max(self.step_times_ms):.2f})"
             )
+        self._say(message)
