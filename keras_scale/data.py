@@ -4,7 +4,12 @@ apply the safe fixes (:func:`optimize`).
 All three read the dataset's own serialized graph (``GraphDef`` of dataset ops plus the ``FunctionDef`` library
 of their map/filter/interleave functions), not the Python objects that built it, so they see what TensorFlow
 will run: the ops inside ``map`` functions, the constants given to ``batch``/``shuffle``/``prefetch`` and the
-``tf.data.Options`` attached anywhere in the pipeline.
+``tf.data.Options`` attached anywhere in the pipeline. The lint is a table of small rule functions
+(``_LINT_RULES``), one per :class:`Finding` code, run over facts gathered once.
+
+:func:`dataset_is_batched` and :func:`dataset_is_file_based` (what ``keras_scale.fit`` asks before batching
+and sharding) read the Python dataset objects instead, in the same op vocabulary: serializing the graph would
+copy every in-memory array into it.
 
 Example:
     >>> import tensorflow as tf
