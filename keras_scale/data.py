@@ -4,7 +4,12 @@ apply the safe fixes (:func:`optimize`).
 All three read the dataset's own serialized graph (``GraphDef`` of dataset ops plus the ``FunctionDef`` library
 of their map/filter/interleave functions), not the Python objects that built it, so they see what TensorFlow
 will run: the ops inside ``map`` functions, the constants given to ``batch``/``shuffle``/``prefetch`` and the
-``tf.data.Options`` attached anywhere in the pipeline.
+``tf.data.Options`` attached anywhere in the pipeline. The lint is a table of small rule functions
+(``_LINT_RULES``), one per :class:`Finding` code, run over facts gathered once.
+
+:func:`dataset_is_batched` and :func:`dataset_is_file_based` (what ``keras_scale.fit`` asks before batching
+and sharding) read the Python dataset objects instead, in the same op vocabulary: serializing the graph would
+copy every in-memory array into it.
 
 Example:
     >>> import tensorflow as tf
@@ -22,7 +27,7 @@ import dataclasses
 import math
 import time
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -47,8 +52,10 @@ _SEQUENTIAL_MAP = {"MapDataset"}
 _PARALLEL_MAP = {"ParallelMapDataset", "ParallelMapDatasetV2", "MapAndBatchDataset", "ExperimentalMapAndBatchDataset"}
 _BATCH = {
     "BatchDataset", "BatchDatasetV2", "PaddedBatchDataset", "PaddedBatchDatasetV2", "ParallelBatchDataset",
-    "MapAndBatchDataset", "ExperimentalMapAndBatchDataset",
+    "MapAndBatchDataset", "ExperimentalMapAndBatchDataset", "DenseToSparseBatchDataset",
+    "ExperimentalDenseToSparseBatchDataset",
 }
+_UNBATCH = {"UnbatchDataset", "ExperimentalUnbatchDataset"}
 _SHUFFLE = {"ShuffleDataset", "ShuffleDatasetV2", "ShuffleDatasetV3", "ShuffleAndRepeatDataset",
             "ShuffleAndRepeatDatasetV2"}
 _CACHE = {"CacheDataset", "CacheDatasetV2"}
@@ -70,8 +77,25 @@ _CALL_OPS = {"PartitionedCall", "StatefulPartitionedCall", "If", "StatelessIf", 
              "Case", "StatelessCase"}
 # Ops that are "stateful" by their registration but do not make a function's result depend on call order.
 _HARMLESS_STATEFUL = {"Assert", "PrintV2", "Print"} | _CALL_OPS
-_CODES = ("no_prefetch", "sequential_map", "py_function", "batch_remainder", "cache_missing", "large_memory_cache",
-          "small_shuffle_buffer")
+
+
+def _kind(name: str) -> str:
+    """The family of a dataset op or of the Python class that builds it, e.g. ``BatchDatasetV2`` (graph op),
+    ``ExperimentalMapAndBatchDataset`` and ``_BatchDataset`` (Python class) -> ``BatchDataset`` and
+    ``MapAndBatchDataset``: one vocabulary for both readers below."""
+    base = name.lstrip("_").rstrip("0123456789")
+    base = base[:-1] if base.endswith("V") else base
+    return base[len("Experimental"):] if base.startswith("Experimental") else base
+
+
+_BATCH_KINDS = frozenset(_kind(op) for op in _BATCH)
+_UNBATCH_KINDS = frozenset(_kind(op) for op in _UNBATCH)
+# Parts of a kind that mark a pipeline reading files (or interleaving sources), for tf.distribute's auto-sharding.
+_FILE_KIND_PARTS = ("TFRecord", "TextLine", "FixedLengthRecord", "Interleave", "FlatMap")
+
+
+def _is_random_op(op: str) -> bool:
+    return op.startswith("Random") or op in {"TruncatedNormal", "Multinomial", "ParameterizedTruncatedNormal"}
 
 
 class PipelineWarning(UserWarning):
@@ -85,7 +109,11 @@ class PipelineWarning(UserWarning):
 
 @dataclasses.dataclass(frozen=True)
 class Finding:
-    """One problem :func:`check` found in a pipeline.
+    """One problem :func:`check` found in a ``tf.data`` pipeline, tied to a dataset op of its graph.
+
+    Only problems are reported (a clean pipeline gives ``[]``). Not to be confused with
+    ``keras_scale.doctor.CheckResult``, the verdict of one environment check of ``keras-scale doctor``, which
+    exists for every check, passed or not (``ok``/``warn``/``error``/``skip``).
 
     Attributes:
         code: stable identifier, one of ``no_prefetch``, ``sequential_map``, ``py_function``,
@@ -97,7 +125,8 @@ class Finding:
         node: name of the dataset op in the serialized graph (e.g. ``"MapDataset/_9"``).
 
     Example:
-        >>> f = Finding("no_prefetch", "warning", "pipeline ends with BatchDatasetV2", "add .prefetch(tf.data.AUTOTUNE)")
+        >>> f = Finding("no_prefetch", "warning", "pipeline ends with BatchDatasetV2",
+        ...             "add .prefetch(tf.data.AUTOTUNE)")
         >>> print(f)
         [warning] no_prefetch: pipeline ends with BatchDatasetV2 Fix: add .prefetch(tf.data.AUTOTUNE)
     """
@@ -113,7 +142,60 @@ class Finding:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Reading the graph
+# Reading the Python dataset objects: the cheap reader, for questions about the pipeline's outer structure.
+# Serializing the graph (below) copies every in-memory tensor into it (a from_tensor_slices of 200 MB takes
+# seconds; over 2 GB the proto cannot be written), so questions asked on every fit() walk the objects instead.
+
+
+def dataset_chain(dataset: tf.data.Dataset) -> List[str]:
+    """Kinds of the datasets from ``dataset`` back to its source along ``_input_dataset``, outermost first.
+
+    Kinds are the op families :func:`check` reads from the graph (``"BatchDataset"``, ``"MapDataset"``, ...).
+    A dataset with several inputs (``zip``, ``concatenate``, ``sample_from_datasets``) ends the chain.
+
+    Example:
+        >>> dataset_chain(tf.data.Dataset.range(4).batch(2).prefetch(1))
+        ['PrefetchDataset', 'BatchDataset', 'RangeDataset']
+    """
+    kinds: List[str] = []
+    while dataset is not None and len(kinds) < 1000:
+        kinds.append(_kind(type(dataset).__name__))
+        dataset = getattr(dataset, "_input_dataset", None)
+    return kinds
+
+
+def dataset_is_batched(dataset: tf.data.Dataset) -> bool:
+    """Whether ``dataset`` yields batches: the outermost ``batch``-like step (``batch``, ``padded_batch``,
+    ``map_and_batch``, ``sparse_batch``) is not undone by a later ``unbatch``. Reads the Python objects only
+    (no graph serialization), so it is cheap on pipelines holding large in-memory arrays.
+
+    Example:
+        >>> dataset_is_batched(tf.data.Dataset.range(4).batch(2).map(lambda v: v).prefetch(1))
+        True
+        >>> dataset_is_batched(tf.data.Dataset.range(4).batch(2).unbatch())
+        False
+    """
+    for kind in dataset_chain(dataset):
+        if kind in _UNBATCH_KINDS:
+            return False
+        if kind in _BATCH_KINDS:
+            return True
+    return False
+
+
+def dataset_is_file_based(dataset: tf.data.Dataset) -> bool:
+    """Whether ``dataset`` reads files or interleaves sources (TFRecord/TextLine/FixedLengthRecord readers,
+    ``interleave``, ``flat_map``) anywhere along its main chain: such pipelines can be auto-sharded by file.
+
+    Example:
+        >>> dataset_is_file_based(tf.data.Dataset.range(3).map(lambda v: v))
+        False
+    """
+    return any(part in kind for kind in dataset_chain(dataset) for part in _FILE_KIND_PARTS)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Reading the graph: the full reader, for the lint and the rewrite (sees map functions, constants, options).
 
 
 def _require_dataset(dataset: Any, fn: str) -> tf.data.Dataset:
@@ -150,9 +232,7 @@ def _clean(name: str) -> Optional[str]:
 
 
 def _is_dataset_op(op: str) -> bool:
-    base = op.rstrip("0123456789")
-    base = base[:-1] if base.endswith("V") else base
-    return base.endswith("Dataset")
+    return _kind(op).endswith("Dataset")
 
 
 class _Pipeline:
@@ -397,7 +477,229 @@ def _auto_parallel_blockers(pipe: _Pipeline, node: Any, opts: dataset_options_pb
 
 
 # ------------------------------------------------------------------------------------------------------------
-# check
+# check: facts gathered once, then each lint rule (a small function of the facts) in the table _LINT_RULES.
+
+
+@dataclasses.dataclass(frozen=True)
+class _LintFacts:
+    """What the lint rules read: the pipeline's graph, its effective ``tf.data.Options`` and check()'s settings."""
+
+    pipe: _Pipeline
+    options: dataset_options_pb2.Options
+    num_replicas: int
+    jit_compile: bool
+    cache_max_bytes: int
+    expensive_op_count: int
+    min_shuffle_fraction: float
+
+    def nodes(self, ops: Optional[Set[str]] = None) -> List[Any]:
+        """The pipeline's dataset nodes in graph order, those whose op is in ``ops`` when given."""
+        return [n for n in self.pipe.dataset_nodes() if ops is None or n.op in ops]
+
+    def input_count(self, node: Any) -> Optional[int]:
+        """Elements flowing into ``node`` (cardinality of its first dataset input); ``None`` if unknown."""
+        upstream = self.pipe.dataset_inputs(node)
+        return self.pipe.cardinality(upstream[0]) if upstream else None
+
+
+def _gather_lint_facts(dataset: tf.data.Dataset, num_replicas: Optional[int], jit_compile: bool,
+                       cache_max_bytes: int, expensive_op_count: int, min_shuffle_fraction: float) -> _LintFacts:
+    """Validate check()'s settings and read the dataset's graph once."""
+    _require_dataset(dataset, "check")
+    if num_replicas is None:
+        num_replicas = _default_num_replicas()
+    check_int("num_replicas", num_replicas)
+    if not 0 < min_shuffle_fraction <= 1:
+        raise ValueError(f"min_shuffle_fraction must be in (0, 1], got {min_shuffle_fraction!r}")
+    if cache_max_bytes < 0:
+        raise ValueError(f"cache_max_bytes must be >= 0 bytes, got {cache_max_bytes!r}")
+    pipe = _Pipeline(pipeline_graph(dataset))
+    return _LintFacts(pipe, pipe.options(), num_replicas, jit_compile, cache_max_bytes, expensive_op_count,
+                      min_shuffle_fraction)
+
+
+def _lint_no_prefetch(f: _LintFacts) -> List[Finding]:
+    """``no_prefetch``: the last transformation (behind ``with_options``) is not ``prefetch``."""
+    last = f.pipe.last_transformation()
+    if last.op in _PREFETCH:
+        return []
+    opt, autotune_opts = f.options.optimization_options, f.options.autotune_options
+    injected = (opt.inject_prefetch if opt.WhichOneof("optional_inject_prefetch") else
+                (opt.apply_default_optimizations if opt.WhichOneof("optional_apply_default_optimizations")
+                 else True))
+    autotune = autotune_opts.enabled if autotune_opts.WhichOneof("optional_enabled") else True
+    note = (" TensorFlow's inject_prefetch rewrite may add one when the last step is synchronous, but only "
+            "with default options and autotune on." if injected and autotune else
+            " inject_prefetch/autotune is off in this pipeline's options, so TensorFlow will not add one.")
+    return [Finding(
+        "no_prefetch", "warning",
+        f"the pipeline ends with {last.op} '{last.name}', not prefetch: the next batch is only prepared "
+        "after the training step asks for it." + note,
+        "End the pipeline with .prefetch(tf.data.AUTOTUNE).",
+        last.name)]
+
+
+def _optimize_hint(pipe: _Pipeline, node: Any) -> str:
+    """The tail of a ``sequential_map`` fix naming what :func:`optimize` can do for this map ("" if nothing)."""
+    if node.op not in _SEQUENTIAL_MAP or node.attr["force_synchronous"].b:
+        return ""
+    stateful = pipe.stateful_ops(node)
+    if not stateful:
+        return ", or keras_scale.data.optimize(ds)"
+    if all(_is_random_op(s) for s in stateful):
+        return ", or keras_scale.data.optimize(ds, parallelize_random=True)"
+    return ""
+
+
+def _lint_sequential_map(f: _LintFacts) -> List[Finding]:
+    """``sequential_map``: a map without ``num_parallel_calls`` (or with 1); info when TF parallelizes it itself."""
+    findings = []
+    for node in f.nodes(_SEQUENTIAL_MAP | _PARALLEL_MAP):
+        if node.op in _SEQUENTIAL_MAP:
+            what, blockers = "map without num_parallel_calls", _auto_parallel_blockers(f.pipe, node, f.options)
+        elif f.pipe.const(node, "num_parallel_calls") == 1:
+            what, blockers = "map with num_parallel_calls=1", ["it asks for 1"]
+        else:
+            continue
+        if blockers:
+            findings.append(Finding(
+                "sequential_map", "warning",
+                f"'{node.name}' is a {what}: it runs one element at a time, and TensorFlow will not "
+                f"parallelize it because {'; '.join(blockers)}.",
+                "Use .map(fn, num_parallel_calls=tf.data.AUTOTUNE) (order is kept: deterministic=True is the "
+                f"default){_optimize_hint(f.pipe, node)}.",
+                node.name))
+        else:
+            findings.append(Finding(
+                "sequential_map", "info",
+                f"'{node.name}' is a {what}; TensorFlow's default map_parallelization rewrite will "
+                "parallelize it at runtime (stateless function), but that silently stops once the function "
+                "gains a stateful op (e.g. tf.random.uniform) or someone turns the option off.",
+                "Say it explicitly: .map(fn, num_parallel_calls=tf.data.AUTOTUNE).",
+                node.name))
+    return findings
+
+
+def _lint_py_function(f: _LintFacts) -> List[Finding]:
+    """``py_function``: Python (py_function, numpy_function, from_generator) inside a dataset's functions."""
+    findings = []
+    for node in f.nodes():
+        py_ops = sorted(f.pipe.ops_of(node) & _PY_FUNC)
+        if not py_ops:
+            continue
+        kind = (f"{node.op} (the op tf.data.Dataset.from_generator reads a Python generator with)"
+                if node.op == "FlatMapDataset" else node.op)
+        findings.append(Finding(
+            "py_function", "warning",
+            f"{kind} '{node.name}' runs Python ({', '.join(py_ops)}) in function {_map_fn_name(f.pipe, node)}: "
+            "it holds the GIL, so num_parallel_calls cannot scale it and it starves the accelerator.",
+            "Rewrite the function with TensorFlow ops (tf.strings, tf.image, tf.io, tf.numpy); if Python is "
+            "unavoidable, batch() first and call it once per batch, or precompute the result offline.",
+            node.name))
+    return findings
+
+
+def _lint_batch_remainder(f: _LintFacts) -> List[Finding]:
+    """``batch_remainder``: a batch keeps a short last batch while replicas split batches or XLA compiles."""
+    why = []
+    if f.num_replicas > 1:
+        why.append(f"{f.num_replicas} replicas split each batch (a short last batch gives them unequal or empty "
+                   "shards)")
+    if f.jit_compile:
+        why.append("XLA compiles one program per shape (the short last batch triggers a recompile)")
+    if not why:
+        return []  # one replica without XLA: a short last batch is harmless
+    findings = []
+    for node in f.nodes(_BATCH):
+        drop = f.pipe.const(node, "drop_remainder")
+        if drop is None or bool(drop):
+            continue
+        batch_size = f.pipe.const(node, "batch_size")
+        n_in = f.input_count(node)
+        known = isinstance(n_in, int) and isinstance(batch_size, int) and batch_size > 0
+        if known and n_in % batch_size == 0:
+            continue
+        rest = f" ({n_in} elements, {n_in % batch_size} left over)" if known else ""
+        findings.append(Finding(
+            "batch_remainder", "warning",
+            f"'{node.name}' batches by {batch_size} without drop_remainder{rest}; " + "; ".join(why) + ".",
+            f".batch({batch_size}, drop_remainder=True) (or make the dataset size a multiple of the global batch).",
+            node.name))
+    return findings
+
+
+def _lint_cache_missing(f: _LintFacts) -> List[Finding]:
+    """``cache_missing``: an expensive, deterministic map with a small output and no ``cache()`` after it."""
+    findings = []
+    for node in f.nodes(_SEQUENTIAL_MAP | _PARALLEL_MAP):
+        heavy = sorted(f.pipe.ops_of(node) & _EXPENSIVE_OPS)
+        count = sum(f.pipe.function_node_count(fn) for fn in f.pipe.node_functions(node))
+        if (not heavy and count < f.expensive_op_count) or f.pipe.stateful_ops(node):
+            continue  # cheap; or random augmentation / variables: caching would freeze or stale the result
+        if any(n.op in _CACHE for n in f.pipe.downstream(node.name)):
+            continue
+        n, per_element = f.pipe.cardinality(node.name), f.pipe.element_bytes(node)
+        if not isinstance(n, int) or per_element is None or n * per_element > f.cache_max_bytes:
+            continue
+        why = f"ops {heavy}" if heavy else f"{count} ops"
+        findings.append(Finding(
+            "cache_missing", "warning",
+            f"map '{node.name}' is expensive ({why}) and deterministic, and its output is small ({n} elements, "
+            f"{n * per_element / 2**20:.3g} MiB <= {f.cache_max_bytes / 2**20:.4g} MiB), yet nothing caches it: "
+            "it is recomputed every epoch.",
+            "Add .cache() right after this map (before shuffle and random augmentation), or .cache(path) on disk.",
+            node.name))
+    return findings
+
+
+def _lint_large_memory_cache(f: _LintFacts) -> List[Finding]:
+    """``large_memory_cache``: ``cache()`` in host memory over more than the budget, or over an infinite input."""
+    findings = []
+    for node in f.nodes(_CACHE):
+        if f.pipe.const(node, "filename") != b"":
+            continue  # cached on disk
+        n_in, per_element = f.input_count(node), f.pipe.element_bytes(node)
+        total = n_in * per_element if isinstance(n_in, int) and per_element is not None else None
+        if n_in != math.inf and (total is None or total <= f.cache_max_bytes):
+            continue
+        size = ("an infinite input (repeat() before cache())" if n_in == math.inf
+                else f"{n_in} elements, {total / 2**20:.4g} MiB > {f.cache_max_bytes / 2**20:.4g} MiB")
+        findings.append(Finding(
+            "large_memory_cache", "warning",
+            f"'{node.name}' caches in host memory {size}: "
+            + ("host memory grows without bound." if n_in == math.inf else
+               "host memory grows through the first epoch until it holds all of it (or runs out)."),
+            "Cache to disk with .cache('/fast/local/path/cache') or cache a smaller, earlier stage "
+            "(before decoding); put repeat() after cache().",
+            node.name))
+    return findings
+
+
+def _lint_small_shuffle_buffer(f: _LintFacts) -> List[Finding]:
+    """``small_shuffle_buffer``: a shuffle buffer below ``min_shuffle_fraction`` of the elements (and < 10 000)."""
+    findings = []
+    for node in f.nodes(_SHUFFLE):
+        buffer_size, n_in = f.pipe.const(node, "buffer_size"), f.input_count(node)
+        if not (isinstance(buffer_size, int) and isinstance(n_in, int) and n_in > 1 and buffer_size < n_in
+                and buffer_size < f.min_shuffle_fraction * n_in and buffer_size < 10_000):
+            continue
+        findings.append(Finding(
+            "small_shuffle_buffer", "warning",
+            f"'{node.name}' shuffles {n_in} elements through a buffer of {buffer_size} "
+            f"({100.0 * buffer_size / n_in:.2g}% of the data): an element can only move ~{buffer_size} "
+            "places, so batches keep the source order.",
+            f".shuffle({min(n_in, 10_000)}) (buffer >= {f.min_shuffle_fraction:.0%} of the data), or shuffle "
+            "the file list and interleave files before a smaller record-level shuffle.",
+            node.name))
+    return findings
+
+
+# The lint, one rule per Finding code, in the order check() reports them. A new rule: a function of
+# _LintFacts returning its findings, added here, to Finding's docstring and to docs/data.md's table.
+_LINT_RULES: Tuple[Callable[[_LintFacts], List[Finding]], ...] = (
+    _lint_no_prefetch, _lint_sequential_map, _lint_py_function, _lint_batch_remainder, _lint_cache_missing,
+    _lint_large_memory_cache, _lint_small_shuffle_buffer,
+)
 
 
 def check(
@@ -412,7 +714,7 @@ def check(
 ) -> List[Finding]:
     """Lint a ``tf.data`` pipeline from its serialized graph; returns findings and warns about each warning.
 
-    Checks:
+    Checks (findings come in this order, then in pipeline order):
       - ``no_prefetch``: the last transformation is not ``prefetch`` (input and training do not overlap).
       - ``sequential_map``: ``map`` without ``num_parallel_calls`` (or with 1). ``severity="info"`` when
         TensorFlow's default ``map_parallelization`` rewrite will parallelize it at runtime (stateless function,
@@ -447,177 +749,14 @@ def check(
         no_prefetch
         small_shuffle_buffer
     """
-    _require_dataset(dataset, "check")
-    if num_replicas is None:
-        num_replicas = _default_num_replicas()
-    check_int("num_replicas", num_replicas)
-    if not 0 < min_shuffle_fraction <= 1:
-        raise ValueError(f"min_shuffle_fraction must be in (0, 1], got {min_shuffle_fraction!r}")
-    if cache_max_bytes < 0:
-        raise ValueError(f"cache_max_bytes must be >= 0 bytes, got {cache_max_bytes!r}")
-
-    pipe = _Pipeline(pipeline_graph(dataset))
-    opts = pipe.options()
-    findings: List[Finding] = []
-
-    for node in pipe.dataset_nodes():
-        op = node.op
-        # -- Python inside a function-carrying transformation
-        py_ops = sorted(pipe.ops_of(node) & _PY_FUNC)
-        if py_ops:
-            kind = (f"{op} (the op tf.data.Dataset.from_generator reads a Python generator with)"
-                    if op == "FlatMapDataset" else op)
-            findings.append(Finding(
-                "py_function", "warning",
-                f"{kind} '{node.name}' runs Python ({', '.join(py_ops)}) in function {_map_fn_name(pipe, node)}: "
-                "it holds the GIL, so num_parallel_calls cannot scale it and it starves the accelerator.",
-                "Rewrite the function with TensorFlow ops (tf.strings, tf.image, tf.io, tf.numpy); if Python is "
-                "unavoidable, batch() first and call it once per batch, or precompute the result offline.",
-                node.name))
-        # -- sequential map
-        npc = pipe.const(node, "num_parallel_calls") if op in _PARALLEL_MAP else None
-        if op in _SEQUENTIAL_MAP or (op in _PARALLEL_MAP and npc == 1):
-            what = "map without num_parallel_calls" if op in _SEQUENTIAL_MAP else "map with num_parallel_calls=1"
-            blockers = _auto_parallel_blockers(pipe, node, opts) if op in _SEQUENTIAL_MAP else ["it asks for 1"]
-            if blockers:
-                stateful = pipe.stateful_ops(node)
-                if op not in _SEQUENTIAL_MAP or node.attr["force_synchronous"].b:
-                    also = ""
-                elif stateful and all(_is_random_op(s) for s in stateful):
-                    also = ", or keras_scale.data.optimize(ds, parallelize_random=True)"
-                elif stateful:
-                    also = ""
-                else:
-                    also = ", or keras_scale.data.optimize(ds)"
-                findings.append(Finding(
-                    "sequential_map", "warning",
-                    f"'{node.name}' is a {what}: it runs one element at a time, and TensorFlow will not "
-                    f"parallelize it because {'; '.join(blockers)}.",
-                    "Use .map(fn, num_parallel_calls=tf.data.AUTOTUNE) (order is kept: deterministic=True is the "
-                    f"default){also}.",
-                    node.name))
-            else:
-                findings.append(Finding(
-                    "sequential_map", "info",
-                    f"'{node.name}' is a {what}; TensorFlow's default map_parallelization rewrite will "
-                    "parallelize it at runtime (stateless function), but that silently stops once the function "
-                    "gains a stateful op (e.g. tf.random.uniform) or someone turns the option off.",
-                    "Say it explicitly: .map(fn, num_parallel_calls=tf.data.AUTOTUNE).",
-                    node.name))
-        # -- batch remainder under a multi-replica strategy / XLA
-        if op in _BATCH and (num_replicas > 1 or jit_compile):
-            drop = pipe.const(node, "drop_remainder")
-            batch_size = pipe.const(node, "batch_size")
-            if drop is not None and not bool(drop):
-                upstream = pipe.dataset_inputs(node)
-                n_in = pipe.cardinality(upstream[0]) if upstream else None
-                divides = (n_in is not None and n_in != math.inf and isinstance(batch_size, int) and batch_size > 0
-                           and n_in % batch_size == 0)
-                if not divides:
-                    why = []
-                    if num_replicas > 1:
-                        why.append(f"{num_replicas} replicas split each batch (a short last batch gives them "
-                                   "unequal or empty shards)")
-                    if jit_compile:
-                        why.append("XLA compiles one program per shape (the short last batch triggers a recompile)")
-                    rest = (f" ({n_in} elements, {n_in % batch_size} left over)"
-                            if isinstance(n_in, int) and isinstance(batch_size, int) and batch_size > 0 else "")
-                    findings.append(Finding(
-                        "batch_remainder", "warning",
-                        f"'{node.name}' batches by {batch_size} without drop_remainder{rest}; "
-                        + "; ".join(why) + ".",
-                        f".batch({batch_size}, drop_remainder=True) (or make the dataset size a multiple of the "
-                        "global batch).",
-                        node.name))
-        # -- shuffle buffer tiny relative to the data
-        if op in _SHUFFLE:
-            buffer_size = pipe.const(node, "buffer_size")
-            upstream = pipe.dataset_inputs(node)
-            n_in = pipe.cardinality(upstream[0]) if upstream else None
-            if (isinstance(buffer_size, int) and isinstance(n_in, int) and n_in > 1 and buffer_size < n_in
-                    and buffer_size < min_shuffle_fraction * n_in and buffer_size < 10_000):
-                findings.append(Finding(
-                    "small_shuffle_buffer", "warning",
-                    f"'{node.name}' shuffles {n_in} elements through a buffer of {buffer_size} "
-                    f"({100.0 * buffer_size / n_in:.2g}% of the data): an element can only move ~{buffer_size} "
-                    "places, so batches keep the source order.",
-                    f".shuffle({min(n_in, 10_000)}) (buffer >= {min_shuffle_fraction:.0%} of the data), or shuffle "
-                    "the file list and interleave files before a smaller record-level shuffle.",
-                    node.name))
-        # -- cache missing after an expensive deterministic map
-        if op in _SEQUENTIAL_MAP | _PARALLEL_MAP:
-            findings.extend(_check_cache(pipe, node, cache_max_bytes, expensive_op_count))
-        # -- in-memory cache of more than the budget
-        if op in _CACHE and pipe.const(node, "filename") == b"":
-            upstream = pipe.dataset_inputs(node)
-            n_in = pipe.cardinality(upstream[0]) if upstream else None
-            per_element = pipe.element_bytes(node)
-            total = n_in * per_element if isinstance(n_in, int) and per_element is not None else None
-            if n_in == math.inf or (total is not None and total > cache_max_bytes):
-                size = ("an infinite input (repeat() before cache())" if n_in == math.inf
-                        else f"{n_in} elements, {total / 2**20:.4g} MiB > {cache_max_bytes / 2**20:.4g} MiB")
-                findings.append(Finding(
-                    "large_memory_cache", "warning",
-                    f"'{node.name}' caches in host memory {size}: "
-                    + ("host memory grows without bound." if n_in == math.inf else
-                       "host memory grows through the first epoch until it holds all of it (or runs out)."),
-                    "Cache to disk with .cache('/fast/local/path/cache') or cache a smaller, earlier stage "
-                    "(before decoding); put repeat() after cache().",
-                    node.name))
-
-    # -- no prefetch at the end
-    last = pipe.last_transformation()
-    if last.op not in _PREFETCH:
-        opt = opts.optimization_options
-        injected = (opt.inject_prefetch if opt.WhichOneof("optional_inject_prefetch") else
-                    (opt.apply_default_optimizations if opt.WhichOneof("optional_apply_default_optimizations")
-                     else True))
-        autotune = (opts.autotune_options.enabled if opts.autotune_options.WhichOneof("optional_enabled")
-                    else True)
-        note = (" TensorFlow's inject_prefetch rewrite may add one when the last step is synchronous, but only "
-                "with default options and autotune on." if injected and autotune else
-                " inject_prefetch/autotune is off in this pipeline's options, so TensorFlow will not add one.")
-        findings.append(Finding(
-            "no_prefetch", "warning",
-            f"the pipeline ends with {last.op} '{last.name}', not prefetch: the next batch is only prepared "
-            "after the training step asks for it." + note,
-            "End the pipeline with .prefetch(tf.data.AUTOTUNE).",
-            last.name))
-
-    order = {c: i for i, c in enumerate(_CODES)}
-    findings.sort(key=lambda f: order.get(f.code, len(order)))
+    facts = _gather_lint_facts(dataset, num_replicas, jit_compile, cache_max_bytes, expensive_op_count,
+                               min_shuffle_fraction)
+    findings = [finding for rule in _LINT_RULES for finding in rule(facts)]
     if warn:
         for f in findings:
             if f.severity != "info":
                 warnings.warn(f"keras_scale.data.check: {f}", PipelineWarning, stacklevel=2)
     return findings
-
-
-def _check_cache(pipe: _Pipeline, node: Any, cache_max_bytes: int, expensive_op_count: int) -> List[Finding]:
-    ops = pipe.ops_of(node)
-    heavy = sorted(ops & _EXPENSIVE_OPS)
-    count = sum(pipe.function_node_count(fn) for fn in pipe.node_functions(node))
-    if not heavy and count < expensive_op_count:
-        return []
-    if pipe.stateful_ops(node):
-        return []  # random augmentation / variables: caching would freeze or stale the result
-    if any(n.op in _CACHE for n in pipe.downstream(node.name)):
-        return []
-    n = pipe.cardinality(node.name)
-    per_element = pipe.element_bytes(node)
-    if not isinstance(n, int) or per_element is None:
-        return []
-    total = n * per_element
-    if total > cache_max_bytes:
-        return []
-    why = f"ops {heavy}" if heavy else f"{count} ops"
-    return [Finding(
-        "cache_missing", "warning",
-        f"map '{node.name}' is expensive ({why}) and deterministic, and its output is small ({n} elements, "
-        f"{total / 2**20:.3g} MiB <= {cache_max_bytes / 2**20:.4g} MiB), yet nothing caches it: it is recomputed "
-        "every epoch.",
-        "Add .cache() right after this map (before shuffle and random augmentation), or .cache(path) on disk.",
-        node.name)]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -717,10 +856,6 @@ _STATE_OPS = {"VarHandleOp", "AssignVariableOp", "HashTableV2", "MutableHashTabl
               "DummySeedGenerator", "AnonymousRandomSeedGenerator"}
 
 
-def _is_random_op(op: str) -> bool:
-    return op.startswith("Random") or op in {"TruncatedNormal", "Multinomial", "ParameterizedTruncatedNormal"}
-
-
 def _rebuild_blockers(pipe: _Pipeline) -> Tuple[List[str], List[str]]:
     """``(blockers, notes)``: why the graph cannot be rebuilt without losing state, and what a rebuild changes."""
     reasons, notes = [], []
@@ -771,65 +906,86 @@ def optimize(dataset: tf.data.Dataset, *, parallelize_random: bool = False) -> T
     _require_dataset(dataset, "optimize")
     pipe = _Pipeline(pipeline_graph(dataset))
     opts = pipe.options()
-    changes: List[str] = []
+    # Step 3 first, since it rebuilds the dataset; each step returns (dataset, changes, not changed).
+    dataset, maps_done, maps_left = _parallelize_random_maps(dataset, pipe, opts, parallelize_random)
+    dataset, options_done, options_left = _pin_default_options(dataset, opts)
+    dataset, prefetch_done = _append_prefetch(dataset, pipe)
+    return dataset, maps_done + options_done + prefetch_done + maps_left + options_left
 
-    # 3. (done first, since it rebuilds the dataset) sequential maps that TF's own rewrite skips
-    targets, skipped = [], []
+
+def _maps_to_parallelize(pipe: _Pipeline,
+                         parallelize_random: bool) -> Tuple[List[Tuple[Any, List[str]]], List[str]]:
+    """``(targets, not_changed)``: the sequential maps TF's own rewrite skips that optimize() may rewrite (each
+    with its stateful ops), and why the others stay as they are. Stateless maps are in neither: TF's
+    ``map_parallelization`` (pinned on by :func:`_pin_default_options`) parallelizes them at runtime."""
+    targets, not_changed = [], []
     for node in pipe.dataset_nodes():
         if node.op not in _SEQUENTIAL_MAP:
             continue
         py_ops = sorted(pipe.ops_of(node) & _PY_FUNC)
         stateful = pipe.stateful_ops(node)
         if py_ops:
-            skipped.append(f"not changed: map '{node.name}' calls Python ({py_ops}); parallel calls would "
-                           "serialize on the GIL. Rewrite it with TensorFlow ops")
+            not_changed.append(f"not changed: map '{node.name}' calls Python ({py_ops}); parallel calls would "
+                               "serialize on the GIL. Rewrite it with TensorFlow ops")
         elif node.attr["force_synchronous"].b:
-            skipped.append(f"not changed: map '{node.name}' was built with synchronous=True")
+            not_changed.append(f"not changed: map '{node.name}' was built with synchronous=True")
         elif not stateful:
-            continue  # TF's map_parallelization (pinned on below) parallelizes it at runtime
+            continue
         elif not all(_is_random_op(op) or op == "ReadVariableOp" for op in stateful):
-            skipped.append(f"not changed: map '{node.name}' has stateful ops {stateful} whose result depends on "
-                           "call order. Parallelize it yourself if that is fine: "
-                           ".map(fn, num_parallel_calls=tf.data.AUTOTUNE)")
+            not_changed.append(f"not changed: map '{node.name}' has stateful ops {stateful} whose result depends "
+                               "on call order. Parallelize it yourself if that is fine: "
+                               ".map(fn, num_parallel_calls=tf.data.AUTOTUNE)")
         elif "ReadVariableOp" in stateful:  # reads are order-free, but a rebuilt copy would not share the variable
             targets.append((node, stateful))
         elif not parallelize_random:
-            skipped.append(f"not changed: map '{node.name}' stays sequential: its random ops {stateful} stop "
-                           "TensorFlow's map_parallelization. optimize(ds, parallelize_random=True) parallelizes it "
-                           "(order kept; draws no longer bit-reproducible), or use tf.random.stateless_* ops")
+            not_changed.append(f"not changed: map '{node.name}' stays sequential: its random ops {stateful} stop "
+                               "TensorFlow's map_parallelization. optimize(ds, parallelize_random=True) "
+                               "parallelizes it (order kept; draws no longer bit-reproducible), or use "
+                               "tf.random.stateless_* ops")
         else:
             targets.append((node, stateful))
-    if targets:
-        blockers, notes = _rebuild_blockers(pipe)
-        if blockers:
-            for node, _ in targets:
-                skipped.append(
-                    f"not changed: map '{node.name}' stays sequential: the pipeline cannot be rebuilt from its "
-                    f"graph without losing state ({'; '.join(blockers[:3])}). Write "
-                    ".map(fn, num_parallel_calls=tf.data.AUTOTUNE) in your code")
-        else:
-            rebuilt = _rebuild_with_parallel_maps(pipe, [n for n, _ in targets], dataset.element_spec)
-            if rebuilt is not None:
-                dataset = rebuilt
-                order = ("deterministic order" if not opts.WhichOneof("optional_deterministic") or opts.deterministic
-                         else "order not kept: your options say deterministic=False")
-                changes.extend(f"parallelized map '{n.name}' (num_parallel_calls=AUTOTUNE, {order}; "
-                               f"random ops {ops})" for n, ops in targets)
-                changes.extend(notes)
-            else:
-                skipped.extend(f"not changed: map '{n.name}': rebuilding the pipeline from its graph failed"
-                               for n, _ in targets)
+    return targets, not_changed
 
-    # 1. options
+
+def _parallelize_random_maps(dataset: tf.data.Dataset, pipe: _Pipeline, opts: dataset_options_pb2.Options,
+                             parallelize_random: bool) -> Tuple[tf.data.Dataset, List[str], List[str]]:
+    """Step 3: rewrite the chosen sequential maps into parallel ones and rebuild the pipeline from its graph,
+    unless the graph holds outside state (then each target gets a "not changed" entry)."""
+    targets, not_changed = _maps_to_parallelize(pipe, parallelize_random)
+    if not targets:
+        return dataset, [], not_changed
+    blockers, notes = _rebuild_blockers(pipe)
+    if blockers:
+        not_changed.extend(
+            f"not changed: map '{node.name}' stays sequential: the pipeline cannot be rebuilt from its graph "
+            f"without losing state ({'; '.join(blockers[:3])}). Write .map(fn, num_parallel_calls=tf.data.AUTOTUNE) "
+            "in your code" for node, _ in targets)
+        return dataset, [], not_changed
+    rebuilt = _rebuild_with_parallel_maps(pipe, [node for node, _ in targets], dataset.element_spec)
+    if rebuilt is None:
+        not_changed.extend(f"not changed: map '{node.name}': rebuilding the pipeline from its graph failed"
+                           for node, _ in targets)
+        return dataset, [], not_changed
+    order = ("deterministic order" if not opts.WhichOneof("optional_deterministic") or opts.deterministic
+             else "order not kept: your options say deterministic=False")
+    done = [f"parallelized map '{node.name}' (num_parallel_calls=AUTOTUNE, {order}; random ops {ops})"
+            for node, ops in targets]
+    return rebuilt, done + notes, not_changed
+
+
+def _pin_default_options(dataset: tf.data.Dataset,
+                         opts: dataset_options_pb2.Options) -> Tuple[tf.data.Dataset, List[str], List[str]]:
+    """Step 1: set map_parallelization, autotune and deterministic where the pipeline's options leave them unset
+    (or turned map_parallelization off); settings the user chose against them are reported, not overridden."""
     options = tf.data.Options()
-    set_parts = []
+    set_parts, not_changed = [], []
     opt = opts.optimization_options
     if not (opt.WhichOneof("optional_map_parallelization") and opt.map_parallelization):
         options.experimental_optimization.map_parallelization = True
         set_parts.append("map_parallelization=True")
     if opts.autotune_options.WhichOneof("optional_enabled") and not opts.autotune_options.enabled:
-        skipped.append("not changed: autotune is off in your tf.data.Options; AUTOTUNE values fall back to "
-                       "defaults")
+        not_changed.append("not changed: autotune is off in your tf.data.Options; AUTOTUNE values fall back to "
+                           "defaults")
     elif not opts.autotune_options.WhichOneof("optional_enabled"):
         options.autotune.enabled = True
         set_parts.append("autotune.enabled=True")
@@ -837,17 +993,19 @@ def optimize(dataset: tf.data.Dataset, *, parallelize_random: bool = False) -> T
         options.deterministic = True
         set_parts.append("deterministic=True")
     elif not opts.deterministic:
-        skipped.append("not changed: deterministic=False in your tf.data.Options (element order may vary)")
-    if set_parts:
-        dataset = dataset.with_options(options)
-        changes.append("tf.data.Options: " + ", ".join(set_parts))
+        not_changed.append("not changed: deterministic=False in your tf.data.Options (element order may vary)")
+    if not set_parts:
+        return dataset, [], not_changed
+    return dataset.with_options(options), ["tf.data.Options: " + ", ".join(set_parts)], not_changed
 
-    # 2. trailing prefetch
+
+def _append_prefetch(dataset: tf.data.Dataset, pipe: _Pipeline) -> Tuple[tf.data.Dataset, List[str]]:
+    """Step 2: a trailing ``prefetch(tf.data.AUTOTUNE)`` unless the pipeline already ends with one."""
     last = pipe.last_transformation()
-    if last.op not in _PREFETCH:
-        dataset = dataset.prefetch(tf.data.AUTOTUNE)
-        changes.append(f"appended prefetch(tf.data.AUTOTUNE) after {last.op} '{last.name}'")
-    return dataset, changes + skipped
+    if last.op in _PREFETCH:
+        return dataset, []
+    return (dataset.prefetch(tf.data.AUTOTUNE),
+            [f"appended prefetch(tf.data.AUTOTUNE) after {last.op} '{last.name}'"])
 
 
 def _rebuild_with_parallel_maps(pipe: _Pipeline, targets: Sequence[Any], element_spec: Any) -> Optional[tf.data.Dataset]:

@@ -389,3 +389,62 @@ def test_optimized_dataset_trains_under_mirrored_strategy(mirrored):
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     history = model.fit(fast, epochs=3, verbose=0)
     assert history.history["loss"][-1] < history.history["loss"][0]
+
+
+# -- the lint table and the order of findings ----------------------------------------------------------------
+
+
+def test_findings_come_grouped_in_the_documented_order():
+    ds = tf.data.Dataset.range(5000).shuffle(4).map(lambda x: tf.py_function(lambda v: v, [x], tf.int64)).batch(3)
+    found = codes(ds, num_replicas=2)
+    assert found == ["no_prefetch", "sequential_map", "py_function", "batch_remainder", "small_shuffle_buffer"]
+
+
+def test_docs_table_lists_every_lint_rule_in_report_order():
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "data.md").read_text()
+    documented = re.findall(r"^\| `(\w+)` \|", text, flags=re.M)
+    rules = [rule.__name__.replace("_lint_", "", 1) for rule in data._LINT_RULES]
+    assert documented == rules
+    assert all(f"``{code}``" in data.Finding.__doc__ for code in rules)
+
+
+# -- reading the dataset objects (what ks.fit asks before batching / sharding) --------------------------------
+
+
+def test_dataset_is_batched_follows_the_outermost_batch_or_unbatch():
+    x = np.zeros((64, 2), np.float32)
+    unbatched = tf.data.Dataset.from_tensor_slices((x, x))
+    assert not data.dataset_is_batched(unbatched)
+    assert data.dataset_is_batched(unbatched.batch(5))
+    assert data.dataset_is_batched(tf.data.Dataset.range(4).batch(2).map(lambda v: v).prefetch(1))
+    assert not data.dataset_is_batched(tf.data.Dataset.range(4).batch(2).unbatch())
+    assert data.dataset_is_batched(tf.data.Dataset.range(8).batch(2).unbatch().batch(3))
+    assert data.dataset_is_batched(tf.data.Dataset.range(8).padded_batch(2).with_options(tf.data.Options()))
+    assert data.dataset_is_batched(tf.data.Dataset.range(8).batch(2, num_parallel_calls=AUTOTUNE))
+    assert data.dataset_is_batched(tf.data.Dataset.range(8).batch(4).rebatch(2))
+    assert not data.dataset_is_batched(tf.data.Dataset.range(8).shuffle(8).repeat(2))
+
+
+def test_dataset_readers_do_not_serialize_the_graph(monkeypatch):
+    # ks.fit asks these on every call: serializing would copy in-memory arrays into the graph (> 2 GB fails)
+    ds = tf.data.Dataset.from_tensor_slices(np.zeros((64, 2), np.float32)).batch(8).prefetch(1)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the dataset graph was serialized")
+
+    monkeypatch.setattr(tf.data.Dataset, "_as_serialized_graph", refuse)
+    assert data.dataset_chain(ds) == ["PrefetchDataset", "BatchDataset", "TensorSliceDataset"]
+    assert data.dataset_is_batched(ds) and not data.dataset_is_file_based(ds)
+
+
+def test_dataset_is_file_based_sees_file_readers_and_interleave(tmp_path):
+    path = str(tmp_path / "a.tfrecord")
+    with tf.io.TFRecordWriter(path) as w:
+        w.write(b"x")
+    files = tf.data.Dataset.list_files(str(tmp_path / "*.tfrecord")).interleave(tf.data.TFRecordDataset)
+    assert data.dataset_is_file_based(files.batch(2).prefetch(1))
+    assert data.dataset_is_file_based(tf.data.TextLineDataset([path]))
+    assert not data.dataset_is_file_based(tf.data.Dataset.range(3).map(lambda v: v).batch(2))
