@@ -97,7 +97,12 @@ class AccumulatingModel(keras.Model):
         """Fail at fit start (not mid-epoch): an unbatched dataset, or a per-replica batch smaller than ``accum``."""
         if isinstance(x, tf.data.Dataset):
             specs = [s for s in tf.nest.flatten(x.element_spec) if getattr(s, "shape", None) is not None]
-            if any(s.shape.rank == 0 for s in specs):
+            inputs = getattr(self.inner, "inputs", None) or []
+            x_specs = [s for s in tf.nest.flatten(x.element_spec[0] if isinstance(x.element_spec, tuple)
+                                                 else x.element_spec) if getattr(s, "shape", None) is not None]
+            one_short = bool(inputs and x_specs and x_specs[0].shape.rank is not None
+                             and x_specs[0].shape.rank == len(inputs[0].shape) - 1)
+            if one_short or any(s.shape.rank == 0 for s in specs):
                 raise ValueError(
                     "keras_scale.wrap splits each batch into micro-batches, but this dataset yields single samples "
                     f"(element_spec {x.element_spec}): batch your dataset first, e.g. ds.batch(64).")

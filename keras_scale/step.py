@@ -76,6 +76,18 @@ def _dense(g: Any) -> Any:
     return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
 
 
+def _scaled(g: Any, factor: tf.Tensor, no_nan: bool = False) -> Any:
+    """``g * factor`` keeping ``IndexedSlices`` sparse (Keras's optimizers treat sparse gradients their own way)."""
+    mul = tf.math.multiply_no_nan if no_nan else tf.multiply
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(mul(g.values, tf.cast(factor, g.values.dtype)), g.indices, g.dense_shape)
+    return mul(g, tf.cast(factor, g.dtype))
+
+
+def _all_finite(g: Any) -> tf.Tensor:
+    return tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
+
+
 def is_loss_scaled(optimizer: Any) -> bool:
     """True for Keras's ``LossScaleOptimizer`` (mixed_float16).
 
@@ -146,6 +158,8 @@ def has_own_train_step(model: keras.Model) -> bool:
     """
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
+    if getattr(type(model), "_keras_scale_composed", False):  # keras_scale.wrap's model: the composed step
+        return False
     return getattr(type(model), "train_step", None) is not TensorFlowTrainer.train_step
 
 
@@ -247,7 +261,7 @@ class ComposedStep:
         self.guard = False
         self.halt_after_consecutive = 0  # 0: never halt in-graph; N: stop applying after N bad steps in a row
         self._requests: Dict[int, Tuple[bool, int]] = {}
-        self.diag_slots: List[DiagnosisSlot] = []  # what each entry of ``diag`` counts (set while tracing)
+        self._layouts: List[List[DiagnosisSlot]] = []  # per trace: what each entry of ``diag`` counts
         self.traced_micro_batches: Optional[int] = None  # set while tracing (static count) for tests/benchmarks
         self.traces = 0  # how many times a train function of this model was traced (tests, benchmarks)
         self._cache: Dict[Tuple, Tuple[Tuple, Any]] = {}
@@ -377,13 +391,14 @@ class ComposedStep:
         self._check_at_fit_start()
         identity = self._compile_identity()
         current = model.train_function
-        if isinstance(current, tf.types.experimental.GenericFunction) and not self._ours(current):
+        if current is not None and not self._ours(current) and not getattr(current, "_keras_scale_wrapper", False):
             self._plain = (identity, current)  # Keras's own: given back when no part is asked for
         key = self._config()
         cached = self._cache.get(key)
         if force or cached is None or not self._same(cached[0], identity):
+            for optimizer in _optimizers(model):  # a GAN's own train_step may use several
+                _install_optimizer_switches(optimizer)
             if model.optimizer is not None:
-                _install_optimizer_switches(model.optimizer)
                 if not model.optimizer.built and model.built and model.trainable_variables:
                     with model.distribute_strategy.scope():  # e.g. a LossScaleOptimizer's dynamic scale
                         model.optimizer.build(model.trainable_variables)
@@ -414,6 +429,8 @@ class ComposedStep:
                     f"keras_scale.wrap cannot split the batch of {type(inner).__name__}, which defines its own "
                     f"train_step: the composed step would silently replace it. Train the model unwrapped (NanGuard "
                     f"still guards it, at its optimizer), or accumulate inside your train_step.")
+            if self.splits:
+                self._warn_non_mean_losses()
             if has_own_compute_loss(inner):
                 raise ValueError(
                     f"keras_scale.wrap would drop {type(inner).__name__}.compute_loss (the wrapper computes the "
@@ -471,17 +488,16 @@ class ComposedStep:
         reduced_grads: List[Any] = [None] * len(grads)
         if replicas == 1:
             for i in present:
-                reduced_grads[i] = grads[i] if share is None else grads[i] * tf.cast(
-                    tf.math.divide_no_nan(1.0, share), grads[i].dtype)
+                reduced_grads[i] = grads[i] if share is None else _scaled(grads[i], tf.math.divide_no_nan(1.0, share))
             return reduced_grads, loss_bad > 0, present, local
         b = tf.cast(batch_size, tf.float32)
         weight = b if share is None else b * share
-        payload = [tf.math.multiply_no_nan(_dense(g), tf.cast(b, g.dtype)) for g in local]  # an empty replica adds 0
+        payload = [_scaled(g, b, no_nan=True) for g in local]  # an empty replica adds 0, not 0 * NaN
         reduced = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM,
                                                                  payload + [loss_bad, weight])
         scale = tf.math.divide_no_nan(float(replicas), reduced[-1])
         for i, g in zip(present, reduced[:-2]):
-            reduced_grads[i] = g * tf.cast(scale, g.dtype)
+            reduced_grads[i] = _scaled(g, scale)
         return reduced_grads, reduced[-2] > 0, present, local
 
     def _foreign_train_step(self, data: Any) -> Dict[str, Any]:
@@ -523,7 +539,7 @@ class ComposedStep:
     def _decide_bad(self, optimizer: Any, any_loss_bad: tf.Tensor, reduced_grads: List[Any],
                     grads_bad: Optional[tf.Tensor] = None) -> tf.Tensor:
         if grads_bad is None:
-            grads_ok = tf.reduce_all([tf.reduce_all(tf.math.is_finite(_dense(g))) for g in reduced_grads]
+            grads_ok = tf.reduce_all([_all_finite(g) for g in reduced_grads]
                                      or [tf.constant(True)])
             grads_bad = tf.logical_not(grads_ok)
         if is_loss_scaled(optimizer):
@@ -689,6 +705,15 @@ class ComposedStep:
                             "a per-sample mean, but a loss that sums over the batch shrinks by 1/accum. Write such "
                             "losses as means over the batch to keep accumulation exact.")
 
+    def _warn_non_mean_losses(self) -> None:
+        losses = [loss for loss in tf.nest.flatten(getattr(self.model, "loss", None))
+                  if isinstance(loss, keras.losses.Loss) and loss.reduction not in ("sum_over_batch_size", None)]
+        if losses:
+            self._warn_once("reduction", f"keras_scale.wrap: {losses[0].name} uses reduction={losses[0].reduction!r}; "
+                            "accumulation is exact for the default 'sum_over_batch_size' (a per-sample mean), so the "
+                            "update differs from big-batch training. Use the default reduction (and a custom loss "
+                            "function returning a mean, not a sum).")
+
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
@@ -744,6 +769,19 @@ class ComposedStep:
 
         tf.distribute.get_replica_context().merge_call(cross_replica, args=(apply_now, grads, values))
 
+    def read_diagnosis(self) -> List[Tuple[DiagnosisSlot, float]]:
+        """The first bad step's diagnosis since the last reset: ``(slot, non-finite count)`` for each slot > 0.
+
+        Example:
+            >>> [(slot.label, n) for slot, n in get_step(model).read_diagnosis()]
+            [('inputs[0]', 3.0)]
+        """
+        diag = self.diag.numpy()
+        layout = int(round(diag[0] / max(_replicas(self.model.distribute_strategy), 1)))
+        if not 1 <= layout <= len(self._layouts):
+            return []
+        return [(slot, float(v)) for slot, v in zip(self._layouts[layout - 1], diag[1:]) if v > 0]
+
     def _record(self, bad, x, y, sample_weight, pred_bad, loss_bad, local_grads, present, trainable):
         """Update counters and, on the first bad step since the host last looked, the diagnosis vector."""
         bad_i = tf.cast(bad, tf.int64)
@@ -770,15 +808,19 @@ class ComposedStep:
             add("sample_weight", f"sample_weight[{i}]", t)
         add("predictions", "predictions", pred_bad)
         add("loss", "loss", loss_bad)
-        budget = DIAG_CAPACITY - len(slots)
+        budget = DIAG_CAPACITY - 1 - len(slots)
         for i, g in zip(present[:budget], local_grads[:budget]):
             add("gradients", trainable[i].path, g)
-        self.diag_slots = slots
+        # which trace wrote the vector: a fit can reuse a function traced for other data (with/without
+        # sample_weight), so the labels travel as a layout id in slot 0, not as "the latest trace's"
+        self._layouts.append(slots)
+        layout_id = float(len(self._layouts))
 
         first_incident = tf.logical_and(bad, tf.equal(self.incidents, 0))
 
         def write_diag():
-            counts = [t if slot.counted else _nonfinite_count(t) for slot, t in zip(slots, tensors)]
+            counts = [tf.constant(layout_id)] + [
+                t if slot.counted else _nonfinite_count(t) for slot, t in zip(slots, tensors)]
             vec = tf.stack([tf.reshape(tf.cast(c, tf.float32), []) for c in counts])
             vec = tf.pad(vec, [[0, DIAG_CAPACITY - len(counts)]])
             self.diag.assign(vec)
@@ -786,6 +828,15 @@ class ComposedStep:
 
         tf.cond(first_incident, write_diag, lambda: tf.constant(False))
         self.incidents.assign_add(bad_i)
+
+
+def _optimizers(model: keras.Model) -> List[Any]:
+    """``model.optimizer`` and any other optimizer the model holds as an attribute (GANs: ``d_optimizer``...)."""
+    found = [model.optimizer] if model.optimizer is not None else []
+    for value in vars(model).values():
+        if isinstance(value, keras.optimizers.Optimizer) and all(value is not f for f in found):
+            found.append(value)
+    return found
 
 
 def _replicas(strategy: Any) -> int:

@@ -147,17 +147,19 @@ class NanGuard(keras.callbacks.Callback):
         self._snapshot: Optional[List[np.ndarray]] = None
         self._snapshot_batch = -1
         self._scalars: Optional[ChiefScalars] = None
+        self._fitting = False
 
     # ------------------------------------------------------------------ hooks
     def set_model(self, model: keras.Model) -> None:
         super().set_model(model)
         # Keras calls set_model while building the fit's callback list, before make_train_function: ask the
         # composed step for the guard for this fit; lifecycle withdraws the request however the fit ends
-        lifecycle.join(model, self, undo=self._finish)
+        lifecycle.join(model, self, undo=lambda: self._finish(model))
         halt = {"skip": 0, "stop": 1, "rollback": self.max_consecutive}[self.policy]
         step_lib.get_step(model).request(self, guard=True, halt_after_consecutive=halt)
 
     def on_train_begin(self, logs: Optional[Dict] = None) -> None:
+        self._fitting = True
         self.skipped_steps = int(self._step.skipped_steps.numpy())
         self._batches = 0
         self._snapshot, self._snapshot_batch = None, -1
@@ -193,9 +195,17 @@ class NanGuard(keras.callbacks.Callback):
         self.skipped_steps = int(self._step.skipped_steps.numpy())
         lifecycle.leave(self.model, self)
 
-    def _finish(self) -> None:
-        """Undo this fit's changes (from on_train_end, or at the next fit if this one died)."""
-        step = step_lib.get_step(self.model, create=False)
+    def on_test_end(self, logs: Optional[Dict] = None) -> None:
+        # model.evaluate(..., callbacks=[guard]) calls set_model too: outside a fit, that request ends here
+        if not self._fitting:
+            lifecycle.leave(self.model, self)
+
+    on_predict_end = on_test_end
+
+    def _finish(self, model: keras.Model) -> None:
+        """Undo this fit's changes on ``model`` (from on_train_end, or at its next fit if this one died)."""
+        self._fitting = False
+        step = step_lib.get_step(model, create=False)
         if step is not None:
             step.withdraw(self)
         if self._scalars is not None:
@@ -235,12 +245,10 @@ class NanGuard(keras.callbacks.Callback):
 
     def _report(self, incidents: int) -> NanReport:
         step = self._step
-        diag = step.diag.numpy()
         found: Dict[str, List[str]] = {k: [] for k in _ORDER}
-        for slot, value in zip(step.diag_slots, diag):
-            if value > 0:
-                unit = "value(s)" if slot.counted else "values"
-                found[slot.source].append(f"{slot.label}: {int(value)} non-finite {unit}")
+        for slot, value in step.read_diagnosis():
+            unit = "value(s)" if slot.counted else "values"
+            found[slot.source].append(f"{slot.label}: {int(value)} non-finite {unit}")
         source = next((k for k in _ORDER if found[k]), "gradients")
         details = found[source] or ["(values overflowed after the all-reduce)"]
         optimizer = self.model.optimizer
