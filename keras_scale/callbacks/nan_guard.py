@@ -189,7 +189,9 @@ class NanGuard(keras.callbacks.Callback):
 
     @property
     def _checkpoint(self) -> Any:
-        return getattr(self.model, "_keras_scale_checkpoint", None)
+        from keras_scale.callbacks.checkpoint import checkpoint_for  # order-independent, valid from set_model on
+
+        return checkpoint_for(self.model)
 
     def _check(self, final: bool = False) -> None:
         step = self._step
