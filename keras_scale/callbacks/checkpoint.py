@@ -1050,12 +1050,17 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             return
         if not from_state:  # nothing listed is usable: the scanned ones, newest max_to_keep, become the list
             candidates = candidates[: self.max_to_keep]
-        names = [os.path.basename(p) for _, p in sorted(candidates)]
+        kept = sorted(candidates)
+        names = [os.path.basename(p) for _, p in kept]
         tf.io.gfile.rename(state_file, state_file + ".invalid", overwrite=True)
         if not names:
             return
-        text = f'model_checkpoint_path: "{names[-1]}"\n' + "".join(
-            f'all_model_checkpoint_paths: "{n}"\n' for n in names)
+        # with timestamps (newer than last_preserved_timestamp), the manager rotates them as its own again
+        stamps = [tf.io.gfile.stat(p + ".index").mtime_nsec / 1e9 for _, p in kept]
+        text = (f'model_checkpoint_path: "{names[-1]}"\n'
+                + "".join(f'all_model_checkpoint_paths: "{n}"\n' for n in names)
+                + "".join(f"all_model_checkpoint_timestamps: {t:.6f}\n" for t in stamps)
+                + f"last_preserved_timestamp: {min(stamps) - 1.0:.6f}\n")
         tmp = state_file + ".tmp"
         with tf.io.gfile.GFile(tmp, "w") as f:
             f.write(text)
