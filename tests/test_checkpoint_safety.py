@@ -217,6 +217,62 @@ def test_dead_workers_temp_folders_are_removed_on_the_next_start(tmp_path, live_
         shutil.rmtree(alive, ignore_errors=True)
 
 
+def test_lock_heartbeat_refreshes_and_a_raised_fit_lets_the_directory_go(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint_module, "_LOCK_HEARTBEAT_S", 0.05)
+    d = tmp_path / "ckpt"
+    lock = d / checkpoint_module._LOCK_NAME
+    seen = []
+
+    class Watch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch in (0, 3):
+                seen.append(os.path.getmtime(lock))
+                time.sleep(0.3)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        fit(make_model(), [ks.ChiefCheckpoint(str(d)), Watch(), Boom(5)], epochs=1)
+    assert seen[1] > seen[0]  # refreshed while training
+    deadline = time.monotonic() + 10
+    while lock.exists() and time.monotonic() < deadline:  # no on_train_end after an exception: the heartbeat
+        time.sleep(0.05)                                  # sees the fit is gone and releases the lock
+    assert not lock.exists()
+
+
+def test_preemption_with_exit_code_none_returns_from_fit(tmp_path):
+    """A real SIGTERM to this process mid-epoch: the step finishes, no validation runs, the state is saved, fit
+    returns (preemption_exit_code=None), and the previous SIGTERM handler is back."""
+    before = signal.getsignal(signal.SIGTERM)
+    tested = []
+
+    class SendSigterm(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        def on_test_batch_end(self, batch, logs=None):
+            tested.append(batch)
+
+    d = str(tmp_path / "ckpt")
+    ckpt = ks.ChiefCheckpoint(d, preemption_exit_code=None)
+    model = make_model()
+    history = fit(model, [SendSigterm(), ckpt], epochs=3, validation_data=(X, Y))
+    assert ckpt.preempted == signal.SIGTERM
+    assert int(model.optimizer.iterations.numpy()) == 4 and list_checkpoints(d)[0][0] == 4
+    assert len(tested) <= 1  # validation stopped after its first batch
+    assert len(history.epoch) == 1
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_keep_best_mode_and_missing_monitor(tmp_path):
+    assert ks.ChiefCheckpoint(str(tmp_path), keep_best_k=1, monitor="val_accuracy").mode == "max"
+    assert ks.ChiefCheckpoint(str(tmp_path), keep_best_k=1, monitor="val_loss").mode == "min"
+    with pytest.raises(ValueError, match="mode must be"):
+        ks.ChiefCheckpoint(str(tmp_path), mode="best")
+    with pytest.warns(RuntimeWarning, match="keep_best_k needs 'val_loss' in the epoch logs") as record:
+        fit(make_model(), [ks.ChiefCheckpoint(str(tmp_path / "ckpt"), keep_best_k=2)], epochs=2)
+    assert sum("keep_best_k" in str(w.message) for w in record) == 1
+
+
 # ------------------------------------------------------------------------------------------------ preemption
 TRAIN_SCRIPT = r"""
 import os, sys, time
