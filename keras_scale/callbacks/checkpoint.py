@@ -222,6 +222,20 @@ def _loss_count(model: keras.Model) -> Optional[float]:
         return None
 
 
+def _cardinality(iterator: Any) -> int:
+    """Batches in the data behind a Keras data iterator (tf.data's INFINITE/UNKNOWN constants where so)."""
+    try:
+        known = getattr(iterator, "_cardinality", None)  # tf.distribute iterators
+        if known is not None:
+            return int(known)
+        dataset = getattr(iterator, "_dataset", None)
+        if isinstance(dataset, tf.data.Dataset):
+            return int(dataset.cardinality())
+    except Exception:  # noqa: BLE001
+        pass
+    return int(tf.data.UNKNOWN_CARDINALITY)
+
+
 def _datasets_of(iterator: Any) -> List[Any]:
     """The tf.data datasets behind a Keras data iterator, where TensorFlow exposes them."""
     out = []
@@ -717,6 +731,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._preempting = False
         self._iter_backup: Optional[tf.Variable] = None
         self._own_stream: Any = None
+        self._may_run_out = True
         self._prefix_skipped_on: Any = None
 
     def _prepare_write_dir(self) -> None:
@@ -1373,6 +1388,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         if use is not self._iterator:  # a fresh data iterator (a new epoch over a finite dataset)
             self._iterator = use
             self._stream_pos = 0
+            self._may_run_out = _cardinality(use) == tf.data.UNKNOWN_CARDINALITY
         if self._pending_epoch_save:
             self._pending_epoch_save = False
             self._save(self._epoch, 0, self._stream_pos)
@@ -1390,7 +1406,9 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._last_call_skipped = False
         measure = not self._batch_size and self._measure_tries < 5
         before = _loss_count(self.model) if measure else None
-        backup = self._iter_backup
+        # Only where Keras may call past the end: data of unknown length, or an iterator we skipped into.
+        backup = self._iter_backup if (self._may_run_out or use is self._prefix_skipped_on
+                                       or use is self._own_stream) else None
         if backup is not None:
             backup.assign(self.model.optimizer.iterations)
         try:
@@ -1400,6 +1418,9 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             # still bumps optimizer.iterations (a phantom update that schedules would count): undo it.
             if backup is not None:
                 self.model.optimizer.iterations.assign(backup)
+            else:
+                log.warning("ChiefCheckpoint: a data iterator of known length ran out; optimizer.iterations may "
+                            "count one phantom update")
             fresh = self._fresh_iterator(use)
             if fresh is None:
                 raise
