@@ -556,7 +556,18 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._fit_thread = threading.get_ident()
         self.blocked_s = 0.0
         self.preempted = None
-        self._prepare_write_dir()
+        error: Optional[BaseException] = None
+        try:
+            self._prepare_write_dir()
+        except (PermissionError, RuntimeError) as e:  # the chief cannot use the directory
+            error = e
+        # Multi-worker: every worker stops when the chief cannot start (instead of waiting in a collective).
+        if self._sum_over_workers(strategy, 1.0 if error is not None else 0.0) > 0:
+            if not self._chief and self._write_dir and self._write_dir != self.directory:
+                shutil.rmtree(self._write_dir, ignore_errors=True)
+            raise error if error is not None else RuntimeError(
+                f"ChiefCheckpoint: the chief could not start in {self.directory!r} (see its error); this worker "
+                "stops too.")
         self._install_signal_handlers()
         self._checkpoint = self._manager = None
         self._report_directory_problems()
