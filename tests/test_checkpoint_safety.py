@@ -4,7 +4,6 @@ preemption by SIGTERM/SIGUSR1 (real signals, 1 process and 2 loopback workers)."
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,7 +13,6 @@ import time
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import keras_scale as ks
 from keras_scale.callbacks import checkpoint as checkpoint_module
