@@ -1,18 +1,20 @@
-"""ChiefCheckpoint: training-thread time blocked per save, sync vs async, and save/restore throughput.
+"""ChiefCheckpoint vs Keras's BackupAndRestore and ModelCheckpoint: training-thread time blocked per save,
+restore time, and what an async save costs the steps that run while it writes.
 
-A ~50M-parameter MLP trained with Adam (checkpoint = weights + 2 moments, about 0.6 GB) is fit with
-``ChiefCheckpoint(save_freq=N)`` three ways, each in a fresh subprocess: no checkpoint (baseline),
-``async_save=False`` and ``async_save=True``. Blocked time per save = the time the training thread spends in
-the callback hook (for async: the copy to host memory, plus any wait for a previous write still running) plus
-the extra time of the step right after the save over the median step (on CPU TensorFlow's host copy can share
-the variables' buffers, so the next optimizer update pays a copy-on-write). Also
-printed: whole-``fit`` wall time per variant (the background write competes for CPU with training), and
-restore throughput at ``fit`` start in a fresh process.
+A ~50M-parameter MLP trained with Adam (checkpoint = weights + 2 moments, about 0.6 GB) is fit, each run in a
+fresh subprocess and all variants interleaved, with: no checkpoint (baseline), ``ChiefCheckpoint`` sync and async,
+Keras ``BackupAndRestore(save_freq=N)`` and ``ModelCheckpoint(save_weights_only=True, save_freq=N)`` (both write
+weights + optimizer state to one ``.weights.h5``). Blocked time per save = the time the training thread spends in
+the saver's batch hook at a save (for async: the copy to host memory, plus any wait for a previous write still
+running) plus the extra time of the step right after it over the median step (on CPU TensorFlow's host copy can
+share the variables' buffers, so the next optimizer update pays a copy-on-write). Restore: each saver's way to
+load its newest checkpoint in a fresh process (ChiefCheckpoint: its whole ``on_train_begin``). Fit wall time: what
+the saves cost the whole run (an async write competes with training for the CPU).
 
-    python benchmarks/checkpoint.py                  # ~50M parameters, 6 saves per variant
-    python benchmarks/checkpoint.py --width 1024 --depth 4 --saves 2     # quick smoke run
+    python benchmarks/checkpoint.py                  # ~50M parameters, 8 saves per run, 3 interleaved runs
+    python benchmarks/checkpoint.py --width 512 --depth 2 --saves 3 --repeats 1     # quick smoke run
 
-Floor: async blocks the training thread for <= 20% of the sync time per save.
+Floors (issue 20): sync save <= 1.0x BackupAndRestore, restore <= 1.0x, async block <= 0.2x.
 """
 from __future__ import annotations
 
@@ -57,42 +59,86 @@ def _dir_mb(directory: str, number: int) -> float:
     return total / 2**20
 
 
+class _Timed:
+    """Wraps a callback and times its ``on_train_batch_end`` (where every saver under test writes)."""
+
+    def __new__(cls, inner, hook_s):
+        import keras
+
+        class Timed(keras.callbacks.Callback):
+            def __init__(self):
+                super().__init__()
+                self.inner = inner
+
+            def set_model(self, model):
+                super().set_model(model)
+                inner.set_model(model)
+
+            def set_params(self, params):
+                super().set_params(params)
+                inner.set_params(params)
+
+            def on_train_batch_end(self, batch, logs=None):
+                t0 = time.perf_counter()
+                inner.on_train_batch_end(batch, logs)
+                hook_s.append(time.perf_counter() - t0)
+
+        timed = Timed()
+        for hook in ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_train_batch_begin",
+                     "on_test_begin", "on_test_end", "on_test_batch_begin", "on_test_batch_end"):
+            setattr(timed, hook, getattr(inner, hook))
+        return timed
+
+
+def _saver(args):
+    import keras
+
+    from keras_scale.callbacks.checkpoint import ChiefCheckpoint
+
+    if args.variant in ("sync", "async"):
+        return ChiefCheckpoint(args.directory, save_freq=args.save_every, max_to_keep=1,
+                               async_save=args.variant == "async", restore=False)
+    if args.variant == "backup":
+        return keras.callbacks.BackupAndRestore(args.directory, save_freq=args.save_every, delete_checkpoint=False)
+    if args.variant == "modelcheckpoint":
+        os.makedirs(args.directory, exist_ok=True)
+        return keras.callbacks.ModelCheckpoint(os.path.join(args.directory, "w.weights.h5"), save_weights_only=True,
+                                               save_freq=args.save_every)
+    return None
+
+
+def _restore(args, model) -> float:
+    import keras
+
+    from keras_scale.callbacks.checkpoint import ChiefCheckpoint
+
+    model.optimizer.build(model.trainable_variables)
+    source = args.variant[len("restore_"):]
+    t0 = time.perf_counter()
+    if source == "sync":
+        ckpt = ChiefCheckpoint(args.directory)
+        ckpt.set_model(model)
+        ckpt.on_train_begin()
+        assert ckpt.restored_from is not None
+    elif source == "backup":
+        cb = keras.callbacks.BackupAndRestore(args.directory, save_freq=args.save_every)
+        cb.set_model(model)
+        cb.on_train_begin()
+    else:
+        model.load_weights(os.path.join(args.directory, "w.weights.h5"))
+    return time.perf_counter() - t0
+
+
 def run_variant(args: argparse.Namespace) -> dict:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import keras
 
-    from keras_scale.callbacks.checkpoint import ChiefCheckpoint, list_checkpoints
-
     model = _build(args)
-    steps = args.save_every * args.saves + 1  # +1: the first step compiles
-    if args.variant == "restore":
-        model.optimizer.build(model.trainable_variables)
-        ckpt = ChiefCheckpoint(args.directory, verbose=0)
-        ckpt.set_model(model)
-        t0 = time.perf_counter()
-        ckpt.on_train_begin()
-        restore_s = time.perf_counter() - t0
-        number = list_checkpoints(args.directory)[0][0]
-        return {"variant": "restore", "restore_s": restore_s, "size_mb": _dir_mb(args.directory, number),
-                "restored_from": ckpt.restored_from}
+    if args.variant.startswith("restore_"):
+        return {"variant": args.variant, "restore_s": _restore(args, model), "size_mb": _size_mb(args.directory)}
 
-    blocked_s: list = []  # time the training thread spent in the save hook, waiting included
-    wait_s: list = []  # of which: waiting for the previous async write to finish
-    next_step: list = []  # index of the step after each save (a host copy sharing buffers is paid there)
+    hook_s: list = []
     step_s: list = []
-
-    class Timed(ChiefCheckpoint):
-        def on_train_batch_end(self, batch, logs=None):
-            saving = self._global_step // self.save_freq > self._last_saved_step // self.save_freq
-            t0 = time.perf_counter()
-            if saving:
-                self._wait()  # an async write still running from the previous save (a save would wait too)
-            t1 = time.perf_counter()
-            super().on_train_batch_end(batch, logs)
-            if saving:
-                wait_s.append(t1 - t0)
-                blocked_s.append(time.perf_counter() - t0)
-                next_step.append(len(step_s) + 1)  # StepTimer has not yet recorded this step
 
     class StepTimer(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
@@ -102,22 +148,37 @@ def run_variant(args: argparse.Namespace) -> dict:
             float(logs["loss"])  # wait for the step
             step_s.append(time.perf_counter() - self.t0)
 
-    callbacks = [StepTimer()]
-    if args.variant != "baseline":
-        # Saving at batch `save_every + 1`, `2 * save_every + 1`, ...: never on the compile step.
-        callbacks.insert(0, Timed(args.directory, save_freq=args.save_every, max_to_keep=1,
-                                  async_save=args.variant == "async", restore=False, verbose=0))
+    saver = _saver(args)
+    callbacks = [StepTimer()] + ([_Timed(saver, hook_s)] if saver is not None else [])
+    steps = args.save_every * args.saves + 1  # +1: no save on the step that compiles
     t0 = time.perf_counter()
     model.fit(_dataset(args), steps_per_epoch=steps, epochs=1, verbose=0, callbacks=callbacks)
     fit_s = time.perf_counter() - t0  # includes the final flush of an async write (on_train_end)
     out = {"variant": args.variant, "params": model.count_params(), "fit_s": fit_s,
            "median_step_s": statistics.median(step_s[1:])}
-    if args.variant != "baseline":
-        number = list_checkpoints(args.directory)[0][0]
+    if saver is not None:
         median = statistics.median(step_s[1:])
-        extra = [max(step_s[i] - median, 0.0) for i in next_step if i < len(step_s)]
-        out.update({"next_step_extra_s": extra, "blocked_s": blocked_s, "wait_s": wait_s, "size_mb": _dir_mb(args.directory, number)})
+        saves = [i for i in range(len(hook_s)) if (i + 1) % args.save_every == 0]
+        # blocked = time in the hook at a save + the extra time of the step after it (on CPU TensorFlow's async
+        # host copy can share the variables' buffers; the next optimizer update then pays a copy-on-write)
+        out["blocked_s"] = [hook_s[i] + (max(step_s[i + 1] - median, 0.0) if i + 1 < len(step_s) else 0.0)
+                            for i in saves]
+        out["size_mb"] = _size_mb(args.directory)
+        out["ks_blocked_s"] = getattr(saver, "blocked_s", None)
     return out
+
+
+def _size_mb(directory: str) -> float:
+    """Size of the newest checkpoint in ``directory`` (any of the savers' layouts)."""
+    from keras_scale.callbacks.checkpoint import list_checkpoints
+
+    found = list_checkpoints(directory)
+    if found:
+        return _dir_mb(directory, found[0][0])
+    total = 0
+    for dirpath, _, files in os.walk(directory):
+        total += sum(os.path.getsize(os.path.join(dirpath, f)) for f in files if f.endswith(".h5"))
+    return total / 2**20
 
 
 def _spawn(args: argparse.Namespace, variant: str, directory: str) -> dict:
@@ -130,13 +191,18 @@ def _spawn(args: argparse.Namespace, variant: str, directory: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+SAVERS = (("async", "ks.ChiefCheckpoint(async_save=True)"), ("backup", "keras BackupAndRestore(save_freq=N)"),
+          ("modelcheckpoint", "keras ModelCheckpoint(save_weights_only)"), ("sync", "ks.ChiefCheckpoint(async_save=False)"))
+
+
 def main(argv: list | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--width", type=int, default=2048, help="MLP width (default 2048: 4.2M params/layer)")
     parser.add_argument("--depth", type=int, default=12, help="hidden layers (default 12: ~50M params)")
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--save-every", type=int, default=20, help="batches between saves")
-    parser.add_argument("--saves", type=int, default=6, help="saves per variant (the first 2 are warm-up)")
+    parser.add_argument("--save-every", type=int, default=12, help="batches between saves")
+    parser.add_argument("--saves", type=int, default=8, help="saves per run (the first 2 are warm-up)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of every variant")
     parser.add_argument("--directory", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -145,42 +211,47 @@ def main(argv: list | None = None) -> int:
         return 0
 
     root = tempfile.mkdtemp(prefix="ks_ckpt_bench_")
+    runs: dict = {}
     try:
-        results = {}
-        for variant in ("baseline", "sync", "async"):
-            results[variant] = _spawn(args, variant, os.path.join(root, variant))
-        results["restore"] = _spawn(args, "restore", os.path.join(root, "sync"))
+        for r in range(args.repeats):  # interleaved: a load change on the machine hits every variant alike
+            for variant in ("baseline",) + tuple(v for v, _ in SAVERS):
+                d = os.path.join(root, f"{variant}_{r}")
+                runs.setdefault(variant, []).append(_spawn(args, variant, d))
+            for source in ("sync", "backup", "modelcheckpoint"):
+                runs.setdefault(f"restore_{source}", []).append(
+                    _spawn(args, f"restore_{source}", os.path.join(root, f"{source}_{r}")))
+            for variant in ("baseline",) + tuple(v for v, _ in SAVERS):
+                shutil.rmtree(os.path.join(root, f"{variant}_{r}"), ignore_errors=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    sync, asyn, base, restore = results["sync"], results["async"], results["baseline"], results["restore"]
-    size_mb = sync["size_mb"]
-    # The first save builds the saver; with async_save the 2nd traces TensorFlow's copy-to-host function.
-    warm = 2 if args.saves > 2 else 0
-    # Blocked = time in the save hook + the extra time of the step after it (on CPU, TensorFlow's copy to host can
-    # share the variables' buffers; the next optimizer update then copies them: copy-on-write).
-    def blocked(r):
-        return [b + e for b, e in zip(r["blocked_s"], r["next_step_extra_s"])]
-
-    sync_block = statistics.median(blocked(sync)[warm:])
-    async_block = statistics.median(blocked(asyn)[warm:])
-    print(f"model: {base['params'] / 1e6:.1f}M parameters, checkpoint {size_mb:.0f} MB "
-          f"(weights + Adam moments), {args.saves} saves per variant, every {args.save_every} batches")
-    print(f"{'':34s}{'sync':>12s}{'async':>12s}")
-    print(f"{'blocked per save, median (s)':34s}{sync_block:12.3f}{async_block:12.3f}   (saves {warm + 1}..)")
-    for name, r in (("sync ", sync), ("async", asyn)):
-        print(f"{name} per save (s): in hook {' '.join(f'{v:.3f}' for v in r['blocked_s'])} | waiting for the "
-              f"previous write {' '.join(f'{v:.3f}' for v in r['wait_s'])} | next step's extra time "
-              f"{' '.join(f'{v:.3f}' for v in r['next_step_extra_s'])}")
-    print(f"{'fit wall time (s), baseline %.2f' % base['fit_s']:34s}{sync['fit_s']:12.2f}{asyn['fit_s']:12.2f}")
-    print(f"{'median step (s), baseline %.3f' % base['median_step_s']:34s}{sync['median_step_s']:12.3f}"
-          f"{asyn['median_step_s']:12.3f}")
-    ratio = async_block / sync_block
-    print(f"async / sync blocked time per save: {ratio:.3f}  (floor: <= 0.20) -> {'OK' if ratio <= 0.2 else 'ABOVE FLOOR'}")
-    print(f"save throughput (sync, blocked): {size_mb / sync_block:.0f} MB/s; "
-          f"restore at fit start: {restore['size_mb'] / restore['restore_s']:.0f} MB/s "
-          f"({restore['restore_s']:.2f} s for {restore['size_mb']:.0f} MB)")
-    return 0 if ratio <= 0.2 else 1
+    warm = 2 if args.saves > 2 else 0  # 1st save builds the saver; with async_save the 2nd traces the host copy
+    blocked = {v: statistics.median([b for run in runs[v] for b in run["blocked_s"][warm:]]) for v, _ in SAVERS}
+    restore = {s: statistics.median([run["restore_s"] for run in runs[f"restore_{s}"]])
+               for s in ("sync", "backup", "modelcheckpoint")}
+    fit_s = {v: statistics.median([run["fit_s"] for run in runs[v]]) for v in runs if not v.startswith("restore")}
+    size_mb = runs["sync"][0]["size_mb"]
+    base = runs["baseline"][0]
+    print(f"model: {base['params'] / 1e6:.1f}M parameters, checkpoint {size_mb:.0f} MB (weights + Adam moments); "
+          f"{args.saves} saves per run, every {args.save_every} batches; {args.repeats} interleaved runs per variant")
+    print(f"{'saver':44s}{'blocked per save':>18s}{'÷ BackupAndRestore':>20s}{'÷ ModelCheckpoint':>19s}")
+    for variant, name in SAVERS:
+        print(f"{name:44s}{blocked[variant]:16.3f} s{blocked[variant] / blocked['backup']:20.2f}"
+              f"{blocked[variant] / blocked['modelcheckpoint']:19.2f}")
+    print(f"{'restore':44s}{'seconds':>18s}{'÷ BackupAndRestore':>20s}")
+    for source, name in (("sync", "ks.ChiefCheckpoint (fit start)"), ("backup", "keras BackupAndRestore"),
+                         ("modelcheckpoint", "keras model.load_weights(.weights.h5)")):
+        print(f"{name:44s}{restore[source]:16.3f} s{restore[source] / restore['backup']:20.2f}")
+    print(f"fit wall time: no checkpoints {fit_s['baseline']:.2f} s; async {fit_s['async']:.2f} s "
+          f"({fit_s['async'] / fit_s['baseline']:.2f}x); sync {fit_s['sync']:.2f} s "
+          f"({fit_s['sync'] / fit_s['baseline']:.2f}x); BackupAndRestore {fit_s['backup']:.2f} s "
+          f"({fit_s['backup'] / fit_s['baseline']:.2f}x)")
+    floors = {"sync save <= 1.0x BackupAndRestore": blocked["sync"] / blocked["backup"] <= 1.0,
+              "restore <= 1.0x BackupAndRestore": restore["sync"] / restore["backup"] <= 1.0,
+              "async block <= 0.2x BackupAndRestore": blocked["async"] / blocked["backup"] <= 0.2}
+    for name, ok in floors.items():
+        print(f"floor {name}: {'OK' if ok else 'ABOVE FLOOR'}")
+    return 0 if all(floors.values()) else 1
 
 
 if __name__ == "__main__":

@@ -86,7 +86,8 @@ class AccumulatingModel(keras.Model):
 
     def make_train_function(self, force: bool = False) -> Any:
         # a fit starts: undo what a died fit left, then the composed function for this fit's parts (cached)
-        lifecycle.fit_starts(self)
+        if lifecycle.called_by_keras_fit():
+            lifecycle.fit_starts(self)
         return get_step(self).place_train_function(force)
 
     def fit(self, x: Any = None, y: Any = None, batch_size: Optional[int] = None, **kwargs: Any) -> Any:

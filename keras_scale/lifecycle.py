@@ -11,9 +11,10 @@ leak into the next fit. This module makes every install exception-safe with one 
   ``set_model`` when it takes part again, else from ``make_train_function`` (Keras calls it once per fit, after
   ``set_model``), which :func:`join` hooks on the model until nothing is left to undo.
 
-The hook also lets :mod:`keras_scale.step` put the right train function in place for the fit that starts.
-keras_scale code never calls ``model.make_train_function`` mid-fit (that call means "a fit starts"); it calls
-``keras_scale.step.rebuild(model)`` instead.
+The hook also lets :mod:`keras_scale.step` put the right train function in place for the fit that starts. Only
+the call from Keras's own ``fit`` counts as a fit start (:func:`called_by_keras_fit`); a callback that calls
+``model.make_train_function(force=True)`` mid-fit just gets the function rebuilt (keras_scale's own code calls
+``keras_scale.step.rebuild(model)``).
 
 Example:
     >>> from keras_scale import lifecycle
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Tuple
 
-__all__ = ["join", "leave", "fit_starts", "pending"]
+__all__ = ["join", "leave", "fit_starts", "pending", "called_by_keras_fit"]
 
 _ATTR = "_keras_scale_lifecycle"
 
@@ -126,8 +127,30 @@ class _HookedMakeTrainFunction:
         from keras_scale import step as step_lib  # the step module imports this one
 
         model = self.model
-        fit_starts(model)
-        session = _session(model)
-        if session is not None:
-            _maybe_unhook(model, session)
+        if called_by_keras_fit():
+            fit_starts(model)
+            session = _session(model)
+            if session is not None:
+                _maybe_unhook(model, session)
         return step_lib.make_train_function(model, force)
+
+
+def called_by_keras_fit(depth: int = 2) -> bool:
+    """True when the caller's caller is Keras's own ``fit`` (a fit starts), False for a rebuild mid-fit.
+
+    Keras calls ``make_train_function`` once per fit from ``TensorFlowTrainer.fit``; a callback that calls
+    ``model.make_train_function(force=True)`` mid-fit (e.g. to apply a new learning-rate schedule) must not be
+    taken for the start of a new fit.
+
+    Example:
+        >>> called_by_keras_fit()
+        False
+    """
+    import sys
+
+    try:
+        code = sys._getframe(depth).f_code
+    except ValueError:  # a shallower stack: not Keras's fit
+        return False
+    return code.co_name == "fit" and "keras" in code.co_filename and code.co_filename.endswith(
+        ("trainer.py", "trainer.pyc"))

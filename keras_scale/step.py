@@ -390,8 +390,8 @@ class ComposedStep:
         self._resolve()
         self._check_at_fit_start()
         identity = self._compile_identity()
-        current = model.train_function
-        if current is not None and not self._ours(current) and not getattr(current, "_keras_scale_wrapper", False):
+        current = getattr(model.train_function, "_ks_checkpoint_inner", model.train_function)  # see through it
+        if current is not None and not self._ours(current):
             self._plain = (identity, current)  # Keras's own: given back when no part is asked for
         key = self._config()
         cached = self._cache.get(key)
@@ -415,7 +415,8 @@ class ComposedStep:
             >>> get_step(model).give_back_plain()
         """
         model = self.model
-        if model.train_function is None or self._ours(model.train_function):
+        current = getattr(model.train_function, "_ks_checkpoint_inner", model.train_function)
+        if current is None or self._ours(current):
             plain = self._plain
             model.train_function = plain[1] if plain and self._same(plain[0], self._compile_identity()) else None
 

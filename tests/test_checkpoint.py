@@ -13,7 +13,8 @@ import pytest
 import tensorflow as tf
 
 import keras_scale as ks
-from keras_scale.callbacks.checkpoint import CheckpointMismatchError, list_checkpoints
+from keras_scale.callbacks import checkpoint as checkpoint_module
+from keras_scale.callbacks.checkpoint import CheckpointMismatchError, checkpoint_for, list_checkpoints
 
 NUM_SAMPLES, BATCH = 80, 8  # 10 batches per epoch
 X = np.random.RandomState(0).rand(NUM_SAMPLES, 4).astype("float32")
@@ -25,7 +26,7 @@ def make_model(width=8, optimizer=None, strategy=None):
 
     def build():
         m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(width, activation="relu"), keras.layers.Dense(1)])
-        m.compile(optimizer=optimizer() if optimizer else keras.optimizers.Adam(1e-2), loss="mse")
+        m.compile(optimizer=optimizer() if optimizer else keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
         return m
 
     if strategy is None:
@@ -106,16 +107,19 @@ def test_epoch_saves_and_a_mid_epoch_stop(tmp_path, reference_weights):
     assert [n for n, _ in list_checkpoints(d)] == [15, 10]
     resumed = make_model()
     ckpt = ks.ChiefCheckpoint(d, verbose=0)
-    fit(resumed, [ckpt])
+    finished = fit(resumed, [ckpt])
     assert ckpt.restored_from.endswith("ckpt-15")
     assert [n for n, _ in list_checkpoints(d)] == [30, 20, 15]
     assert_same(weights(resumed), reference_weights)
 
-    # A finished run resumed with the same epochs trains nothing.
+    # A finished run resumed with the same epochs trains nothing, says so, and its History holds the last
+    # epoch's logs (restored from the checkpoint), so history.history["loss"][-1] still works.
     again = make_model()
     ckpt = ks.ChiefCheckpoint(d, verbose=0)
     history = fit(again, [ckpt])
-    assert history.epoch == [] and ckpt.global_step == 30
+    assert history.epoch == [2] and ckpt.global_step == 30
+    assert history.history["loss"] == [finished.history["loss"][-1]]
+    assert history.history["mae"] == [finished.history["mae"][-1]]
     assert_same(weights(again), reference_weights)
 
 
@@ -138,7 +142,8 @@ def test_resume_from_an_older_checkpoint_skips_exactly_the_applied_batches(tmp_p
         os.remove(f)
     resumed = make_model()
     ckpt = ks.ChiefCheckpoint(d, save_freq=3, verbose=0)
-    fit(resumed, [ckpt])
+    with pytest.warns(RuntimeWarning, match=r"ckpt-17' is listed in the state file but its .index file is missing"):
+        fit(resumed, [ckpt])
     assert ckpt.restored_from.endswith("ckpt-15")
     assert_same(weights(resumed), reference_weights)
 
@@ -179,7 +184,7 @@ def test_epoch_saves_with_steps_per_epoch_over_a_repeated_dataset(tmp_path):
 def test_resume_with_steps_per_execution(tmp_path):
     def model():
         m = make_model()
-        m.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", steps_per_execution=2)
+        m.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"], steps_per_execution=2)
         return m
 
     ref = model()
@@ -198,7 +203,7 @@ def test_resume_of_a_model_built_only_by_its_first_step(tmp_path):
     def model():
         keras.utils.set_random_seed(7)
         m = keras.Sequential([keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
-        m.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+        m.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
         return m
 
     ref = model()
@@ -393,7 +398,7 @@ def test_graceful_stop_keeps_files_and_restore_latest_rolls_back(tmp_path):
                 saved = weights(self.model)
                 for v in self.model.trainable_weights:
                     v.assign(v * np.nan)
-                result["step"] = self.model._keras_scale_checkpoint.restore_latest()
+                result["step"] = checkpoint_for(self.model).restore_latest()
                 result["restored"] = weights(self.model)
                 result["saved"] = saved
                 self.model.stop_training = True
@@ -416,7 +421,7 @@ def test_only_committed_state_counts_with_async_and_final_flush(tmp_path):
     reader = tf.train.load_checkpoint(os.path.join(d, "ckpt-10"))
     position = {k.split("/")[1]: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()
                 if k.startswith("keras_scale_position/")}
-    assert position == {"epoch": 0, "step_in_epoch": 10, "stream_pos": 10, "global_step": 10}
+    assert position == {"epoch": 0, "step_in_epoch": 10, "stream_pos": 10, "global_step": 10, "batch_size": 8}
     signature = json.loads(reader.get_tensor("keras_scale_signature/.ATTRIBUTES/VARIABLE_VALUE"))
     assert [s for _, s in signature["model"]] == [[4, 8], [8], [8, 1], [1]]
 
@@ -435,7 +440,7 @@ keras.utils.set_random_seed(7)
 x = np.random.RandomState(0).rand(64, 4).astype("float32"); y = x.sum(1, keepdims=True)
 with strategy.scope():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
-    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
 ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
 ckpt = ks.ChiefCheckpoint(directory, save_freq=2, verbose=0)
 model.fit(ds, epochs=epochs, verbose=0, callbacks=[ckpt])
@@ -474,24 +479,43 @@ def test_multi_worker_only_the_chief_writes_into_the_directory(tmp_path, run_wor
     assert not os.path.exists(d + "_not_shared")
 
 
-def test_keras_scale_step_state_is_saved_and_restored(tmp_path):
+def test_a_run_nanguard_stopped_resumes_training_on_fixed_data(tmp_path, monkeypatch):
+    """NanGuard(policy="stop") ends a run on bad data; rerun on fixed data, it must train (a restored transient
+    'halted' flag froze it: 0 updates per epoch). Checkpoints of older versions hold that flag: they still load,
+    and the flag is not restored. NanGuard's count of skipped steps is restored."""
     step = pytest.importorskip("keras_scale.step")
-    if not hasattr(step, "state_variables"):
-        pytest.skip("keras_scale.step.state_variables is not available")
     d = str(tmp_path / "ckpt")
-
-    class SetCounters(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            for v in step.state_variables(self.model).values():
-                v.assign(tf.cast(3, v.dtype))
-
+    every = step.ComposedStep.variables
+    # what older versions saved: the transient guard flags too
+    monkeypatch.setattr(step, "state_variables", lambda model: {
+        "skipped_steps": step.get_step(model).skipped_steps, "halted": step.get_step(model).halted,
+        "consecutive_bad": step.get_step(model).consecutive_bad})
+    monkeypatch.setattr(checkpoint_module, "_TRANSIENT_STEP_STATE", frozenset())
+    bad = X.copy()
+    bad[40:48] = np.nan  # batch 6 of each epoch
     first = make_model()
-    fit(first, [ks.ChiefCheckpoint(d, verbose=0), SetCounters(), StopAfter(2)], epochs=1)
-    saved = {k: v.numpy() for k, v in step.state_variables(first).items()}
-    assert saved, "no state variables to check"
+    first.fit(bad, Y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+              callbacks=[ks.ChiefCheckpoint(d, save_freq=2), ks.NanGuard(policy="stop", verbose=0)])
+    prefix = list_checkpoints(d)[0][1]
+    names = {n for n, _ in tf.train.list_variables(prefix)}
+    assert "keras_scale_state/halted/.ATTRIBUTES/VARIABLE_VALUE" in names
+    assert int(tf.train.load_checkpoint(prefix).get_tensor("keras_scale_state/halted/.ATTRIBUTES/VARIABLE_VALUE")) == 1
+    stopped_at = int(first.optimizer.iterations.numpy())
+    assert stopped_at == 5
+    monkeypatch.undo()
+
     second = make_model()
-    fit(second, [ks.ChiefCheckpoint(d, verbose=0)], epochs=1, steps_per_epoch=2)
-    assert {k: v.numpy() for k, v in step.state_variables(second).items()} == saved
+    ckpt = ks.ChiefCheckpoint(d, save_freq=2)
+    second.fit(X, Y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+               callbacks=[ckpt, ks.NanGuard(policy="stop", verbose=0)])
+    assert ckpt.restored_from == prefix
+    # 6 batches were consumed (5 applied, 1 skipped as non-finite): the other 14 of 2 epochs train now
+    assert int(second.optimizer.iterations.numpy()) == stopped_at + 14
+    assert int(step.get_step(second).skipped_steps.numpy()) == 1  # the persistent count was restored
+    # and new checkpoints never hold the transient flags
+    names = {n for n, _ in tf.train.list_variables(list_checkpoints(d)[0][1])}
+    assert not any("halted" in n or "consecutive_bad" in n for n in names)
+    assert every is step.ComposedStep.variables
 
 
 def test_async_checkpoint_holds_the_state_at_the_save_not_a_later_one(tmp_path):
@@ -520,7 +544,7 @@ def test_wrapped_accumulating_model_resumes_exactly(tmp_path):
         keras.utils.set_random_seed(7)
         inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
         wrapped = ks.wrap(inner, accum=2)
-        wrapped.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+        wrapped.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
         return wrapped
 
     ref = model()
@@ -542,7 +566,7 @@ def test_rollback_keeps_keras_scale_state_unless_asked(tmp_path):
         def on_train_batch_end(self, batch, logs=None):
             if batch != 6:
                 return
-            ckpt = self.model._keras_scale_checkpoint
+            ckpt = checkpoint_for(self.model)
             multiplier = ks.schedules.lr_multiplier(self.model.optimizer)
             multiplier.assign(0.5)  # NanGuard lowers the LR, then rolls back
             seen["step"] = ckpt.restore_latest()

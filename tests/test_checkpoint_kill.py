@@ -18,19 +18,20 @@ import os, sys, time
 import numpy as np, tensorflow as tf, keras
 tf.config.experimental.enable_op_determinism()
 import keras_scale as ks
+from keras_scale.callbacks.checkpoint import checkpoint_for
 
 directory, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 keras.utils.set_random_seed(3)
 x = np.random.RandomState(0).rand(192, 4).astype("float32")
 y = (x @ np.array([[1.0], [-2.0], [0.5], [3.0]], "float32")).astype("float32")
 model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
-model.compile(optimizer=keras.optimizers.Adam(3e-3), loss="mse")
+model.compile(optimizer=keras.optimizers.Adam(3e-3), loss="mse", metrics=["mae"])
 
 
 class Slow(keras.callbacks.Callback):
     # Stretches each step so that kills land inside training, not only in start-up.
     def on_train_begin(self, logs=None):
-        ckpt = getattr(self.model, "_keras_scale_checkpoint", None)
+        ckpt = checkpoint_for(self.model)
         print("STARTED", ckpt.restored_from if ckpt else None, flush=True)
 
     def on_train_batch_end(self, batch, logs=None):
@@ -39,7 +40,7 @@ class Slow(keras.callbacks.Callback):
 
 callbacks = [Slow()]
 if mode != "reference":
-    callbacks.insert(0, ks.ChiefCheckpoint(directory, save_freq=3, max_to_keep=2, async_save=(mode == "async")))
+    callbacks.insert(0, ks.ChiefCheckpoint(directory, save_freq=3, max_to_keep=2, async_save=(mode == "async"), verbose=1))
 model.fit(x, y, batch_size=8, epochs=4, shuffle=False, verbose=0, callbacks=callbacks)  # 4 x 24 batches
 np.savez(out, *[v.numpy() for v in model.weights])
 print("DONE", flush=True)

@@ -3,17 +3,24 @@
 Example:
     >>> import keras_scale as ks
     >>> model.fit(ds, epochs=90, callbacks=[ks.ChiefCheckpoint("/shared/run1/ckpt", save_freq=1000)])  # doctest: +SKIP
-    >>> # killed at any moment? run the same script again: it continues at the same epoch and batch.
+    >>> # killed or preempted? run the same script again: it continues at the same epoch and batch.
 """
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import shutil
+import signal
+import socket
+import sys
 import tempfile
+import threading
+import time
 import warnings
+import weakref
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import keras
@@ -22,55 +29,141 @@ import tensorflow as tf
 from keras_scale._validate import check_int
 from keras_scale.distribute import is_chief
 
-__all__ = ["ChiefCheckpoint", "CheckpointMismatchError", "list_checkpoints"]
+__all__ = ["ChiefCheckpoint", "CheckpointMismatchError", "list_checkpoints", "checkpoint_for",
+           "PREEMPTION_EXIT_CODE"]
 
 log = logging.getLogger("keras_scale.checkpoint")
 
 _NAME = "ckpt"
 _INDEX_RE = re.compile(r"^" + _NAME + r"-(\d+)\.index$")
+_PREFIX_RE = re.compile(r"^" + _NAME + r"-(\d+)$")
 _SIGNATURE_KEY = "keras_scale_signature/.ATTRIBUTES/VARIABLE_VALUE"
+_EPOCH_LOGS_KEY = "keras_scale_epoch_logs/.ATTRIBUTES/VARIABLE_VALUE"
+_METRIC_KEY = "metrics_variables/{}/.ATTRIBUTES/VARIABLE_VALUE"
+_POSITION = ("epoch", "step_in_epoch", "stream_pos", "global_step", "batch_size")
+# Guard state that describes the moment, not the run: never saved, never restored (a restored "halted" flag
+# would freeze the resumed run).
+_TRANSIENT_STEP_STATE = frozenset({"halted", "consecutive_bad", "incidents", "diag"})
+_LOCK_NAME = ".keras_scale.lock"
+_LOCK_HEARTBEAT_S = 30.0
+_LOCK_STALE_S = 120.0  # a lock of another host not refreshed for this long is stale
+_WORKER_PREFIX = "keras_scale_ckpt_worker_"
+_BEST_DIR = "best"
+_REF_ATTR = "_keras_scale_checkpoint_ref"
+
+#: Exit status of a process that ``ChiefCheckpoint`` ended after SIGTERM/SIGUSR1 with its state saved (the
+#: convention of TensorFlow's ``PreemptionCheckpointHandler``). Key a restart/requeue on it.
+PREEMPTION_EXIT_CODE = 42
 
 
 class CheckpointMismatchError(ValueError):
     """A checkpoint in the directory was written for a different model (weight count or shapes differ)."""
 
 
+# ---------------------------------------------------------------------------------------------------- the directory
+def _is_local(path: str) -> bool:
+    return "://" not in path
+
+
+def _inside(directory: str, path: str) -> bool:
+    """``path`` is directly inside ``directory`` once links are resolved (remote URLs: by name)."""
+    if not _is_local(directory):
+        return os.path.dirname(path.rstrip("/")) == directory.rstrip("/")
+    return os.path.dirname(os.path.realpath(path)) == os.path.realpath(directory)
+
+
+def _files_inside(directory: str, prefix: str) -> bool:
+    """The checkpoint's ``.index`` and data files all live in ``directory`` (no link leads out of it)."""
+    if not _is_local(directory):
+        return True
+    index = prefix + ".index"
+    data = [os.path.join(directory, n) for n in os.listdir(directory)
+            if n.startswith(os.path.basename(prefix) + ".data-")]
+    return all(_inside(directory, p) for p in [index] + data)
+
+
+def _scan(directory: str) -> Tuple[List[Tuple[int, str]], List[str], bool]:
+    """``(candidates newest first, problems, from_state_file)``.
+
+    The ``checkpoint`` state file (updated by TensorFlow only after a write completed) decides which checkpoints
+    count. Entries naming files outside ``directory``, or links out of it, are ignored; entries whose ``.index``
+    is gone are reported. When the state file is missing, unreadable, or names no existing checkpoint, every
+    ``ckpt-N.index`` in the directory is a candidate.
+    """
+    if not tf.io.gfile.isdir(directory):
+        return [], [], False
+    problems: List[str] = []
+    found: Dict[int, str] = {}
+    try:
+        state = tf.train.get_checkpoint_state(directory)
+    except Exception:  # noqa: BLE001 - a torn/garbled state file: fall back to scanning
+        state = None
+    listed = list(state.all_model_checkpoint_paths) if state is not None else []
+    for p in listed:
+        name = os.path.basename(p.rstrip("/"))
+        m = _PREFIX_RE.match(name)
+        # get_checkpoint_state joins relative entries with the directory already; older files may not
+        if not m or not (_inside(directory, p) or _inside(directory, os.path.join(directory, p))):
+            problems.append(f"the state file names {p!r}, which is not a checkpoint of this directory (ignored)")
+            continue
+        prefix = os.path.join(directory, name)
+        if not tf.io.gfile.exists(prefix + ".index"):
+            problems.append(f"{prefix!r} is listed in the state file but its .index file is missing")
+            continue
+        if not _files_inside(directory, prefix):
+            problems.append(f"{prefix!r} links to files outside the directory (ignored)")
+            continue
+        found[int(m.group(1))] = prefix
+    from_state = bool(found)
+    if not found:
+        for name in tf.io.gfile.listdir(directory):
+            m = _INDEX_RE.match(name.rstrip("/"))
+            if not m:
+                continue
+            prefix = os.path.join(directory, name[: -len(".index")])
+            if _files_inside(directory, prefix):
+                found[int(m.group(1))] = prefix
+        if listed and found:
+            problems.append(f"the state file names no usable checkpoint; found {len(found)} by scanning the "
+                            "directory")
+    return sorted(found.items(), reverse=True), problems, from_state
+
+
 def list_checkpoints(directory: str) -> List[Tuple[int, str]]:
     """``(number, prefix)`` of the checkpoints in ``directory``, newest first.
 
     Committed checkpoints (recorded in the ``checkpoint`` state file, which is only updated after a write has
-    completed) are listed; when the state file is missing or unreadable, every ``ckpt-N.index`` found is.
+    completed) are listed; when the state file is missing, unreadable or names no existing checkpoint, every
+    ``ckpt-N.index`` found is. Nothing outside ``directory`` is ever listed (links and foreign paths are ignored).
 
     Example:
         >>> list_checkpoints("ckpt")  # doctest: +SKIP
         [(300, 'ckpt/ckpt-300'), (200, 'ckpt/ckpt-200')]
     """
-    if not tf.io.gfile.isdir(directory):
-        return []
-    prefixes: List[str] = []
-    try:
-        state = tf.train.get_checkpoint_state(directory)
-    except Exception:  # noqa: BLE001 - a torn/garbled state file: fall back to scanning
-        state = None
-    if state is not None and state.all_model_checkpoint_paths:
-        for p in state.all_model_checkpoint_paths:
-            # get_checkpoint_state already joins relative entries with `directory`; older files may not
-            for candidate in (p, os.path.join(directory, p)):
-                if tf.io.gfile.exists(candidate + ".index"):
-                    prefixes.append(candidate)
-                    break
-    else:
-        for name in tf.io.gfile.listdir(directory):
-            if _INDEX_RE.match(name):
-                prefixes.append(os.path.join(directory, name[: -len(".index")]))
-    numbered = []
-    for p in set(prefixes):
-        m = re.search(r"-(\d+)$", p)
-        if m:
-            numbered.append((int(m.group(1)), p))
-    return sorted(numbered, reverse=True)
+    return _scan(directory)[0]
 
 
+def checkpoint_for(model: keras.Model) -> Optional["ChiefCheckpoint"]:
+    """The :class:`ChiefCheckpoint` taking part in ``model``'s current ``fit`` (``None`` if there is none).
+
+    Valid from the callbacks' ``set_model`` on, so it does not depend on the order of the callback list. A caller
+    that may roll back (``NanGuard(policy="rollback")``) registers itself this way: the checkpoint then also keeps
+    the state the fit started from, so :meth:`ChiefCheckpoint.restore_latest` works before the first save.
+
+    Example:
+        >>> ckpt = checkpoint_for(model)  # doctest: +SKIP
+        >>> if ckpt is not None:
+        ...     ckpt.restore_latest()
+    """
+    ref = getattr(model, _REF_ATTR, None)
+    ckpt = ref() if ref is not None else None
+    if ckpt is None or not ckpt._in_this_fit():
+        return None
+    ckpt._start_state_wanted = True
+    return ckpt
+
+
+# ---------------------------------------------------------------------------------------------------- small helpers
 def _tf_variable(v: Any) -> Any:
     # The tf.Variable (or distributed variable) under a Keras variable. Checkpointing Keras variables directly
     # breaks TensorFlow's async checkpoint from the 2nd save on (KerasVariable._copy_trackable_to_cpu creates a
@@ -80,6 +173,13 @@ def _tf_variable(v: Any) -> Any:
 
 def _optimizer_variables(model: keras.Model) -> List[Any]:
     return list(model.optimizer.variables) if model.optimizer is not None else []
+
+
+def _metric_variables(model: keras.Model) -> List[Any]:
+    try:
+        return list(model.metrics_variables)
+    except Exception:  # noqa: BLE001 - a model without compiled metrics
+        return []
 
 
 def _signature(model: keras.Model) -> Dict[str, List[List[Any]]]:
@@ -96,26 +196,162 @@ def _describe(epoch: int, step_in_epoch: int) -> str:
     return f"after batch {step_in_epoch} of epoch {epoch + 1}"
 
 
-def _skip_batches(iterator: Any, num_batches: int) -> None:
-    """Consume ``num_batches`` batches from ``iterator`` without training."""
-    for _ in range(int(num_batches)):
-        iterator.get_next()
+def _batch_samples(batch: Any, strategy: Any) -> int:
+    """Samples in one (global) batch read from a Keras data iterator; 0 when unknown."""
+    flat = [t for t in tf.nest.flatten(batch) if t is not None]
+    if not flat:
+        return 0
+    first = flat[0]
+    if isinstance(first, tf.distribute.DistributedValues):
+        local = strategy.experimental_local_results(first)
+        n = sum(int(t.shape[0] or 0) for t in local)
+        return n * int(strategy.num_replicas_in_sync) // max(len(local), 1)
+    shape = getattr(first, "shape", None)
+    return int(shape[0]) if shape is not None and len(shape) and shape[0] is not None else 0
 
 
+def _loss_count(model: keras.Model) -> Optional[float]:
+    """Samples the loss tracker has seen this epoch (Keras weights it by the batch size); None if unknown."""
+    tracker = getattr(model, "_loss_tracker", None)
+    count = getattr(tracker, "count", None)
+    if count is None:
+        return None
+    try:
+        return float(count.numpy())
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _cardinality(iterator: Any) -> int:
+    """Batches in the data behind a Keras data iterator (tf.data's INFINITE/UNKNOWN constants where so)."""
+    try:
+        known = getattr(iterator, "_cardinality", None)  # tf.distribute iterators
+        if known is not None:
+            return int(known)
+        dataset = getattr(iterator, "_dataset", None)
+        if isinstance(dataset, tf.data.Dataset):
+            return int(dataset.cardinality())
+    except Exception:  # noqa: BLE001
+        pass
+    return int(tf.data.UNKNOWN_CARDINALITY)
+
+
+def _datasets_of(iterator: Any) -> List[Any]:
+    """The tf.data datasets behind a Keras data iterator, where TensorFlow exposes them."""
+    out = []
+    for it in [iterator] + list(getattr(iterator, "_iterators", []) or []):
+        ds = getattr(it, "_dataset", None)
+        if isinstance(ds, tf.data.Dataset):
+            out.append(ds)
+    return out
+
+
+def _reshuffling_seeded_shuffle(dataset: Any) -> bool:
+    """Some ``shuffle(seed=...)`` in the pipeline reshuffles each iteration (TF's default)."""
+    stack, seen = [dataset], set()
+    while stack:
+        ds = stack.pop()
+        if id(ds) in seen:
+            continue
+        seen.add(id(ds))
+        if "Shuffle" in type(ds).__name__ and getattr(ds, "_reshuffle_each_iteration", False):
+            seed = getattr(ds, "_seed", None)
+            try:
+                fixed = seed is not None and int(tf.get_static_value(seed) or 0) != 0
+            except Exception:  # noqa: BLE001
+                fixed = seed is not None
+            if fixed:
+                return True
+        for attr in ("_input_dataset",):
+            child = getattr(ds, attr, None)
+            if isinstance(child, tf.data.Dataset):
+                stack.append(child)
+        for child in getattr(ds, "_input_datasets", []) or []:
+            if isinstance(child, tf.data.Dataset):
+                stack.append(child)
+    return False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _hostname() -> str:
+    return re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())[:64] or "host"
+
+
+def _remove_dead_worker_dirs() -> List[str]:
+    """Remove private save folders of non-chief workers on this host whose process is gone."""
+    removed = []
+    root = tempfile.gettempdir()
+    me = _hostname()
+    pattern = re.compile(r"^" + _WORKER_PREFIX + r"(?P<host>[A-Za-z0-9.-]+)_(?P<pid>\d+)_")
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(_WORKER_PREFIX):
+            continue
+        path = os.path.join(root, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not os.path.isdir(path) or os.path.islink(path) or st.st_uid != os.getuid():
+            continue
+        m = pattern.match(name)
+        if m:
+            dead = m.group("host") == me and not _pid_alive(int(m.group("pid")))
+        else:  # older naming without host/pid: only when untouched for a day
+            dead = time.time() - st.st_mtime > 86400
+        if dead:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+class _ResumeEpoch(int):
+    """The epoch a resumed ``fit`` starts at, for ``model._initial_epoch``: truthy only while the fit that set it
+    is starting, so a ``fit`` that raised before clearing it never makes a later plain ``fit`` skip epochs."""
+
+    def __new__(cls, value: int, owner: "ChiefCheckpoint") -> "_ResumeEpoch":
+        obj = int.__new__(cls, value)
+        obj._owner = weakref.ref(owner)
+        return obj
+
+    def __bool__(self) -> bool:
+        owner = self._owner()
+        return bool(int(self)) and owner is not None and owner._resume_pending and owner._in_this_fit()
+
+
+# ---------------------------------------------------------------------------------------------------- the callback
 class ChiefCheckpoint(keras.callbacks.Callback):
-    """Crash-safe checkpoints of everything training needs, written by the chief only, resumed exactly.
+    """Crash- and preemption-safe checkpoints of everything training needs, written by the chief only, resumed
+    exactly.
 
     One ``tf.train.Checkpoint`` per save holds the model, the optimizer (moments, iterations, loss scale),
-    keras_scale's step state (NanGuard counters, LR multiplier) and the position in the data (epoch, batch in
-    epoch, batches read from the current data iterator). A checkpoint counts only once TensorFlow has finished
-    writing it and recorded it in ``directory/checkpoint``, so a kill at any moment leaves the previous one
-    usable; a newest checkpoint that fails to load is reported and the one before it is used.
+    keras_scale's persistent step state (NanGuard's skipped-step count, the LR multiplier), the epoch's metric
+    state and the position in the data (epoch, batch, batches read from the current iterator, samples per
+    batch). A checkpoint counts only once TensorFlow has finished writing it and recorded it in
+    ``directory/checkpoint``, so a kill at any moment leaves the previous one usable; a newest checkpoint that
+    fails to load is reported and the one before it is used.
 
     On ``fit`` start (``restore=True``) the newest checkpoint that loads is restored and training continues at
-    the same epoch *and* batch: the batches of the interrupted epoch that were already applied are read from
-    the data and dropped, not trained twice. A run killed and restarted any number of times ends with the same
-    weights as an uninterrupted one, given the same data order every run (``shuffle=False``, or a
-    ``tf.data`` pipeline with a fixed seed) and deterministic ops.
+    the same epoch *and* batch: the already-applied batches of the interrupted epoch are read from the data and
+    dropped, and the epoch's metrics continue from their saved state. A run killed and restarted any number of
+    times ends with the same weights as an uninterrupted one, given the same data order every run
+    (``shuffle=False``, or a ``tf.data`` pipeline whose order does not depend on how often it was iterated) and
+    deterministic ops.
+
+    On SIGTERM or SIGUSR1 (preemption) the state is saved at the next step boundary (all workers agree on the
+    step), training ends, and the process exits with :data:`PREEMPTION_EXIT_CODE` (42); rerunning resumes exactly.
 
     Under ``MultiWorkerMirroredStrategy`` only the chief (:func:`keras_scale.distribute.is_chief`) writes into
     ``directory``; the other workers take part in each save but write to a private temporary directory that
@@ -129,15 +365,21 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             copy to host memory; never two writes at once; the last one is flushed at ``on_train_end``.
         restore: resume from the newest checkpoint in ``directory`` at ``fit`` start.
         keep_every_n_hours: additionally keep one checkpoint per this many hours forever (``None``: off).
-        verbose: 0 silent, 1 one line per restore and per save (chief only).
+        keep_best_k: additionally keep the ``k`` best epoch-end checkpoints by ``monitor`` in ``directory/best``
+            (0: off).
+        monitor: the epoch log to rank by (e.g. ``"val_loss"``), used with ``keep_best_k``.
+        mode: ``"min"``, ``"max"`` or ``"auto"`` (``max`` for accuracy/AUC-like names, else ``min``).
+        preemption_exit_code: exit status after a SIGTERM/SIGUSR1 save (``None``: ``fit`` returns normally and
+            :attr:`preempted` says why it stopped).
+        signal_check_every_n_steps: multi-worker only: how often the workers agree on whether a signal arrived
+            (one tiny all-reduce each time).
+        verbose: 0 quiet; 1 one line per save (chief only). Resumes, preemption and incidents are always reported.
 
     Example:
         >>> ckpt = ChiefCheckpoint("runs/exp1/ckpt", save_freq=500, max_to_keep=3, async_save=True)
         >>> ckpt.save_freq
         500
         >>> model.fit(ds, epochs=10, callbacks=[ckpt])  # doctest: +SKIP
-        >>> ckpt.restore_latest()  # e.g. from a NanGuard rollback: back to the newest good state  # doctest: +SKIP
-        1500
     """
 
     def __init__(
@@ -148,7 +390,12 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         async_save: bool = False,
         restore: bool = True,
         keep_every_n_hours: Optional[float] = None,
-        verbose: int = 1,
+        keep_best_k: int = 0,
+        monitor: str = "val_loss",
+        mode: str = "auto",
+        preemption_exit_code: Optional[int] = PREEMPTION_EXIT_CODE,
+        signal_check_every_n_steps: int = 1,
+        verbose: int = 0,
     ) -> None:
         super().__init__()
         if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
@@ -161,20 +408,47 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                 "Example: save_freq=1000 saves every 1000 batches."
             )
         check_int("max_to_keep", max_to_keep, owner="ChiefCheckpoint")
+        check_int("keep_best_k", keep_best_k, minimum=0, owner="ChiefCheckpoint",
+                  hint="It is how many best epoch-end checkpoints to keep besides the newest (0: off).")
+        check_int("signal_check_every_n_steps", signal_check_every_n_steps, owner="ChiefCheckpoint")
         if keep_every_n_hours is not None and not (float(keep_every_n_hours) > 0):
             raise ValueError(f"keep_every_n_hours must be > 0 hours or None, got {keep_every_n_hours!r}")
+        if mode not in ("auto", "min", "max"):
+            raise ValueError(f"ChiefCheckpoint: mode must be 'auto', 'min' or 'max', got {mode!r}.")
+        if keep_best_k and (not isinstance(monitor, str) or not monitor):
+            raise ValueError(f"ChiefCheckpoint: keep_best_k={keep_best_k} needs monitor= (a name in the epoch logs, "
+                             f"e.g. 'val_loss'), got {monitor!r}.")
+        if preemption_exit_code is not None and (isinstance(preemption_exit_code, bool)
+                                                 or not isinstance(preemption_exit_code, int)
+                                                 or not 0 <= preemption_exit_code <= 255):
+            raise ValueError(f"ChiefCheckpoint: preemption_exit_code must be an exit status 0..255 or None, got "
+                             f"{preemption_exit_code!r}.")
         self.directory = os.fspath(directory)
         self.save_freq = save_freq
         self.max_to_keep = max_to_keep
         self.async_save = bool(async_save)
         self.restore = bool(restore)
         self.keep_every_n_hours = keep_every_n_hours
+        self.keep_best_k = keep_best_k
+        self.monitor = monitor
+        if mode == "auto":
+            mode = "max" if any(k in monitor.lower() for k in ("acc", "auc", "precision", "recall", "f1")) else "min"
+        self.mode = mode
+        self.preemption_exit_code = preemption_exit_code
+        self.signal_check_every_n_steps = signal_check_every_n_steps
         self.verbose = int(verbose)
-        # Set per fit in on_train_begin.
         self._manager: Optional[tf.train.CheckpointManager] = None
         self._checkpoint: Optional[tf.train.Checkpoint] = None
         self._write_dir: Optional[str] = None
         self._chief = True
+        self._fit_history: Any = None
+        self._start_state_wanted = False
+        self._prev_handlers: Dict[int, Any] = {}
+        self._lock_path: Optional[str] = None
+        self._lock_stop: Optional[threading.Event] = None
+        self._fit_thread: Optional[int] = None
+        self.blocked_s = 0.0
+        self.preempted: Optional[int] = None
         self._reset_position()
 
     # ------------------------------------------------------------------ public API
@@ -188,29 +462,68 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         """Batches trained so far over all (resumed) runs; checkpoints are numbered by it."""
         return self._global_step
 
+    @property
+    def best_checkpoints(self) -> List[Tuple[float, str]]:
+        """``(monitored value, prefix)`` of the kept best checkpoints, best first (``keep_best_k``).
+
+        Example:
+            >>> ckpt.best_checkpoints  # doctest: +SKIP
+            [(0.031, 'ckpt/best/ckpt-300'), (0.035, 'ckpt/best/ckpt-200')]
+        """
+        return [(e["value"], os.path.join(self.directory, _BEST_DIR, f"{_NAME}-{e['number']}"))
+                for e in self._read_best()]
+
     def restore_latest(self, restore_keras_scale_state: bool = False) -> Optional[int]:
         """Restore the newest checkpoint that loads into the model and optimizer, mid-training.
 
-        For NanGuard's rollback policy. The data position is *not* rewound: training continues with the next
-        batch. keras_scale's own state (NanGuard counters, the LR multiplier) is kept as it is now unless
+        For NanGuard's rollback policy (find the callback with :func:`checkpoint_for`). Before this fit's first
+        save it restores the state the fit started from: the checkpoint it resumed from, or, in a fresh run, the
+        initial state kept in host memory when a caller registered through :func:`checkpoint_for` before the
+        first step (dropped at the first save). The data position is *not* rewound: training continues with the
+        next batch. keras_scale's own state (NanGuard's count, the LR multiplier) is kept as it is now unless
         ``restore_keras_scale_state=True``, so a rollback neither resets the counters that limit rollbacks nor
         undoes a learning rate lowered just before it. Under multi-worker every worker must call it at the same
-        step (it synchronizes them). Returns the restored checkpoint's global batch, or ``None`` if none exists.
+        step (it synchronizes them). Returns the restored state's global batch, or ``None`` if there is none.
 
         Example:
-            >>> step = model._keras_scale_checkpoint.restore_latest()  # doctest: +SKIP
+            >>> step = checkpoint_for(model).restore_latest()  # doctest: +SKIP
         """
         if self._checkpoint is None:
             if self.model is None or self._write_dir is None or not self._ensure_built():
                 raise RuntimeError("restore_latest() needs a ChiefCheckpoint that is part of a running fit().")
             self._build_checkpoint()
-        self._wait()
+        self._timed_wait()
         strategy = self.model.distribute_strategy
         self._sum_over_workers(strategy, 0.0)  # barrier: the chief's last write is recorded before anyone looks
-        found = self._restore_newest(everything=restore_keras_scale_state)
-        step = self._read_position(found)["global_step"] if found is not None else -1
+        found = self._restore_newest(everything=restore_keras_scale_state) if list_checkpoints(self.directory) else None
+        if found is not None:
+            step = self._read_position(found)["global_step"]
+        elif self._start_state is not None:
+            for var, value in zip(self._start_variables(), self._start_state):
+                var.assign(value)
+            step = self._start_step
+        else:
+            step = -1
         self._check_workers_agree(strategy, step)
-        return None if found is None else step
+        return None if step < 0 else step
+
+    def restore_checkpoint(self, prefix: str) -> int:
+        """Load a checkpoint of this directory (e.g. one of :attr:`best_checkpoints`) into the model and
+        optimizer; returns its global batch.
+
+        Example:
+            >>> value, prefix = ckpt.best_checkpoints[0]  # doctest: +SKIP
+            >>> ckpt.restore_checkpoint(prefix)  # doctest: +SKIP
+        """
+        if self.model is None or not self._ensure_built():
+            raise RuntimeError("restore_checkpoint() needs the model this ChiefCheckpoint was used with, built.")
+        if self._checkpoint is None:
+            self._write_dir = self._write_dir or self.directory
+            self._build_checkpoint(with_manager=False)
+        reader = tf.train.load_checkpoint(prefix)
+        self._check_signature(prefix, reader)
+        self._weights_only.read(prefix).expect_partial()
+        return self._read_position(prefix)["global_step"]
 
     def wait(self) -> None:
         """Block until a background (``async_save``) write has finished.
@@ -218,17 +531,47 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         Example:
             >>> ckpt.wait()  # doctest: +SKIP
         """
-        self._wait()
+        self._timed_wait()
 
     # ------------------------------------------------------------------ Keras hooks
+    def set_model(self, model: keras.Model) -> None:
+        super().set_model(model)
+        # Keras sets model.history to this fit's History right before calling set_model: that identifies the fit.
+        self._fit_history = getattr(model, "history", None)
+        self.params = None
+        self._start_state_wanted = False
+        object.__setattr__(model, _REF_ATTR, weakref.ref(self))
+        # State a previous fit that raised may have left behind (Keras skips on_train_end on an exception).
+        inner = getattr(getattr(model, "train_function", None), "_ks_checkpoint_inner", None)
+        if inner is not None:
+            model.train_function = inner
+        if isinstance(getattr(model, "_initial_epoch", None), _ResumeEpoch):
+            model._initial_epoch = None
+
     def on_train_begin(self, logs=None):
         model = self.model
-        object.__setattr__(model, "_keras_scale_checkpoint", self)
         strategy = model.distribute_strategy
         self._chief = is_chief(strategy)
         self._reset_position()
-        self._prepare_write_dir()
+        self._fit_thread = threading.get_ident()
+        self.blocked_s = 0.0
+        self.preempted = None
+        error: Optional[BaseException] = None
+        try:
+            self._prepare_write_dir()
+        except (PermissionError, RuntimeError) as e:  # the chief cannot use the directory
+            error = e
+        # Multi-worker: every worker stops when the chief cannot start (instead of waiting in a collective).
+        if self._sum_over_workers(strategy, 1.0 if error is not None else 0.0) > 0:
+            if not self._chief and self._write_dir and self._write_dir != self.directory:
+                shutil.rmtree(self._write_dir, ignore_errors=True)
+            raise error if error is not None else RuntimeError(
+                f"ChiefCheckpoint: the chief could not start in {self.directory!r} (see its error); this worker "
+                "stops too.")
+        self._install_signal_handlers()
         self._checkpoint = self._manager = None
+        self._report_directory_problems()
+        self._best = self._read_best() if self.keep_best_k else []
         if self._ensure_built():
             self._build_checkpoint()
         found: Optional[str] = None
@@ -243,10 +586,15 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         position = self._read_position(found) if found is not None else None
         self._check_workers_agree(strategy, position["global_step"] if position else -1)
         if position is not None:
-            self._resume(position)
+            self._resume(position, found)
         self._install_wrapper()
 
     def on_epoch_begin(self, epoch, logs=None):
+        if self._resume_pending:
+            # Keras has read model._initial_epoch by now: take it back so no later fit starts there.
+            self._resume_pending = False
+            if isinstance(getattr(self.model, "_initial_epoch", None), _ResumeEpoch):
+                self.model._initial_epoch = None
         self._epoch = int(epoch)
         self._step_in_epoch = 0
         self._epoch_complete = False
@@ -257,40 +605,69 @@ class ChiefCheckpoint(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self._step_in_epoch = int(batch) + 1
-        if self._last_call_skipped or self.save_freq == "epoch":
+        self._calls += 1
+        self._check_preemption(self._calls % self.signal_check_every_n_steps == 0)
+        if self._last_call_skipped or self.save_freq == "epoch" or self._preempting:
             return
         if self._global_step // self.save_freq > self._last_saved_step // self.save_freq:
             self._save(self._epoch, self._step_in_epoch, self._stream_pos)
 
+    def on_test_batch_end(self, batch, logs=None):
+        if self._preempting:  # no validation run after a preemption signal: save and go
+            self.model.stop_evaluating = True
+
     def on_epoch_end(self, epoch, logs=None):
         steps = (self.params or {}).get("steps")
+        self._check_preemption(True)
         # A stop requested by a batch callback ends the epoch early; EarlyStopping stops after a full epoch.
         self._epoch_complete = not self.model.stop_training or bool(steps and self._step_in_epoch >= steps)
-        if self.save_freq == "epoch" and self._epoch_complete:
-            # Saved at the first batch of the next epoch (or at train end): only then is it known whether the
-            # next epoch reads a fresh data iterator or continues this one (steps_per_epoch + repeat()).
-            self._pending_epoch_save = True
+        if self._epoch_complete:
+            self._last_epoch_logs = (int(epoch), logs)  # the dict itself: callbacks after us add keys to it
+            if self.save_freq == "epoch":
+                # Saved at the first batch of the next epoch (or at train end): only then is it known whether the
+                # next epoch reads a fresh data iterator or continues this one (steps_per_epoch + repeat()).
+                self._pending_epoch_save = True
+            self._consider_best(int(epoch), logs)
 
     def on_train_end(self, logs=None):
-        # The final state is always saved, so a finished (or gracefully stopped) run resumes with nothing lost.
+        # The final state is always saved, so a finished, stopped or preempted run resumes with nothing lost.
         try:
-            if self._global_step != self._last_saved_step:
+            if self._global_step != self._last_saved_step or self._pending_best is not None:
                 if self._epoch_complete:
                     fresh = self._iterator is None or self._iterator_exhausted(self._iterator)
                     self._save(self._epoch + 1, 0, 0 if fresh else self._stream_pos)
                 else:
                     self._save(self._epoch, self._step_in_epoch, self._stream_pos)
-            self._wait()
+            self._timed_wait()
+            if self._already_complete is not None:
+                self._fill_history()
         finally:
-            self._pending_epoch_save = False
-            self._iterator = None
-            if getattr(self.model, "train_function", None) is self._wrapper and self._inner is not None:
-                self.model.train_function = self._inner
-            if self._resumed_epoch is not None and getattr(self.model, "_initial_epoch", None) == self._resumed_epoch:
-                self.model._initial_epoch = None  # Keras never resets it: a later fit() would start there too
-            if not self._chief and self._write_dir and self._write_dir != self.directory:
-                shutil.rmtree(self._write_dir, ignore_errors=True)
+            self._active_cleanup()
+        if self._preempting:
+            signame = signal.Signals(self.preempted).name if self.preempted else "a signal"
+            where = f"{self._last_saved_prefix!r}" if self._last_saved_prefix else "the newest checkpoint"
+            code = self.preemption_exit_code
+            self._say(f"ChiefCheckpoint: {signame} received; state saved in {where} (global batch "
+                      f"{self._global_step}). " + (f"Exiting with status {code}: rerun the same command to resume."
+                                                   if code is not None else "Rerun to resume."), routine=False)
+            if code is not None:
+                raise SystemExit(code)
         # Files are never deleted here: a graceful stop (EarlyStopping, NanGuard halt) must keep them.
+
+    def _active_cleanup(self) -> None:
+        self._pending_epoch_save = False
+        self._iterator = self._own_stream = self._prefix_skipped_on = None
+        self._start_state = None
+        model = self.model
+        if getattr(model, "train_function", None) is self._wrapper and self._inner is not None:
+            model.train_function = self._inner
+        if isinstance(getattr(model, "_initial_epoch", None), _ResumeEpoch):
+            model._initial_epoch = None  # Keras never resets it: a later fit() would start there too
+        self._resume_pending = False
+        if not self._chief and self._write_dir and self._write_dir != self.directory:
+            shutil.rmtree(self._write_dir, ignore_errors=True)
+        self._restore_signal_handlers()
+        self._release_lock()
 
     @staticmethod
     def _iterator_exhausted(iterator: Any) -> bool:
@@ -303,6 +680,29 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         except Exception:  # noqa: BLE001 - an iterator type without optionals: assume per-epoch iterators
             return True
 
+    # ------------------------------------------------------------------ fit identity
+    def _in_this_fit(self) -> bool:
+        """True while the fit this callback was set up for is the model's newest fit (a later fit creates a new
+        History and hands it new params)."""
+        model = self._model
+        if model is None or self._fit_history is None:
+            return False
+        history = getattr(model, "history", None)
+        if history is not self._fit_history:
+            return False
+        return not self.params or getattr(history, "params", None) is self.params
+
+    def _fit_running(self, frame: Any = None) -> bool:
+        """This callback's fit is on the stack of the thread that started it (or of ``frame``)."""
+        if frame is None:
+            frame = sys._current_frames().get(self._fit_thread) if self._fit_thread is not None else None
+        model = self._model
+        while frame is not None:
+            if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
+                return True
+            frame = frame.f_back
+        return False
+
     # ------------------------------------------------------------------ internals
     def _reset_position(self) -> None:
         self._epoch = 0
@@ -310,20 +710,43 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._stream_pos = 0  # batches read from the data iterator now in use
         self._global_step = 0  # batches trained, over all runs
         self._last_saved_step = 0
+        self._last_saved_prefix: Optional[str] = None
         self._iterator: Any = None
         self._skip_prefix = 0
         self._skip_calls = 0
+        self._preread = 0
         self._last_call_skipped = False
         self._pending_epoch_save = False
         self._epoch_complete = False
         self._restored_from: Optional[str] = None
         self._deferred_restore: Optional[str] = None
-        self._resumed_epoch: Optional[int] = None
+        self._resume_position: Optional[Dict[str, int]] = None
+        self._resume_pending = False
+        self._already_complete: Optional[int] = None
         self._wrapper: Any = None
         self._inner: Any = None
         self._in_call = False
+        self._first_call = True
+        self._calls = 0
+        self._batch_size = 0  # samples per (global) batch; 0 unknown
+        self._measure_tries = 0
+        self._last_epoch_logs: Optional[Tuple[int, Any]] = None
+        self._saved_epoch_logs: Optional[Dict[str, Any]] = None
+        self._pending_best: Optional[Tuple[float, int]] = None
+        self._warned_monitor = False
+        self._best: List[Dict[str, Any]] = []
+        self._saved_batch_size = 0
+        self._start_state: Optional[List[Any]] = None
+        self._start_step = 0
+        self._preempt_requested: Optional[int] = None
+        self._preempting = False
+        self._iter_backup: Optional[tf.Variable] = None
+        self._own_stream: Any = None
+        self._may_run_out = True
+        self._prefix_skipped_on: Any = None
 
     def _prepare_write_dir(self) -> None:
+        _remove_dead_worker_dirs()
         if self._chief:
             self._write_dir = self.directory
             probe = os.path.join(self.directory, f".ks_write_probe_{os.getpid()}")
@@ -337,21 +760,181 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                     f"ChiefCheckpoint cannot write to directory {self.directory!r}: {e}. Fix: pass a directory "
                     "this process can create and write (check permissions, disk space and the mount)."
                 ) from e
+            self._acquire_lock()
             self._remove_stale_temp_dirs()
         else:
-            # Other workers write their (identical) share of each save to a private place, removed at the end.
-            self._write_dir = tempfile.mkdtemp(prefix="keras_scale_ckpt_worker_")
+            # Other workers write their (identical) share of each save to a private place, removed at the end;
+            # host and pid in the name let the next start on this host remove it if this process dies.
+            self._write_dir = tempfile.mkdtemp(prefix=f"{_WORKER_PREFIX}{_hostname()}_{os.getpid()}_")
 
     def _remove_stale_temp_dirs(self) -> None:
         # TensorFlow writes ckpt-N_temp/ first and merges it into ckpt-N.*; a kill mid-write leaves it behind.
+        # Only real folders directly inside the directory: a link is never followed.
         try:
             for name in tf.io.gfile.listdir(self.directory):
                 name = name.rstrip("/")
-                if name.startswith(_NAME + "-") and name.endswith("_temp"):
-                    tf.io.gfile.rmtree(os.path.join(self.directory, name))
-        except tf.errors.OpError:
+                if not (name.startswith(_NAME + "-") and name.endswith("_temp")):
+                    continue
+                path = os.path.join(self.directory, name)
+                if _is_local(path):
+                    if os.path.islink(path):
+                        os.remove(path)  # the link only, never its target
+                    elif os.path.isdir(path):
+                        shutil.rmtree(path, ignore_errors=True)
+                else:
+                    tf.io.gfile.rmtree(path)
+        except (tf.errors.OpError, OSError):
             pass
 
+    # ------------------------------------------------------------------ lock (one run per directory)
+    def _acquire_lock(self) -> None:
+        if not _is_local(self.directory):
+            return  # no exclusive create on object stores; documented
+        path = os.path.join(self.directory, _LOCK_NAME)
+        me = {"pid": os.getpid(), "host": _hostname(), "since": time.time()}
+        for _ in range(3):
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._read_lock(path)
+                if holder.get("pid") == me["pid"] and holder.get("host") == me["host"]:
+                    break  # ours (e.g. a previous fit of this process that raised): keep it
+                stale = self._lock_is_stale(path, holder)
+                if stale:
+                    warnings.warn(f"ChiefCheckpoint: removing the stale lock {path!r} ({stale}).", RuntimeWarning,
+                                  stacklevel=3)
+                    try:
+                        os.remove(path)
+                    except FileNotFoundError:
+                        pass
+                    continue
+                since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder.get("since", 0) or 0)))
+                raise RuntimeError(
+                    f"ChiefCheckpoint: {self.directory!r} is in use by another training process (pid "
+                    f"{holder.get('pid')} on host {holder.get('host')!r}, since {since}; lock file {path!r}). Two "
+                    "runs writing one directory replace each other's checkpoints. Fix: give this run its own "
+                    "directory, or stop the other run. A lock whose process is gone is taken over automatically "
+                    f"(same host: at once; another host: after {_LOCK_STALE_S:.0f} s without its heartbeat)."
+                ) from None
+            else:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(me, f)
+                break
+        else:
+            raise RuntimeError(f"ChiefCheckpoint: could not take the lock {path!r}; remove it if no run uses "
+                               f"{self.directory!r}.")
+        self._lock_path = path
+        self._start_heartbeat()
+
+    @staticmethod
+    def _read_lock(path: str) -> Dict[str, Any]:
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return {}
+
+    @staticmethod
+    def _lock_is_stale(path: str, holder: Dict[str, Any]) -> str:
+        try:
+            age = time.time() - os.path.getmtime(path)
+        except OSError:
+            return "it vanished"
+        pid, host = holder.get("pid"), holder.get("host")
+        if not isinstance(pid, int) or not host:
+            return "unreadable lock file" if age > 5.0 else ""
+        if host == _hostname():
+            return "" if _pid_alive(pid) else f"process {pid} on this host is gone"
+        return f"host {host!r} has not refreshed it for {age:.0f} s" if age > _LOCK_STALE_S else ""
+
+    def _start_heartbeat(self) -> None:
+        if self._lock_stop is not None:
+            self._lock_stop.set()
+        stop = self._lock_stop = threading.Event()
+        path = self._lock_path
+
+        def beat():
+            while not stop.wait(_LOCK_HEARTBEAT_S):
+                if not self._fit_running():  # the fit raised (no on_train_end): let the directory go
+                    self._release_lock()
+                    return
+                try:
+                    os.utime(path)
+                except OSError:
+                    return
+
+        threading.Thread(target=beat, name="keras_scale_ckpt_lock", daemon=True).start()
+
+    def _release_lock(self) -> None:
+        if self._lock_stop is not None:
+            self._lock_stop.set()
+            self._lock_stop = None
+        path, self._lock_path = self._lock_path, None
+        if path and self._read_lock(path).get("pid") == os.getpid():
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+
+    # ------------------------------------------------------------------ preemption
+    def _install_signal_handlers(self) -> None:
+        self._restore_signal_handlers()
+        if threading.current_thread() is not threading.main_thread():
+            log.info("ChiefCheckpoint: fit runs outside the main thread; SIGTERM/SIGUSR1 are not handled")
+            return
+        for sig in (signal.SIGTERM, getattr(signal, "SIGUSR1", None)):
+            if sig is None:
+                continue
+            try:
+                self._prev_handlers[int(sig)] = signal.signal(sig, self._on_signal)
+            except (ValueError, OSError):
+                pass
+
+    def _restore_signal_handlers(self) -> None:
+        for sig, prev in list(self._prev_handlers.items()):
+            try:
+                if signal.getsignal(sig) == self._on_signal:
+                    signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+            except (ValueError, OSError):
+                pass
+        self._prev_handlers.clear()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._preempt_requested is None and self._fit_running(frame):
+            self._preempt_requested = signum  # acted on at the next step boundary
+            log.warning("ChiefCheckpoint: received %s; saving at the next step boundary",
+                        signal.Signals(signum).name)
+            return
+        # A second signal, or our fit is no longer running (it raised): behave as if we had never been here.
+        prev = self._prev_handlers.get(signum, signal.SIG_DFL)
+        self._restore_signal_handlers()
+        if callable(prev):
+            prev(signum, frame)
+        elif prev != signal.SIG_IGN:
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+
+    def _check_preemption(self, agree_now: bool) -> None:
+        if self._preempting:
+            return
+        strategy = self.model.distribute_strategy
+        mine = 0.0 if self._preempt_requested is None else float(self._preempt_requested)
+        if self._multi_worker(strategy):
+            if not agree_now:
+                return
+            # Every worker asks at the same batch: the signal may have reached only one of them.
+            total = self._sum_over_workers(strategy, mine)
+        else:
+            total = mine
+        if total > 0:
+            self._preempting = True
+            signum = self._preempt_requested
+            if signum is None:
+                signum = int(signal.SIGTERM)
+            self.preempted = int(signum)
+            self.model.stop_training = True
+
+    # ------------------------------------------------------------------ multi-worker agreement
     @staticmethod
     def _multi_worker(strategy: Any) -> bool:
         in_multi_worker = getattr(getattr(strategy, "extended", None), "_in_multi_worker_mode", None)
@@ -387,6 +970,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                 "system every worker can read (NFS, GCS, ...) at the same path."
             )
 
+    # ------------------------------------------------------------------ building and restoring
     def _ensure_built(self) -> bool:
         """Create the optimizer's variables now (as Keras's symbolic build does under a strategy) so they can be
         restored before the first step. False when the model itself has no variables yet."""
@@ -408,6 +992,8 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             state.update(dict(ks_step.state_variables(model) or {}))
         except (ImportError, AttributeError):
             pass
+        for name in _TRANSIENT_STEP_STATE:
+            state.pop(name, None)
         try:
             from keras_scale.schedules import lr_multiplier
 
@@ -418,19 +1004,16 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             state["lr_multiplier"] = mult
         return state
 
-    def _build_checkpoint(self) -> None:
+    def _build_checkpoint(self, with_manager: bool = True) -> None:
         model = self.model
         if self._manager is not None:
             self._wait()
         # Position and signature are host-side bookkeeping: plain variables outside any strategy scope.
         with tf.init_scope():
-            self._vars = {
-                "epoch": tf.Variable(0, dtype=tf.int64, trainable=False, name="ks_epoch"),
-                "step_in_epoch": tf.Variable(0, dtype=tf.int64, trainable=False, name="ks_step_in_epoch"),
-                "stream_pos": tf.Variable(0, dtype=tf.int64, trainable=False, name="ks_stream_pos"),
-                "global_step": tf.Variable(0, dtype=tf.int64, trainable=False, name="ks_global_step"),
-            }
+            self._vars = {name: tf.Variable(0, dtype=tf.int64, trainable=False, name=f"ks_{name}")
+                          for name in _POSITION}
             self._signature = tf.Variable("", dtype=tf.string, trainable=False, name="ks_signature")
+            self._epoch_logs_var = tf.Variable("", dtype=tf.string, trainable=False, name="ks_epoch_logs")
         # Variables by position (model.variables, optimizer.variables: a deterministic order for a given model
         # and optimizer); the signature saved alongside makes restoring into a different model an error.
         items: Dict[str, Any] = {
@@ -438,7 +1021,12 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             "optimizer_variables": [_tf_variable(v) for v in _optimizer_variables(model)],
             "keras_scale_position": self._vars,
             "keras_scale_signature": self._signature,
+            "keras_scale_epoch_logs": self._epoch_logs_var,
         }
+        metrics = _metric_variables(model)
+        self._num_metric_vars = len(metrics)
+        if metrics:  # the interrupted epoch's metric state; restored separately, after Keras resets metrics
+            items["metrics_variables"] = [_tf_variable(v) for v in metrics]
         state = self._state_variables()
         if state:
             items["keras_scale_state"] = {k: _tf_variable(v) for k, v in state.items()}
@@ -446,6 +1034,10 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         # Same paths, model and optimizer only: for a mid-training rollback that keeps keras_scale's counters.
         self._weights_only = tf.train.Checkpoint(model_variables=items["model_variables"],
                                                  optimizer_variables=items["optimizer_variables"])
+        if not with_manager:
+            return
+        if self._chief:
+            self._sanitize_state_file()
 
         def manager():
             return tf.train.CheckpointManager(
@@ -463,6 +1055,42 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             tf.io.gfile.rename(state_file, state_file + ".invalid", overwrite=True)
             self._manager = manager()
         self._options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=self.async_save)
+
+    def _report_directory_problems(self) -> None:
+        if not self._chief:
+            return
+        _, problems, _ = _scan(self.directory)
+        if problems:
+            warnings.warn(f"ChiefCheckpoint: {self.directory!r}: " + "; ".join(problems) + ".", RuntimeWarning,
+                          stacklevel=3)
+
+    def _sanitize_state_file(self) -> None:
+        """The CheckpointManager deletes what the state file lists: make it list only this directory's real
+        checkpoints (a state file naming other places, or only missing files, is rewritten; the original is kept
+        as ``checkpoint.invalid``)."""
+        state_file = os.path.join(self.directory, "checkpoint")
+        if not tf.io.gfile.exists(state_file):
+            return
+        candidates, problems, from_state = _scan(self.directory)
+        if not problems:
+            return
+        if not from_state:  # nothing listed is usable: the scanned ones, newest max_to_keep, become the list
+            candidates = candidates[: self.max_to_keep]
+        kept = sorted(candidates)
+        names = [os.path.basename(p) for _, p in kept]
+        tf.io.gfile.rename(state_file, state_file + ".invalid", overwrite=True)
+        if not names:
+            return
+        # with timestamps (newer than last_preserved_timestamp), the manager rotates them as its own again
+        stamps = [tf.io.gfile.stat(p + ".index").mtime_nsec / 1e9 for _, p in kept]
+        text = (f'model_checkpoint_path: "{names[-1]}"\n'
+                + "".join(f'all_model_checkpoint_paths: "{n}"\n' for n in names)
+                + "".join(f"all_model_checkpoint_timestamps: {t:.6f}\n" for t in stamps)
+                + f"last_preserved_timestamp: {min(stamps) - 1.0:.6f}\n")
+        tmp = state_file + ".tmp"
+        with tf.io.gfile.GFile(tmp, "w") as f:
+            f.write(text)
+        tf.io.gfile.rename(tmp, state_file, overwrite=True)
 
     def _check_signature(self, prefix: str, reader: Any) -> None:
         if not reader.has_tensor(_SIGNATURE_KEY):
@@ -495,6 +1123,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             try:
                 reader = tf.train.load_checkpoint(prefix)
                 self._check_signature(prefix, reader)  # a different model is an error, not a reason to fall back
+                # expect_partial: older checkpoints may hold objects this version no longer restores
                 target.read(prefix).expect_partial()
             except CheckpointMismatchError:
                 raise
@@ -534,8 +1163,11 @@ class ChiefCheckpoint(keras.callbacks.Callback):
     @staticmethod
     def _read_position(prefix: str) -> Dict[str, int]:
         reader = tf.train.load_checkpoint(prefix)
-        return {name: int(reader.get_tensor(f"keras_scale_position/{name}/.ATTRIBUTES/VARIABLE_VALUE"))
-                for name in ("epoch", "step_in_epoch", "stream_pos", "global_step")}
+        out = {}
+        for name in _POSITION:
+            key = f"keras_scale_position/{name}/.ATTRIBUTES/VARIABLE_VALUE"
+            out[name] = int(reader.get_tensor(key)) if reader.has_tensor(key) else 0
+        return out
 
     def _newest_readable(self) -> Optional[str]:
         """The newest checkpoint whose every tensor reads back (CRC-checked), without needing the model."""
@@ -554,18 +1186,19 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._raise_none_loads(failures)
         return None
 
-    def _restore_deferred(self, iterator: Any) -> None:
-        prefix, self._deferred_restore = self._deferred_restore, None
-        model = self.model
+    def _build_from_data(self, iterator: Any, why: str) -> None:
         spec = getattr(iterator, "element_spec", None)
         try:
-            model._symbolic_build(data_batch=spec)
+            self.model._symbolic_build(data_batch=spec)
         except Exception as e:  # noqa: BLE001
             raise RuntimeError(
-                f"ChiefCheckpoint could not build the model from the data ({e}) to restore {prefix!r} before the "
-                "first step. Fix: build the model before fit (keras.Input(...) as its first layer, or "
-                "model.build(input_shape))."
+                f"ChiefCheckpoint could not build the model from the data ({e}) {why}. Fix: build the model before "
+                "fit (keras.Input(...) as its first layer, or model.build(input_shape))."
             ) from e
+
+    def _restore_deferred(self, iterator: Any) -> None:
+        prefix, self._deferred_restore = self._deferred_restore, None
+        self._build_from_data(iterator, f"to restore {prefix!r} before the first step")
         self._ensure_built()
         self._build_checkpoint()
         reader = tf.train.load_checkpoint(prefix)
@@ -574,13 +1207,44 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._restored_from = prefix
         self._say(f"ChiefCheckpoint: restored {prefix}")
 
-    def _resume(self, position: Dict[str, int]) -> None:
+    def _restore_metrics(self, prefix: str) -> bool:
+        """Continue the interrupted epoch's metrics (loss included) from their saved state."""
+        reader = tf.train.load_checkpoint(prefix)
+        variables = _metric_variables(self.model)
+        keys = [_METRIC_KEY.format(i) for i in range(len(variables))]
+        if not variables or not all(reader.has_tensor(k) for k in keys) or reader.has_tensor(
+                _METRIC_KEY.format(len(variables))):
+            return False
+        values = [reader.get_tensor(k) for k in keys]
+        if any(tuple(v.shape) != tuple(int(d) for d in var.shape) for v, var in zip(values, variables)):
+            return False
+        for var, value in zip(variables, values):
+            var.assign(value)
+        return True
+
+    def _resume(self, position: Dict[str, int], prefix: str) -> None:
         epoch, step_in_epoch = position["epoch"], position["step_in_epoch"]
-        stream_pos = position["stream_pos"]
         self._global_step = self._last_saved_step = position["global_step"]
+        self._last_saved_prefix = prefix
         self._epoch = epoch
-        self._resumed_epoch = epoch
-        self.model._initial_epoch = epoch
+        self._resume_position = position
+        self._saved_batch_size = position["batch_size"]
+        self._batch_size = 0  # measured again in this run (it may differ: the position is kept in samples)
+        epochs = (self.params or {}).get("epochs")
+        try:
+            raw = tf.train.load_checkpoint(prefix).get_tensor(_EPOCH_LOGS_KEY)
+            self._saved_epoch_logs = json.loads(raw.decode() if isinstance(raw, bytes) else raw) if raw else None
+        except Exception:  # noqa: BLE001 - older checkpoints have no epoch logs
+            self._saved_epoch_logs = None
+        if epoch:
+            self.model._initial_epoch = _ResumeEpoch(epoch, self)
+            self._resume_pending = True
+        if epochs is not None and epoch >= int(epochs) and step_in_epoch == 0:
+            self._already_complete = epoch
+            self._say(f"ChiefCheckpoint: the run in {self.directory!r} is already complete ({epoch} epochs, global "
+                      f"batch {self._global_step}): nothing to train. Pass a larger epochs= to train further, or a "
+                      "new directory to start over.", routine=False)
+            return
         spe = int(getattr(self.model, "steps_per_execution", 1) or 1)
         self._skip_calls = step_in_epoch // spe
         if step_in_epoch % spe:
@@ -589,23 +1253,42 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                 f"steps_per_execution={spe}; resuming at batch {self._skip_calls * spe} (a few batches train twice).",
                 RuntimeWarning, stacklevel=2,
             )
-        self._skip_prefix = max(stream_pos - self._skip_calls * spe, 0)
-        self._say(f"ChiefCheckpoint: resuming {_describe(epoch, self._skip_calls * spe)}"
-                  f" (global batch {self._global_step}); skipping {self._skip_prefix + self._skip_calls * spe} "
-                  "already-trained batches of data")
+        self._skip_prefix = max(position["stream_pos"] - self._skip_calls * spe, 0)
+        self._say(f"ChiefCheckpoint: resuming {_describe(epoch, self._skip_calls * spe)} from {prefix!r} "
+                  f"(global batch {self._global_step})", routine=False)
 
+    def _fill_history(self) -> None:
+        """A rerun of a finished run trains nothing: its History holds the last epoch's logs from the checkpoint."""
+        history = getattr(self.model, "history", None)
+        saved = self._saved_epoch_logs
+        if history is None or not saved or getattr(history, "epoch", None):
+            return
+        history.epoch = [int(saved["epoch"])]
+        history.history = {k: [v] for k, v in saved["logs"].items()}
+
+    # ------------------------------------------------------------------ the train-function wrapper
     def _install_wrapper(self) -> None:
-        inner = self.model.train_function
+        model = self.model
+        inner = model.train_function
         if inner is None:
-            self.model.make_train_function()
-            inner = self.model.train_function
+            model.make_train_function()
+            inner = model.train_function
         self._inner = inner
+        me, model_ref = weakref.ref(self), weakref.ref(model)
 
         def train_function(iterator):
-            return self._train_call(inner, iterator)
+            cb = me()
+            if cb is None or not cb._in_this_fit():
+                # Left behind by a fit that raised: step aside for good.
+                m = model_ref()
+                if m is not None and m.train_function is train_function:
+                    m.train_function = inner
+                return inner(iterator)
+            return cb._train_call(inner, iterator)
 
+        train_function._ks_checkpoint_inner = inner
         self._wrapper = train_function
-        self.model.train_function = train_function
+        model.train_function = train_function
 
     def _train_call(self, inner: Any, iterator: Any) -> Any:
         if self._in_call:  # another wrapper around ours was wrapped by us again: count and skip only once
@@ -616,53 +1299,291 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         finally:
             self._in_call = False
 
-    def _train_call_once(self, inner: Any, iterator: Any) -> Any:
-        spe = int(getattr(self.model, "steps_per_execution", 1) or 1)
+    def _on_first_call(self, iterator: Any) -> None:
+        model = self.model
         if self._deferred_restore is not None:
             self._restore_deferred(iterator)
-        if iterator is not self._iterator:  # a fresh data iterator (a new epoch over a finite dataset)
-            self._iterator = iterator
+        # Without a strategy Keras builds metrics only when the first step is traced: build them now, so that
+        # skipped batches can report them and every checkpoint holds them.
+        compile_metrics = getattr(model, "_compile_metrics", None)
+        if getattr(model, "_distribute_strategy", None) is None and (
+                (compile_metrics is not None and not compile_metrics.built) or not self._ensure_built()):
+            self._build_from_data(iterator, "before the first step")
+            self._ensure_built()
+        if self._checkpoint is None or self._num_metric_vars != len(_metric_variables(model)):
+            self._build_checkpoint()
+        position = self._resume_position
+        if position is not None and (self._skip_calls or self._skip_prefix):
+            if position["step_in_epoch"] and not self._restore_metrics(self._restored_from):
+                log.info("ChiefCheckpoint: no metric state to restore; the resumed epoch's metrics cover the "
+                         "batches trained after the resume")
+            self._plan_for_batch_size(iterator)
+        if position is not None and (position["epoch"] or self._skip_prefix):
+            if any(_reshuffling_seeded_shuffle(ds) for ds in _datasets_of(iterator)):
+                warnings.warn(
+                    "ChiefCheckpoint: the data pipeline has shuffle(seed=...) with reshuffle_each_iteration=True: "
+                    f"its order in epoch {self._epoch + 1} of this process differs from the uninterrupted run's, so "
+                    "the resume is not exact. Fix: shuffle(..., reshuffle_each_iteration=False) over a dataset "
+                    "re-shuffled per epoch with a seed derived from the epoch, or keras_scale.fit's shuffling.",
+                    RuntimeWarning, stacklevel=2)
+        if self._start_state_wanted and self._restored_from is None:
+            self._start_state = [v.numpy() for v in self._start_variables()]
+            self._start_step = self._global_step
+        optimizer = model.optimizer
+        if optimizer is not None:
+            with tf.init_scope():
+                self._iter_backup = tf.Variable(0, dtype=optimizer.iterations.dtype, trainable=False,
+                                                name="ks_iterations_backup")
+
+    def _start_variables(self) -> List[Any]:
+        return list(self.model.variables) + _optimizer_variables(self.model)
+
+    def _plan_for_batch_size(self, iterator: Any) -> None:
+        """Position is kept in samples: convert the batches to skip to the batch size of this run."""
+        old = self._saved_batch_size
+        if not old:
+            return  # unknown (older checkpoint): assume the batch size is unchanged
+        new = _batch_samples(iterator.get_next(), self.model.distribute_strategy)
+        self._preread = 1
+        if not new or new == old:
+            self._batch_size = new
+            return
+        spe = int(getattr(self.model, "steps_per_execution", 1) or 1)
+        prefix_samples = self._skip_prefix * old
+        epoch_samples = self._skip_calls * spe * old
+        steps = (self.params or {}).get("steps")
+        if not prefix_samples and steps and epoch_samples > (int(steps) - 1) * new:
+            # saved at the end of its epoch (its last batch may have been short): this whole epoch is done
+            self._skip_calls = -(-int(steps) // spe)
+            self._batch_size = new
+            return
+        if prefix_samples % new or epoch_samples % (new * spe):
+            raise ValueError(
+                f"ChiefCheckpoint: {self._restored_from!r} was written with {old} samples per batch, "
+                f"{epoch_samples} samples into epoch {self._epoch + 1}"
+                + (f" ({prefix_samples} more read by earlier epochs from the same iterator)" if prefix_samples else "")
+                + f"; this run has {new} samples per batch, which does not divide that position, so resuming would "
+                f"skip or repeat samples. Fix: resume with a batch size that divides {epoch_samples} (e.g. {old}), "
+                "or start over in a new directory.")
+        self._skip_prefix = prefix_samples // new
+        self._skip_calls = epoch_samples // (new * spe)
+        self._batch_size = new
+        self._say(f"ChiefCheckpoint: batch size {old} -> {new}: skipping {self._skip_prefix + self._skip_calls * spe}"
+                  " batches", routine=False)
+
+    def _fresh_iterator(self, exhausted: Any) -> Any:
+        if exhausted is not self._prefix_skipped_on and exhausted is not self._own_stream:
+            return None
+        self._prefix_skipped_on = None
+        datasets = [getattr(exhausted, "_dataset", None)] if not hasattr(exhausted, "_iterators") else []
+        if not datasets or not isinstance(datasets[0], tf.data.Dataset):
+            warnings.warn(
+                "ChiefCheckpoint: the resumed run's data iterator ran out where the uninterrupted run would have "
+                "started a new one (steps_per_epoch over a dataset without repeat()); this epoch ends early. Fix: "
+                "add .repeat() to the dataset when you pass steps_per_epoch.", RuntimeWarning, stacklevel=3)
+            return None
+        return iter(datasets[0])
+
+    def _skip(self, iterator: Any, num_batches: int) -> None:
+        take = min(self._preread, num_batches)
+        self._preread -= take
+        for _ in range(int(num_batches - take)):
+            iterator.get_next()
+
+    def _train_call_once(self, inner: Any, iterator: Any) -> Any:
+        spe = int(getattr(self.model, "steps_per_execution", 1) or 1)
+        if self._first_call:
+            self._first_call = False
+            self._on_first_call(iterator)
+        use = self._own_stream if self._own_stream is not None else iterator
+        if use is not self._iterator:  # a fresh data iterator (a new epoch over a finite dataset)
+            self._iterator = use
             self._stream_pos = 0
+            self._may_run_out = _cardinality(use) == tf.data.UNKNOWN_CARDINALITY
         if self._pending_epoch_save:
             self._pending_epoch_save = False
             self._save(self._epoch, 0, self._stream_pos)
         if self._skip_prefix:
-            _skip_batches(iterator, self._skip_prefix)
+            self._skip(use, self._skip_prefix)
             self._stream_pos += self._skip_prefix
             self._skip_prefix = 0
+            self._prefix_skipped_on = use
         if self._skip_calls > 0:
             self._skip_calls -= 1
-            _skip_batches(iterator, spe)
+            self._skip(use, spe)
             self._stream_pos += spe
             self._last_call_skipped = True
             return self.model.get_metrics_result()
         self._last_call_skipped = False
-        out = inner(iterator)
+        measure = not self._batch_size and self._measure_tries < 5
+        before = _loss_count(self.model) if measure else None
+        # Only where Keras may call past the end: data of unknown length, or an iterator we skipped into.
+        backup = self._iter_backup if (self._may_run_out or use is self._prefix_skipped_on
+                                       or use is self._own_stream) else None
+        if backup is not None:
+            backup.assign(self.model.optimizer.iterations)
+        try:
+            out = inner(use)
+        except tf.errors.OutOfRangeError:
+            # Keras calls the train function once more on an exhausted iterator of unknown length; that call
+            # still bumps optimizer.iterations (a phantom update that schedules would count): undo it.
+            if backup is not None:
+                self.model.optimizer.iterations.assign(backup)
+            else:
+                log.warning("ChiefCheckpoint: a data iterator of known length ran out; optimizer.iterations may "
+                            "count one phantom update")
+            fresh = self._fresh_iterator(use)
+            if fresh is None:
+                raise
+            # steps_per_epoch over finite data: Keras renews its iterator by its own count of batches, which in a
+            # resumed process misses the batches skipped from earlier epochs. From here on read the data the way
+            # the uninterrupted run did: a fresh pass when one runs out, at an epoch start or ending the epoch.
+            self._own_stream = fresh
+            self._iterator, self._stream_pos, use = fresh, 0, fresh
+            if self._step_in_epoch:
+                raise
+            out = inner(use)
         self._stream_pos += spe
         self._global_step += spe
+        if measure:
+            self._measure_tries += 1
+            after = _loss_count(self.model)
+            if before is not None and after is not None and after > before:
+                per_batch = (after - before) / spe
+                if per_batch == int(per_batch):
+                    self._batch_size = int(per_batch)
         return out
 
+    # ------------------------------------------------------------------ saving
     def _save(self, epoch: int, step_in_epoch: int, stream_pos: int) -> Optional[str]:
-        if self._global_step == self._last_saved_step:
-            return None  # this exact state is already on disk
-        if self._checkpoint is None:  # model built by its first step
-            self._ensure_built()
-            self._build_checkpoint()
-        self._vars["epoch"].assign(epoch)
-        self._vars["step_in_epoch"].assign(step_in_epoch)
-        self._vars["stream_pos"].assign(stream_pos)
-        self._vars["global_step"].assign(self._global_step)
-        self._signature.assign(json.dumps(_signature(self.model)))
-        path = self._manager.save(checkpoint_number=self._global_step, options=self._options)
-        self._last_saved_step = self._global_step
-        self._say(f"ChiefCheckpoint: saved {path} ({_describe(epoch, step_in_epoch)})")
+        started = time.perf_counter()
+        try:
+            return self._save_untimed(epoch, step_in_epoch, stream_pos)
+        finally:
+            self.blocked_s += time.perf_counter() - started
+
+    def _save_untimed(self, epoch: int, step_in_epoch: int, stream_pos: int) -> Optional[str]:
+        path = None
+        if self._global_step != self._last_saved_step:
+            if self._checkpoint is None:  # model built by its first step
+                self._ensure_built()
+                self._build_checkpoint()
+            self._vars["epoch"].assign(epoch)
+            self._vars["step_in_epoch"].assign(step_in_epoch)
+            self._vars["stream_pos"].assign(stream_pos)
+            self._vars["global_step"].assign(self._global_step)
+            self._vars["batch_size"].assign(self._batch_size)
+            self._signature.assign(json.dumps(_signature(self.model)))
+            self._epoch_logs_var.assign(self._epoch_logs_json())
+            path = self._manager.save(checkpoint_number=self._global_step, options=self._options)
+            self._last_saved_step = self._global_step
+            self._last_saved_prefix = path
+            self._start_state = None  # a real checkpoint now exists for restore_latest
+            self._say(f"ChiefCheckpoint: saved {path} ({_describe(epoch, step_in_epoch)})")
+        if self._pending_best is not None:
+            self._keep_best(*self._pending_best)
+            self._pending_best = None
         return path
 
-    def _say(self, message: str) -> None:
+    def _epoch_logs_json(self) -> str:
+        if self._last_epoch_logs is None:
+            return json.dumps(self._saved_epoch_logs) if self._saved_epoch_logs else ""
+        epoch, logs = self._last_epoch_logs
+        clean = {}
+        for k, v in dict(logs or {}).items():
+            try:
+                clean[str(k)] = float(v)
+            except (TypeError, ValueError):
+                continue
+        return json.dumps({"epoch": epoch, "logs": clean})
+
+    # ------------------------------------------------------------------ best-k
+    def _consider_best(self, epoch: int, logs: Any) -> None:
+        if not self.keep_best_k:
+            return
+        value = (logs or {}).get(self.monitor)
+        if value is None:
+            if not self._warned_monitor:
+                self._warned_monitor = True
+                warnings.warn(f"ChiefCheckpoint: keep_best_k needs {self.monitor!r} in the epoch logs, which hold "
+                              f"{sorted(logs or {})}; no best checkpoint kept for this epoch.", RuntimeWarning,
+                              stacklevel=3)
+            return
+        value = float(value)
+        if math.isnan(value):
+            return
+        best = self._best
+        if len(best) >= self.keep_best_k and not self._better(value, best[-1]["value"]):
+            return
+        self._pending_best = (value, epoch)
+        self._pending_epoch_save = True  # the epoch-end state is saved (at the next step or at train end)
+
+    def _better(self, a: float, b: float) -> bool:
+        return a < b if self.mode == "min" else a > b
+
+    def _best_dir(self) -> str:
+        return os.path.join(self.directory, _BEST_DIR)
+
+    def _read_best(self) -> List[Dict[str, Any]]:
+        try:
+            with tf.io.gfile.GFile(os.path.join(self._best_dir(), "best.json")) as f:
+                entries = json.load(f)
+        except Exception:  # noqa: BLE001 - none yet
+            return []
+        return sorted(entries, key=lambda e: e["value"], reverse=self.mode == "max")
+
+    def _keep_best(self, value: float, epoch: int) -> None:
+        """Copy (hard-link where possible) the checkpoint just saved for this epoch's end into ``best/``."""
+        if self._last_saved_prefix is None:
+            return
+        number = self._last_saved_step
+        entries = [e for e in self._best if e["number"] != number]
+        entries.append({"number": number, "value": value, "epoch": epoch, "monitor": self.monitor})
+        entries.sort(key=lambda e: e["value"], reverse=self.mode == "max")
+        self._best, drop = entries[: self.keep_best_k], entries[self.keep_best_k:]
+        if not self._chief:  # every worker keeps the same list; only the chief writes files
+            return
+        self._wait()  # the files must be complete before they are linked
+        best_dir = self._best_dir()
+        tf.io.gfile.makedirs(best_dir)
+        src_name = os.path.basename(self._last_saved_prefix)
+        for name in tf.io.gfile.listdir(self.directory):
+            if name == src_name + ".index" or name.startswith(src_name + ".data-"):
+                src, dst = os.path.join(self.directory, name), os.path.join(best_dir, name)
+                try:
+                    if not _is_local(src):
+                        raise OSError
+                    if os.path.exists(dst):
+                        os.remove(dst)
+                    os.link(src, dst)
+                except OSError:
+                    tf.io.gfile.copy(src, dst, overwrite=True)
+        for e in drop:
+            for name in tf.io.gfile.listdir(best_dir):
+                if name.startswith(f"{_NAME}-{e['number']}."):
+                    tf.io.gfile.remove(os.path.join(best_dir, name))
+        tmp = os.path.join(best_dir, "best.json.tmp")
+        with tf.io.gfile.GFile(tmp, "w") as f:
+            json.dump(self._best, f)
+        tf.io.gfile.rename(tmp, os.path.join(best_dir, "best.json"), overwrite=True)
+        self._say(f"ChiefCheckpoint: {self.monitor}={value:.6g} at epoch {epoch + 1}: kept as "
+                  f"{os.path.join(best_dir, src_name)!r}")
+
+    # ------------------------------------------------------------------ output and waiting
+    def _say(self, message: str, routine: bool = True) -> None:
         log.info(message)
-        if self.verbose and self._chief:
-            print(message, flush=True)
+        if self._chief and (self.verbose or not routine):
+            from keras.src.utils.io_utils import print_msg
+
+            print_msg(message)
 
     def _wait(self) -> None:
         if self._manager is not None:
             self._manager.sync()
+
+    def _timed_wait(self) -> None:
+        started = time.perf_counter()
+        try:
+            self._wait()
+        finally:
+            self.blocked_s += time.perf_counter() - started

@@ -29,37 +29,6 @@ from keras_scale.callbacks._scalars import ChiefScalars
 from keras_scale.schedules import scale_learning_rate
 
 
-def checkpoint_for(model: keras.Model) -> Any:
-    """The ChiefCheckpoint taking part in ``model``'s fit, if any (rollback restores from it)."""
-    from keras_scale.callbacks import checkpoint as checkpoint_lib
-
-    lookup = getattr(checkpoint_lib, "checkpoint_for", None)
-    if lookup is not None:
-        return lookup(model)
-    return getattr(model, "_keras_scale_checkpoint", None)
-
-__all__ = ["NanGuard", "NanReport", "NanGuardGaveUp"]
-
-POLICIES = ("skip", "stop", "rollback")
-
-_ADVICE = {
-    "inputs": "clean the data: the batch itself holds NaN/Inf. Fix the preprocessing, or drop such rows with "
-              "dataset.filter(lambda x, y: tf.reduce_all(tf.math.is_finite(x))); keras_scale.data.check(ds) "
-              "lints the pipeline.",
-    "targets": "clean the labels: the targets hold NaN/Inf (missing values encoded as NaN?). Fill or drop them.",
-    "sample_weight": "the sample weights hold NaN/Inf: fix how they are computed.",
-    "predictions": "the forward pass overflowed on finite inputs: lower the learning rate or add warmup "
-                   "(keras_scale.WarmupCosine; large batches need it with the linear scaling rule); under "
-                   "mixed_float16 keep the output layer and the loss in float32 (dtype='float32') or use "
-                   "mixed_bfloat16; look for exp/log/division in custom layers.",
-    "loss": "the loss is non-finite on finite predictions: a log(0) or division in the loss; use from_logits=True "
-            "with raw logits, clip probabilities, and compute the loss in float32.",
-    "gradients": "the gradients overflowed: lower the learning rate or add warmup, clip with "
-                 "global_clipnorm, and under float16 use loss scaling (LossScaleOptimizer) or mixed_bfloat16.",
-}
-_ORDER = ("inputs", "targets", "sample_weight", "predictions", "loss", "gradients")
-
-
 class NanGuardGaveUp(RuntimeError):
     """Raised when ``policy="rollback"`` exceeded ``max_rollbacks``."""
 
@@ -219,6 +188,8 @@ class NanGuard(keras.callbacks.Callback):
 
     @property
     def _checkpoint(self) -> Any:
+        from keras_scale.callbacks.checkpoint import checkpoint_for  # order-independent, valid from set_model on
+
         return checkpoint_for(self.model)
 
     def _say(self, message: str, incident: bool = False) -> None:

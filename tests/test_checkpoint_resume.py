@@ -1,0 +1,289 @@
+"""ChiefCheckpoint resume semantics with the usual model (metrics compiled): the resumed epoch's metrics, a changed
+batch size, tf.data order, no phantom updates, a finished run, rollback before the first save, best-k, output."""
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_scale as ks
+from keras_scale.callbacks.checkpoint import checkpoint_for, list_checkpoints
+
+NUM_SAMPLES, BATCH = 80, 8  # 10 batches per epoch
+X = np.random.RandomState(0).rand(NUM_SAMPLES, 4).astype("float32")
+Y = (X @ np.array([[1.0], [-2.0], [0.5], [3.0]], "float32")).astype("float32")
+
+
+def make_model(optimizer=None):
+    keras.utils.set_random_seed(7)
+    m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
+    m.compile(optimizer=optimizer() if optimizer else keras.optimizers.Adam(1e-2), loss="mse",
+              metrics=["mae", keras.metrics.RootMeanSquaredError(name="rmse")])
+    return m
+
+
+class StopAfter(keras.callbacks.Callback):
+    """Stops gracefully once the optimizer applied ``num_steps`` updates: a stand-in for a crash point."""
+
+    def __init__(self, num_steps):
+        super().__init__()
+        self.num_steps = num_steps
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.optimizer.iterations.numpy()) >= self.num_steps:
+            self.model.stop_training = True
+
+
+def weights(model):
+    return [v.numpy().copy() for v in model.weights]
+
+
+def assert_same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+
+
+def fit(model, callbacks, epochs=3, x=X, y=Y, **kw):
+    kw.setdefault("batch_size", BATCH)
+    kw.setdefault("shuffle", False)
+    return model.fit(x, y, epochs=epochs, verbose=0, callbacks=callbacks, **kw)
+
+
+@pytest.mark.parametrize("save_freq, stop_at", [(3, 14), (10, 10)])
+def test_resumed_epoch_reports_the_metrics_of_the_whole_epoch(tmp_path, save_freq, stop_at):
+    """Mid-epoch (14 = epoch 2, batch 4) and at an epoch's end by save_freq=10: the resumed epoch's loss and
+    metrics continue from their saved state, so they equal the uninterrupted run's."""
+    ref = make_model()
+    expected = fit(ref, []).history
+    d = str(tmp_path / "ckpt")
+    fit(make_model(), [ks.ChiefCheckpoint(d, save_freq=save_freq), StopAfter(stop_at)])
+    resumed = make_model()
+    history = fit(resumed, [ks.ChiefCheckpoint(d, save_freq=save_freq)]).history
+    assert_same(weights(resumed), weights(ref))
+    assert history.keys() == expected.keys()
+    # mid-epoch: epochs 2 and 3; at epoch 1's end: epoch 1 is replayed (all batches skipped, its end callbacks
+    # run again) with its restored metrics, then 2 and 3
+    first = 1 if save_freq == 3 else 0
+    for key in expected:
+        np.testing.assert_allclose(history[key], expected[key][first:], rtol=1e-5, err_msg=key)
+
+
+def test_wrapped_model_with_metrics_resumes_with_exact_metrics(tmp_path):
+    def model():
+        keras.utils.set_random_seed(7)
+        inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
+        wrapped = ks.wrap(inner, accum=2)
+        wrapped.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+        return wrapped
+
+    ref = model()
+    expected = fit(ref, [], epochs=2).history
+    d = str(tmp_path / "ckpt")
+    fit(model(), [ks.ChiefCheckpoint(d, save_freq=4), StopAfter(6)], epochs=2)
+    resumed = model()
+    history = fit(resumed, [ks.ChiefCheckpoint(d, save_freq=4)], epochs=2).history
+    assert_same(weights(resumed), weights(ref))
+    for key in expected:
+        np.testing.assert_allclose(history[key], expected[key], rtol=1e-5, err_msg=key)
+
+
+def test_mirrored_resume_with_metrics(tmp_path, mirrored):
+    def model():
+        with mirrored.scope():
+            return make_model()
+
+    ref = model()
+    expected = fit(ref, [], epochs=2).history
+    d = str(tmp_path / "ckpt")
+    fit(model(), [ks.ChiefCheckpoint(d, save_freq=3), StopAfter(13)], epochs=2)
+    resumed = model()
+    history = fit(resumed, [ks.ChiefCheckpoint(d, save_freq=3)], epochs=2).history
+    assert_same(weights(resumed), weights(ref))
+    np.testing.assert_allclose(history["loss"], expected["loss"][1:], rtol=1e-5)
+    np.testing.assert_allclose(history["mae"], expected["mae"][1:], rtol=1e-5)
+
+
+@pytest.mark.parametrize("new_batch", [16, 4])
+def test_batch_size_change_keeps_the_position_in_samples(tmp_path, new_batch):
+    """Saved after 4 batches of 8 (sample 32); resumed with 16 or 4 samples per batch, training continues at
+    sample 32: every sample of every epoch is trained exactly once."""
+    d = str(tmp_path / "ckpt")
+    fit(make_model(), [ks.ChiefCheckpoint(d, save_freq=4), StopAfter(4)], epochs=2)
+    resumed = make_model()
+    ckpt = ks.ChiefCheckpoint(d, save_freq=4)
+    fit(resumed, [ckpt], epochs=2, batch_size=new_batch)
+
+    # the same schedule by hand: 4 batches of 8, then the rest of epoch 1 and epoch 2 with the new batch size
+    ref = make_model()
+    fit(ref, [StopAfter(4)], epochs=1)
+    fit(ref, [], epochs=1, x=X[32:], y=Y[32:], batch_size=new_batch)
+    fit(ref, [], epochs=1, batch_size=new_batch)
+    assert int(resumed.optimizer.iterations.numpy()) == 4 + 48 // new_batch + 80 // new_batch
+    np.testing.assert_allclose(np.concatenate([w.ravel() for w in weights(resumed)]),
+                               np.concatenate([w.ravel() for w in weights(ref)]), rtol=1e-5, atol=1e-6)
+
+
+def test_batch_size_that_does_not_divide_the_position_is_refused_before_training(tmp_path):
+    d = str(tmp_path / "ckpt")
+    fit(make_model(), [ks.ChiefCheckpoint(d, save_freq=4), StopAfter(4)], epochs=2)
+    resumed = make_model()
+    with pytest.raises(ValueError, match=r"8 samples per batch, 32 samples into epoch 1.*12 samples per batch.*"
+                                         r"divides 32 \(e\.g\. 8\)"):
+        fit(resumed, [ks.ChiefCheckpoint(d, save_freq=4)], epochs=2, batch_size=12)
+    assert int(resumed.optimizer.iterations.numpy()) == 4  # the restored state; nothing trained
+
+
+def test_no_phantom_update_on_data_of_unknown_length(tmp_path):
+    """Keras calls the train function once more on an exhausted iterator of unknown length, and that call bumps
+    optimizer.iterations (Adam's bias correction and schedules count it). With ChiefCheckpoint: one update per
+    batch, the same weights as on data of known length."""
+    unknown = tf.data.Dataset.from_tensor_slices((X, Y)).filter(lambda x, y: True).batch(BATCH)
+    known = tf.data.Dataset.from_tensor_slices((X, Y)).batch(BATCH)
+    ref = make_model()
+    ref.fit(known, epochs=2, verbose=0)
+    model = make_model()
+    model.fit(unknown, epochs=2, verbose=0, callbacks=[ks.ChiefCheckpoint(str(tmp_path / "ckpt"))])
+    assert int(model.optimizer.iterations.numpy()) == int(ref.optimizer.iterations.numpy()) == 20
+    assert_same(weights(model), weights(ref))
+
+
+def test_resume_with_steps_per_epoch_over_finite_data_without_repeat(tmp_path):
+    """steps_per_epoch=5 over 10 batches without repeat(): Keras continues one iterator over 2 epochs and renews
+    it by its own count, which a resumed process does not have. Resumed mid-epoch 2: exact, 15 updates."""
+    ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(BATCH)
+    ref = make_model()
+    ref.fit(ds, epochs=3, steps_per_epoch=5, verbose=0)
+    d = str(tmp_path / "ckpt")
+    make_model().fit(ds, epochs=3, steps_per_epoch=5, verbose=0,
+                     callbacks=[ks.ChiefCheckpoint(d, save_freq=3), StopAfter(7)])
+    resumed = make_model()
+    resumed.fit(ds, epochs=3, steps_per_epoch=5, verbose=0, callbacks=[ks.ChiefCheckpoint(d, save_freq=3)])
+    assert int(resumed.optimizer.iterations.numpy()) == int(ref.optimizer.iterations.numpy()) == 15
+    assert_same(weights(resumed), weights(ref))
+
+
+def test_reshuffling_seeded_pipeline_is_reported_at_resume(tmp_path):
+    d = str(tmp_path / "ckpt")
+
+    def data(reshuffle):
+        return tf.data.Dataset.from_tensor_slices((X, Y)).shuffle(80, seed=1, reshuffle_each_iteration=reshuffle
+                                                                  ).batch(BATCH)
+
+    fit_kw = dict(epochs=2, verbose=0)
+    make_model().fit(data(True), callbacks=[ks.ChiefCheckpoint(d, save_freq=4), StopAfter(12)], **fit_kw)
+    with pytest.warns(RuntimeWarning, match=r"reshuffle_each_iteration=True.*not exact"):
+        make_model().fit(data(True), callbacks=[ks.ChiefCheckpoint(d, save_freq=4)], **fit_kw)
+
+    # reshuffle_each_iteration=False resumes exactly, without a warning
+    d2 = str(tmp_path / "ckpt2")
+    ref = make_model()
+    ref.fit(data(False), **fit_kw)
+    make_model().fit(data(False), callbacks=[ks.ChiefCheckpoint(d2, save_freq=4), StopAfter(12)], **fit_kw)
+    resumed = make_model()
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        resumed.fit(data(False), callbacks=[ks.ChiefCheckpoint(d2, save_freq=4)], **fit_kw)
+    assert_same(weights(resumed), weights(ref))
+
+
+def test_finished_run_says_already_complete(tmp_path, capsys):
+    d = str(tmp_path / "ckpt")
+    done = fit(make_model(), [ks.ChiefCheckpoint(d)], epochs=2)
+    capsys.readouterr()
+    again = make_model()
+    history = fit(again, [ks.ChiefCheckpoint(d)], epochs=2)
+    out = capsys.readouterr().out
+    assert "already complete (2 epochs, global batch 20)" in out and "larger epochs=" in out
+    assert "resuming" not in out
+    assert history.epoch == [1]
+    assert history.history["rmse"] == [done.history["rmse"][-1]]
+    assert int(again.optimizer.iterations.numpy()) == 20
+    # a larger epochs= continues
+    history = fit(again, [ks.ChiefCheckpoint(d)], epochs=3)
+    assert history.epoch == [2] and int(again.optimizer.iterations.numpy()) == 30
+
+
+@pytest.mark.parametrize("guard_first", [False, True])
+def test_rollback_before_the_first_save_works_in_either_callback_order(tmp_path, guard_first):
+    """A NaN streak before the first save: NanGuard(policy="rollback") restores the state the fit started from
+    (kept by ChiefCheckpoint until its first save), whichever of the two callbacks comes first."""
+    bad = X.copy()
+    bad[16:40] = np.nan  # batches 3..5 of epoch 1: 3 bad steps in a row
+    guard = ks.NanGuard(policy="rollback", max_consecutive=3, max_rollbacks=2, verbose=0)
+    ckpt = ks.ChiefCheckpoint(str(tmp_path / "ckpt"), save_freq="epoch")
+    seen = {}
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            seen["found"] = checkpoint_for(self.model)
+            seen["initial"] = weights(self.model)
+
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 4:
+                seen["after_rollback"] = weights(self.model)
+
+    model = make_model()
+    callbacks = [guard, ckpt, Probe()] if guard_first else [ckpt, guard, Probe()]
+    fit(model, callbacks, epochs=1, x=bad)
+    assert seen["found"] is ckpt
+    assert guard.rollbacks == 1 and guard.reports[0].source == "inputs"
+    assert_same(seen["after_rollback"], seen["initial"])  # rolled back to the start state (weights + optimizer)
+
+
+def test_checkpoint_for_is_none_outside_its_fit(tmp_path):
+    model = make_model()
+    ckpt = ks.ChiefCheckpoint(str(tmp_path / "ckpt"))
+    fit(model, [ckpt], epochs=1)
+    found = {}
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            found["ckpt"] = checkpoint_for(self.model)
+
+    fit(model, [Probe()], epochs=1)  # a later fit without it
+    assert found["ckpt"] is None
+
+
+def test_keep_best_k_by_monitor_beside_the_newest(tmp_path):
+    d = str(tmp_path / "ckpt")
+    ckpt = ks.ChiefCheckpoint(d, max_to_keep=1, keep_best_k=2, monitor="val_loss")
+    model = make_model(optimizer=lambda: keras.optimizers.SGD(0.3))  # a noisy val_loss: not monotone
+    at_epoch_end = {}
+
+    class Keep(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            at_epoch_end[epoch] = weights(self.model)
+
+    history = fit(model, [ckpt, Keep()], epochs=6, validation_data=(X[:40] + 0.1, Y[:40])).history
+    order = sorted(range(6), key=lambda e: history["val_loss"][e])[:2]
+    best = ckpt.best_checkpoints
+    assert [v for v, _ in best] == pytest.approx([history["val_loss"][e] for e in order], rel=1e-6)
+    assert [int(p.rsplit("-", 1)[1]) for _, p in best] == [10 * (e + 1) for e in order]
+    assert [n for n, _ in list_checkpoints(d)] == [60]  # max_to_keep=1 for the newest, unaffected
+    assert sorted(f for f in os.listdir(os.path.join(d, "best")) if f.endswith(".index")) == sorted(
+        f"ckpt-{10 * (e + 1)}.index" for e in order)
+    # a kept best checkpoint loads: the weights of that epoch's end
+    assert ckpt.restore_checkpoint(best[0][1]) == 10 * (order[0] + 1)
+    assert_same(weights(model), at_epoch_end[order[0]])
+
+
+def test_quiet_by_default_and_verbose_prints_saves(tmp_path, capsys):
+    fit(make_model(), [ks.ChiefCheckpoint(str(tmp_path / "a"), save_freq=5)], epochs=1)
+    assert "ChiefCheckpoint" not in capsys.readouterr().out
+    fit(make_model(), [ks.ChiefCheckpoint(str(tmp_path / "b"), save_freq=5, verbose=1)], epochs=1)
+    out = capsys.readouterr().out
+    assert "ChiefCheckpoint: saved" in out and out.count("saved") == 2
+
+
+def test_blocked_s_counts_saves_and_is_reset_each_fit(tmp_path):
+    d = str(tmp_path / "ckpt")
+    ckpt = ks.ChiefCheckpoint(d, save_freq=1, async_save=True)
+    fit(make_model(), [ckpt], epochs=1)
+    first = ckpt.blocked_s
+    assert first > 0
+    ckpt2 = ks.ChiefCheckpoint(d, save_freq=1, async_save=True)
+    fit(make_model(), [ckpt2], epochs=1)  # already complete: nothing saved
+    assert 0 <= ckpt2.blocked_s < first
