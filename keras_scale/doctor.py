@@ -787,12 +787,6 @@ def doctor(nvml: Any = None, probe_tensorflow: bool = True) -> Dict[str, Any]:
     return report(gather_facts(nvml=nvml, probe_tensorflow=probe_tensorflow))
 
 
-if __name__ != "__main__":
-    from keras_scale._modules import forward_calls_to
-
-    forward_calls_to(__name__, "doctor")  # ks.doctor stays the function after `import keras_scale.doctor`
-
-
 # ================================================================================================= output
 _MARK = {"ok": "ok", "warn": "WARN", "error": "ERROR", "skip": "skip"}
 

@@ -604,8 +604,3 @@ def fit(
                    "; pass checkpoint_dir= to resume instead of restarting.")
             ) from e
         raise
-
-
-from keras_scale._modules import forward_calls_to  # noqa: E402
-
-forward_calls_to(__name__, "fit")  # ks.fit stays the function after `import keras_scale.fit`
