@@ -89,6 +89,10 @@ class AccumulatingModel(keras.Model):
 
     def _check_batch_size(self, x: Any, batch_size: Optional[int]) -> None:
         """Fail at fit start (not mid-epoch) when the per-replica batch cannot hold ``accum`` micro-batches."""
+        if isinstance(x, tf.data.Dataset) and _looks_unbatched(x):
+            raise ValueError(
+                "the dataset is not batched (its elements are single samples), so there is no batch to split into "
+                "micro-batches: batch your dataset, e.g. model.fit(dataset.batch(32), ...).")
         if self.accum is None:
             return
         if batch_size is None and isinstance(x, tf.data.Dataset):
@@ -123,6 +127,22 @@ class AccumulatingModel(keras.Model):
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(config.pop("inner"), custom_objects=custom_objects)
         return cls(inner, **config)
+
+
+def _looks_unbatched(ds: tf.data.Dataset) -> bool:
+    """Elements are single samples: a scalar leaf, or ``from_tensor_slices`` with no batch operation after it."""
+    if any(getattr(spec, "shape", None) is not None and spec.shape.rank == 0
+           for spec in tf.nest.flatten(ds.element_spec)):
+        return True
+    node: Any = ds
+    while node is not None:
+        name = type(node).__name__
+        if "Batch" in name or "Window" in name:
+            return "Unbatch" in name
+        if name == "_TensorSliceDataset":
+            return True
+        node = getattr(node, "_input_dataset", None)
+    return False
 
 
 def wrap(model: keras.Model, accum: Optional[int] = None, micro_batch_size: Optional[int] = None,
