@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 
 # The declared floors (pyproject.toml): `make test-floor` tests them in a separate venv.
 FLOOR_TF    := 2.16.2
-FLOOR_KERAS := 3.8.0
+FLOOR_KERAS := 3.10.0
 FLOOR_VENV  := .venv-floor
 FLOOR_TESTS := tests/test_schedules.py tests/test_accumulation.py tests/test_nan_guard.py tests/test_fit.py \
                tests/test_plateau_and_lr_logger.py tests/test_cli_and_launch.py

@@ -13,8 +13,8 @@ installed, that includes the Keras-serializable classes (``AccumulatingModel``, 
 Two cases import only the TensorFlow-free part (``doctor``, ``launch_local_workers``, ``is_chief``,
 ``choose_strategy``, ...): a machine without TensorFlow or Keras, and the ``keras-scale`` command line, whose entry
 module :mod:`keras_scale_cli` is imported before this package (so ``keras-scale version`` and every ``--help`` start
-without TensorFlow, and ``keras-scale doctor`` survives a TensorFlow that crashes or hangs at import). The other
-names then import on first use.
+without TensorFlow, and ``keras-scale doctor`` survives a TensorFlow that crashes or hangs at import). There,
+asking for another name raises an error that says why; a command that needs one imports its module directly.
 """
 from __future__ import annotations
 

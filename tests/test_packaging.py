@@ -56,6 +56,6 @@ def test_sdist_metadata_states_license_floors_and_entry_point(sdist):
 
     assert f"Version: {keras_scale.__version__}" in pkg_info
     requires = archive.extractfile(f"{root}/keras_scale.egg-info/requires.txt").read().decode().split()
-    assert "keras>=3.8" in requires and "tensorflow>=2.16" in requires
+    assert "keras>=3.10" in requires and "tensorflow>=2.16" in requires
     entry_points = archive.extractfile(f"{root}/keras_scale.egg-info/entry_points.txt").read().decode()
     assert "keras-scale = keras_scale_cli:main" in entry_points
