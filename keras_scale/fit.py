@@ -620,10 +620,9 @@ def _build(model_or_builder: Any, plan: _Plan, sync_bn: Any, jit_compile: Any, l
     if wrapped_by_user is not None:
         accum, micro = wrapped_by_user
         if plan.accum > 1 and accum != plan.accum:
-            raise ValueError(
-                f"the model is already wrapped by keras_scale.wrap ({'accum=%s' % accum if accum else 'micro_batch_size=%s' % micro})"
-                f" and fit got accum={plan.accum}: pass accum= to one of them only."
-            )
+            how = f"accum={accum}" if accum else f"micro_batch_size={micro}"
+            raise ValueError(f"the model is already wrapped by keras_scale.wrap ({how}) and fit got "
+                             f"accum={plan.accum}: pass accum= to one of them only.")
         if accum:
             plan.accum = accum
             batch_arithmetic(plan.replicas, per_replica_batch_size=plan.per_replica, accum=accum)  # it must fit
@@ -688,7 +687,8 @@ def _batch_line(plan: _Plan, model: keras.Model, dataset: tf.data.Dataset, epoch
         line += f", each split into micro-batches of {wrapped[1]}"
     elif plan.accum > 1:
         micro = -(-plan.per_replica // plan.accum)
-        line += f", each split into accum {plan.accum} micro-batches of {micro if plan.per_replica % plan.accum == 0 else f'<= {micro}'}"
+        size = str(micro) if plan.per_replica % plan.accum == 0 else f"<= {micro}"
+        line += f", each split into accum {plan.accum} micro-batches of {size}"
     line += f" ({strategy_name(plan.strategy)}, precision {plan.policy})"
     steps = fit_kwargs.get("steps_per_epoch") or (int(dataset.cardinality()) if int(dataset.cardinality()) > 0
                                                    else None)
@@ -779,7 +779,7 @@ def fit(
 
     Example:
         >>> history = fit(build_model, x, y, per_replica_batch_size=32, epochs=2)     # doctest: +SKIP
-        keras_scale: global batch 64 = 32 per replica x 2 replicas (MirroredStrategy, precision float32); 16 updates/epoch x 2 epochs = 32 optimizer updates (a schedule's total_steps)
+        keras_scale: global batch 64 = 32 per replica x 2 replicas (MirroredStrategy, precision float32); ...
     """
     _validate(model_or_builder, x, per_replica_batch_size, global_batch_size, epochs, accum, lr_scaling, sync_bn,
               jit_compile, fit_kwargs)

@@ -140,7 +140,8 @@ def test_public_functions_stay_callable_after_their_module_is_imported():
 # ---- launch --------------------------------------------------------------------------------------------------
 
 def test_launch_sets_distinct_tf_config_per_worker():
-    code = "import json, os; c = json.loads(os.environ['TF_CONFIG']); print(c['task']['index'], len(c['cluster']['worker']))"
+    code = ("import json, os; c = json.loads(os.environ['TF_CONFIG']); "
+            "print(c['task']['index'], len(c['cluster']['worker']))")
     results = launch_local_workers([sys.executable, "-c", code], num_workers=3, timeout_s=60, check=True)
     assert sorted(r.stdout.strip() for r in results) == ["0 3", "1 3", "2 3"]
     assert make_tf_config([1, 2], 1)["task"] == {"type": "worker", "index": 1}
