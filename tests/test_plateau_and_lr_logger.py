@@ -105,12 +105,14 @@ def test_plateau_bad_arguments_and_missing_monitor():
 
 # ---- LearningRateLogger --------------------------------------------------------------------------------------
 
-def _logged(log_dir, tag="learning_rate"):
+def _logged(log_dir, tag="optimizer/learning_rate"):
+    """(step, value) of every point of ``tag`` in the event files under ``log_dir``."""
     points = []
-    for name in sorted(os.listdir(os.path.join(log_dir, "learning_rate"))):
-        path = os.path.join(log_dir, "learning_rate", name)
-        points += [(e.step, float(tf.make_ndarray(v.tensor))) for e in tf.compat.v1.train.summary_iterator(path)
-                   for v in e.summary.value if v.tag == tag]
+    for root, _, files in sorted(os.walk(log_dir)):
+        for name in sorted(f for f in files if f.startswith("events.out.tfevents")):
+            path = os.path.join(root, name)
+            points += [(e.step, float(tf.make_ndarray(v.tensor)))
+                       for e in tf.compat.v1.train.summary_iterator(path) for v in e.summary.value if v.tag == tag]
     return points
 
 
@@ -148,8 +150,8 @@ def test_lr_logger_every_n_steps_momentum_weight_decay_and_plateau_order(tmp_pat
     multiplier = {0: 1.0, 1: 1.0, 2: 0.5}  # epoch 1's reduction applies from epoch 2 (steps 8..11)
     for step, value in points:
         assert value == pytest.approx(float(ks.WarmupCosine(0.05, 40, 4)(step)) * multiplier[step // 4], rel=1e-5)
-    assert [v for _, v in _logged(str(tmp_path), "momentum")] == pytest.approx([0.8] * 4)
-    assert [v for _, v in _logged(str(tmp_path), "weight_decay")] == pytest.approx([0.01] * 4)
+    assert [v for _, v in _logged(str(tmp_path), "optimizer/momentum")] == pytest.approx([0.8] * 4)
+    assert [v for _, v in _logged(str(tmp_path), "optimizer/weight_decay")] == pytest.approx([0.01] * 4)
 
 
 def test_lr_logger_constant_lr_under_mirrored_strategy(tmp_path, mirrored):

@@ -66,7 +66,7 @@ def _weight_decay(optimizer: Any) -> Optional[float]:
 
 
 class LearningRateLogger(keras.callbacks.Callback):
-    """Write ``learning_rate`` for every ``every_n_steps``-th optimizer update to TensorBoard (chief only).
+    """Write ``optimizer/learning_rate`` for every ``every_n_steps``-th optimizer update to TensorBoard (chief only).
 
     The x axis is the update index (``optimizer.iterations`` before the update); the value is the LR that update
     used: a float LR, or the schedule (``WarmupCosine``, any ``LearningRateSchedule``) evaluated at that index,
@@ -75,10 +75,10 @@ class LearningRateLogger(keras.callbacks.Callback):
     (and at the end of training), not during the epoch: the logger adds no per-step work or host read.
 
     Args:
-        log_dir: TensorBoard log directory; the scalars go to ``<log_dir>/learning_rate``.
+        log_dir: TensorBoard log directory (keras_scale's scalars share one run under it).
         every_n_steps: write one point every this many updates (1: every update).
-        log_momentum: also write ``momentum`` (SGD/RMSprop ``momentum``, Adam-family ``beta_1``).
-        log_weight_decay: also write ``weight_decay`` (the optimizer's ``weight_decay``, e.g. AdamW's).
+        log_momentum: also write ``optimizer/momentum`` (SGD/RMSprop ``momentum``, Adam-family ``beta_1``).
+        log_weight_decay: also write ``optimizer/weight_decay`` (the optimizer's ``weight_decay``, e.g. AdamW's).
 
     Example:
         >>> logger = LearningRateLogger("runs/quickstart", every_n_steps=10, log_momentum=True)
@@ -145,17 +145,18 @@ class LearningRateLogger(keras.callbacks.Callback):
         lrs = self.learning_rates(first, end)[start - first::self.every_n_steps]
         extra: Dict[str, float] = {}
         if self.log_momentum and self._has_momentum:
-            extra["momentum"] = _momentum(self.model.optimizer)
+            extra["optimizer/momentum"] = _momentum(self.model.optimizer)
         if self.log_weight_decay and self._has_weight_decay:
-            extra["weight_decay"] = _weight_decay(self.model.optimizer)
+            extra["optimizer/weight_decay"] = _weight_decay(self.model.optimizer)
         steps: List[int] = list(range(start, end, self.every_n_steps))
         for i, (step, lr_value) in enumerate(zip(steps, lrs)):
-            self._scalars.write({"learning_rate": float(lr_value), **extra}, step=step, flush=i == len(steps) - 1)
+            self._scalars.write({"optimizer/learning_rate": float(lr_value), **extra}, step=step,
+                                flush=i == len(steps) - 1)
         self.points_written += len(steps)
 
     # ---- Keras hooks -----------------------------------------------------------------------------------------
     def on_train_begin(self, logs: Optional[Dict] = None) -> None:
-        self._scalars = ChiefScalars(self.log_dir, "learning_rate", self.model.distribute_strategy)
+        self._scalars = ChiefScalars(self.log_dir, strategy=self.model.distribute_strategy)
         self._next_step = int(self.model.optimizer.iterations.numpy())  # a resumed run starts where it stopped
         self._has_momentum = _momentum(self.model.optimizer) is not None
         self._has_weight_decay = _weight_decay(self.model.optimizer) is not None
