@@ -165,3 +165,14 @@ def test_lr_logger_constant_lr_under_mirrored_strategy(tmp_path, mirrored):
     reducer = ks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=1, min_delta=1e9)
     model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[reducer])
     assert current_learning_rate(model.optimizer) == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize("schedule", [keras.optimizers.schedules.CosineDecay(0.1, decay_steps=10),
+                                      keras.optimizers.schedules.PiecewiseConstantDecay([3, 6], [0.1, 0.05, 0.01])])
+def test_lr_logger_evaluates_any_keras_schedule_per_update(tmp_path, schedule):
+    x, y = _data()
+    model = _model(keras.optimizers.SGD(schedule))
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[ks.LearningRateLogger(str(tmp_path))])
+    points = _logged(str(tmp_path))
+    assert [s for s, _ in points] == list(range(8))
+    assert [v for _, v in points] == pytest.approx([float(schedule(s)) for s in range(8)], rel=1e-5)

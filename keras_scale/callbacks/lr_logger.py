@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import keras
 import numpy as np
@@ -96,6 +96,7 @@ class LearningRateLogger(keras.callbacks.Callback):
         self._scalars: Any = None
         self._next_step = 0
         self._multiplier_at_epoch_start: Optional[float] = None
+        self._write_fn: Any = None
 
     # ---- what to write ---------------------------------------------------------------------------------------
     def _multiplier(self) -> Optional[float]:
@@ -148,14 +149,33 @@ class LearningRateLogger(keras.callbacks.Callback):
             extra["optimizer/momentum"] = _momentum(self.model.optimizer)
         if self.log_weight_decay and self._has_weight_decay:
             extra["optimizer/weight_decay"] = _weight_decay(self.model.optimizer)
-        steps: List[int] = list(range(start, end, self.every_n_steps))
-        for i, (step, lr_value) in enumerate(zip(steps, lrs)):
-            self._scalars.write({"optimizer/learning_rate": float(lr_value), **extra}, step=step,
-                                flush=i == len(steps) - 1)
+        steps = np.arange(start, end, self.every_n_steps, dtype=np.int64)
+        series = {"optimizer/learning_rate": lrs.astype(np.float32)}
+        series.update({tag: np.full(len(steps), value, np.float32) for tag, value in extra.items()})
+        self._write_series(steps, series)
+        self._scalars.write({}, step=int(steps[-1]), flush=True)
         self.points_written += len(steps)
+
+    def _write_series(self, steps: np.ndarray, series: Dict[str, np.ndarray]) -> None:
+        """All points of the epoch in ONE graph call (eager ``tf.summary.scalar`` costs ~0.1-0.5 ms per point)."""
+        import tensorflow as tf
+
+        if self._write_fn is None:
+            scalars = self._scalars
+
+            @tf.function(reduce_retracing=True)
+            def write_all(steps: tf.Tensor, series: Dict[str, tf.Tensor]) -> None:
+                for i in tf.range(tf.shape(steps)[0]):
+                    with tf.name_scope(""):  # tags as given, not prefixed with the loop's "while/"
+                        scalars.write({tag: values[i] for tag, values in series.items()}, step=steps[i],
+                                      flush=False)
+
+            self._write_fn = write_all
+        self._write_fn(tf.constant(steps), {tag: tf.constant(v) for tag, v in series.items()})
 
     # ---- Keras hooks -----------------------------------------------------------------------------------------
     def on_train_begin(self, logs: Optional[Dict] = None) -> None:
+        self._write_fn = None  # traced for this run's writer
         self._scalars = ChiefScalars(self.log_dir, strategy=self.model.distribute_strategy)
         self._next_step = int(self.model.optimizer.iterations.numpy())  # a resumed run starts where it stopped
         self._has_momentum = _momentum(self.model.optimizer) is not None
