@@ -169,6 +169,7 @@ def launch_local_workers(
     check: bool = False,
     stream: bool = False,
     forward_signals: bool = True,
+    reraise_signal: bool = True,
 ) -> List[WorkerResult]:
     """Start ``argv`` ``num_workers`` times with a loopback ``TF_CONFIG`` each; wait; return their results.
 
@@ -187,6 +188,9 @@ def launch_local_workers(
         forward_signals: while running (in the main thread), forward SIGTERM/SIGINT received by this process to
             every worker, wait ``grace_s``, then SIGKILL; a second signal kills at once. The handlers are
             restored on return.
+        reraise_signal: once the workers are gone, deliver the received signal again to this process's own
+            handler (Ctrl-C then raises ``KeyboardInterrupt``, SIGTERM ends the process as it would have);
+            ``False`` returns the results instead (their ``signal_forwarded`` says which signal).
 
     Example:
         >>> launch_local_workers([sys.executable, "-c", "print('hi')"], num_workers=2)[0].stdout
@@ -264,6 +268,8 @@ def launch_local_workers(
             pump.join(timeout=10)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    if received and reraise_signal and previous:
+        signal.raise_signal(received[0])  # the workers are gone: now this process reacts as it would have
     forwarded = received[0] if received else None
     results = [WorkerResult(i, p.returncode, pumps[2 * i].text(), pumps[2 * i + 1].text(),
                             bool(alive_at_deadline) and alive_at_deadline[i], forwarded)
@@ -325,7 +331,7 @@ def cli(argv: Sequence[str]) -> int:
     if args.grace_s < 0:
         parser.error(f"--grace-s must be >= 0, got {args.grace_s}")
     results = launch_local_workers(command, num_workers=args.workers, timeout_s=args.timeout_s,
-                                   grace_s=args.grace_s, stream=True)
+                                   grace_s=args.grace_s, stream=True, reraise_signal=False)
     status = exit_status(results)
     summary = ", ".join(f"worker {r.index}: exit {r.returncode}{' (timed out)' if r.timed_out else ''}"
                         for r in results)

@@ -287,3 +287,19 @@ def test_launch_timeout_is_opt_in_and_stops_the_workers(tmp_path):
                          timeout=60)
     assert out.returncode == 124, out.stderr
     assert "(timed out)" in out.stderr
+
+
+def test_launch_function_reraises_ctrl_c_after_stopping_the_workers(tmp_path):
+    # the library function (not the command line): Ctrl-C stops the workers, then raises KeyboardInterrupt as usual
+    (tmp_path / "worker.py").write_text(WORKER)
+    code = (
+        "import os, signal, sys, threading\n"
+        "from keras_scale.launch import launch_local_workers\n"
+        "threading.Timer(3.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()\n"
+        "try:\n"
+        "    launch_local_workers([sys.executable, 'worker.py', 'graceful'], num_workers=2, grace_s=5)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('KeyboardInterrupt after the workers stopped')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(tmp_path),
+                         env=dict(ENV, PYTHONPATH=REPO_ROOT), timeout=60)
+    assert "KeyboardInterrupt after the workers stopped" in out.stdout, out.stderr

@@ -46,10 +46,11 @@ class ReduceLROnPlateau(keras.callbacks.Callback):
         min_lr: the lower bound of the LR at a reduction.
 
     Example:
-        >>> lr = ks.WarmupCosine(1e-3, total_steps=10_000, warmup_steps=500)
-        >>> model.compile(optimizer=keras.optimizers.AdamW(lr), loss="mse")        # doctest: +SKIP
-        >>> model.fit(x, y, epochs=50, validation_split=0.1,
-        ...           callbacks=[ks.ReduceLROnPlateau("val_loss", factor=0.5, patience=3)])  # doctest: +SKIP
+        >>> from keras_scale.schedules import WarmupCosine
+        >>> reducer = ReduceLROnPlateau("val_loss", factor=0.5, patience=3)
+        >>> optimizer = keras.optimizers.AdamW(WarmupCosine(1e-3, total_steps=10_000, warmup_steps=500))
+        >>> model.compile(optimizer=optimizer, loss="mse")                                 # doctest: +SKIP
+        >>> model.fit(x, y, epochs=50, validation_split=0.1, callbacks=[reducer])         # doctest: +SKIP
     """
 
     def __init__(self, monitor: str = "val_loss", factor: float = 0.1, patience: int = 10, verbose: int = 0,
