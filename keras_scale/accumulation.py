@@ -88,18 +88,17 @@ class AccumulatingModel(keras.Model):
         return super().fit(x, y, batch_size=batch_size, **kwargs)
 
     def _check_batch_size(self, x: Any, batch_size: Optional[int]) -> None:
-        """Fail at fit start (not mid-epoch) when the per-replica batch cannot hold ``accum`` micro-batches."""
-        if isinstance(x, tf.data.Dataset) and _looks_unbatched(x):
-            raise ValueError(
-                "the dataset is not batched (its elements are single samples), so there is no batch to split into "
-                "micro-batches: batch your dataset, e.g. model.fit(dataset.batch(32), ...).")
-        if self.accum is None:
-            return
-        if batch_size is None and isinstance(x, tf.data.Dataset):
-            dims = [s.shape[0] for s in tf.nest.flatten(x.element_spec) if getattr(s, "shape", None) is not None
-                    and s.shape.rank]
-            batch_size = dims[0] if dims and dims[0] is not None else None
-        if batch_size is None:
+        """Fail at fit start (not mid-epoch): an unbatched dataset, or a per-replica batch smaller than ``accum``."""
+        if isinstance(x, tf.data.Dataset):
+            specs = [s for s in tf.nest.flatten(x.element_spec) if getattr(s, "shape", None) is not None]
+            if any(s.shape.rank == 0 for s in specs):
+                raise ValueError(
+                    "keras_scale.wrap splits each batch into micro-batches, but this dataset yields single samples "
+                    f"(element_spec {x.element_spec}): batch your dataset first, e.g. ds.batch(64).")
+            if batch_size is None:
+                dims = [s.shape[0] for s in specs if s.shape.rank]
+                batch_size = dims[0] if dims and dims[0] is not None else None
+        if self.accum is None or batch_size is None:
             return
         replicas = self.distribute_strategy.num_replicas_in_sync
         if batch_size // replicas < self.accum:
@@ -127,22 +126,6 @@ class AccumulatingModel(keras.Model):
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(config.pop("inner"), custom_objects=custom_objects)
         return cls(inner, **config)
-
-
-def _looks_unbatched(ds: tf.data.Dataset) -> bool:
-    """Elements are single samples: a scalar leaf, or ``from_tensor_slices`` with no batch operation after it."""
-    if any(getattr(spec, "shape", None) is not None and spec.shape.rank == 0
-           for spec in tf.nest.flatten(ds.element_spec)):
-        return True
-    node: Any = ds
-    while node is not None:
-        name = type(node).__name__
-        if "Batch" in name or "Window" in name:
-            return "Unbatch" in name
-        if name == "_TensorSliceDataset":
-            return True
-        node = getattr(node, "_input_dataset", None)
-    return False
 
 
 def wrap(model: keras.Model, accum: Optional[int] = None, micro_batch_size: Optional[int] = None,

@@ -8,8 +8,9 @@ Example:
 """
 from __future__ import annotations
 
+import argparse
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import keras
 import tensorflow as tf
