@@ -4,7 +4,14 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-fast bench clean
+# The declared floors (pyproject.toml): `make test-floor` tests them in a separate venv.
+FLOOR_TF    := 2.16.2
+FLOOR_KERAS := 3.10.0
+FLOOR_VENV  := .venv-floor
+FLOOR_TESTS := tests/test_schedules.py tests/test_accumulation.py tests/test_nan_guard.py tests/test_fit.py \
+               tests/test_plateau_and_lr_logger.py tests/test_cli_and_launch.py
+
+.PHONY: install demo test test-fast test-floor bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +32,16 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest -q -ra -m "not slow" tests
 
+# A fast subset at the lowest versions pyproject.toml allows (not run by `make test`; a few GB download).
+test-floor:
+	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install -q --upgrade pip
+	$(FLOOR_VENV)/bin/python -m pip install -q "tensorflow==$(FLOOR_TF)" "keras==$(FLOOR_KERAS)" -e ".[test]"
+	$(FLOOR_VENV)/bin/python -c "import tensorflow as tf, keras; print('floor: tensorflow', tf.__version__, 'keras', keras.__version__)"
+	$(FLOOR_VENV)/bin/python -m pytest -q -ra -m "not slow" $(FLOOR_TESTS)
+
 bench: install
 	for f in benchmarks/*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info
+	rm -rf $(VENV) $(FLOOR_VENV) runs build dist *.egg-info

@@ -2,87 +2,81 @@
 
 Example:
     >>> import keras_scale as ks
-    >>> model = ks.wrap(model, accum=4)
-    >>> model.compile(optimizer=keras.optimizers.AdamW(ks.WarmupCosine(1e-3, total_steps=10_000)))
-    >>> model.fit(ds, callbacks=[ks.NanGuard(), ks.ChiefCheckpoint("ckpt")])
+    >>> model = ks.wrap(model, accum=4)                                                   # doctest: +SKIP
+    >>> model.compile(optimizer=keras.optimizers.AdamW(ks.WarmupCosine(1e-3, total_steps=10_000)))  # doctest: +SKIP
+    >>> model.fit(ds, callbacks=[ks.NanGuard(), ks.ChiefCheckpoint("ckpt")])               # doctest: +SKIP
 
-Public names are re-exported here and imported lazily, so ``import keras_scale`` works without TensorFlow
-(the NVML-only tools such as ``keras-scale doctor`` run on machines that lack it).
+``import keras_scale`` imports every public name below with plain imports. Where TensorFlow and Keras are
+installed, that includes the Keras-serializable classes (``AccumulatingModel``, ``WarmupCosine``, ...), so
+``keras.models.load_model`` finds them in any program that imported keras_scale.
+
+Two cases import only the TensorFlow-free part (``doctor``, ``launch_local_workers``, ``is_chief``,
+``choose_strategy``, ...): a machine without TensorFlow or Keras, and the ``keras-scale`` command line, whose entry
+module :mod:`keras_scale_cli` is imported before this package (so ``keras-scale version`` and every ``--help`` start
+without TensorFlow, and ``keras-scale doctor`` survives a TensorFlow that crashes or hangs at import). There,
+asking for another name raises an error that says why; a command that needs one imports its module directly.
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
+import importlib.util as _importlib_util
+import sys as _sys
 from typing import Any
 
 __version__ = "0.1.0"
 
-# public name -> module that defines it
-_EXPORTS = {
-    # schedules
-    "WarmupCosine": "keras_scale.schedules",
-    "scale_lr": "keras_scale.schedules",
-    "scale_learning_rate": "keras_scale.schedules",
-    # the composed train step / accumulation
-    "wrap": "keras_scale.accumulation",
-    "unwrap": "keras_scale.accumulation",
-    "AccumulatingModel": "keras_scale.accumulation",
-    # callbacks
-    "NanGuard": "keras_scale.callbacks.nan_guard",
-    "ChiefCheckpoint": "keras_scale.callbacks.checkpoint",
-    "CheckpointMismatchError": "keras_scale.callbacks.checkpoint",
-    "NanReport": "keras_scale.callbacks.nan_guard",
-    "NanGuardGaveUp": "keras_scale.callbacks.nan_guard",
-    "GpuMonitor": "keras_scale.callbacks.gpu_monitor",
-    "ProfileWindow": "keras_scale.callbacks.profile_window",
-    "HostMemoryWatch": "keras_scale.callbacks.host_memory",
-    "HostMemoryGrowthWarning": "keras_scale.callbacks.host_memory",
-    "LearningRateLogger": "keras_scale.callbacks.lr_logger",
-    # distribution
-    "fit": "keras_scale.fit",
-    "is_chief": "keras_scale.distribute",
-    "choose_strategy": "keras_scale.distribute",
-    "patch_keras_multi_worker": "keras_scale.distribute",
-    "launch_local_workers": "keras_scale.launch",
-    # precision
-    "choose_precision": "keras_scale.precision",
-    # environment / data / profiling
-    "doctor": "keras_scale.doctor",
-    "profile_summary": "keras_scale.profiling",
-    # speed and memory levers
-    "compare_xla": "keras_scale.levers",
-    "compare_precision": "keras_scale.levers",
-    "remat": "keras_scale.remat",
-    "remat_model": "keras_scale.remat",
-    "sync_batchnorm": "keras_scale.sync_bn",
-}
+# ---- TensorFlow-free: always imported ------------------------------------------------------------------------
+from keras_scale.distribute import choose_strategy, is_chief, patch_keras_multi_worker  # noqa: E402
+from keras_scale.doctor import doctor  # noqa: E402
+from keras_scale.launch import launch_local_workers  # noqa: E402
+from keras_scale.profiling import profile_summary  # noqa: E402
 
-__all__ = sorted(_EXPORTS) + ["data", "__version__"]
+_TENSORFLOW_INSTALLED = (_importlib_util.find_spec("tensorflow") is not None
+                         and _importlib_util.find_spec("keras") is not None)
+_COMMAND_LINE = "keras_scale_cli" in _sys.modules
+
+if _TENSORFLOW_INSTALLED and not _COMMAND_LINE:
+    # ---- TensorFlow and Keras: imported here, so Keras knows the serializable classes -------------------------
+    from keras_scale import data  # noqa: E402
+    from keras_scale.accumulation import AccumulatingModel, unwrap, wrap  # noqa: E402
+    from keras_scale.callbacks.checkpoint import ChiefCheckpoint, CheckpointMismatchError  # noqa: E402
+    from keras_scale.callbacks.gpu_monitor import GpuMonitor  # noqa: E402
+    from keras_scale.callbacks.host_memory import HostMemoryGrowthWarning, HostMemoryWatch  # noqa: E402
+    from keras_scale.callbacks.lr_logger import LearningRateLogger  # noqa: E402
+    from keras_scale.callbacks.nan_guard import NanGuard, NanGuardGaveUp, NanReport  # noqa: E402
+    from keras_scale.callbacks.plateau import ReduceLROnPlateau  # noqa: E402
+    from keras_scale.callbacks.profile_window import ProfileWindow  # noqa: E402
+    from keras_scale.fit import fit  # noqa: E402
+    from keras_scale.levers import compare_precision, compare_xla  # noqa: E402
+    from keras_scale.precision import choose_precision  # noqa: E402
+    from keras_scale.remat import remat, remat_model  # noqa: E402
+    from keras_scale.schedules import WarmupCosine, scale_learning_rate, scale_lr  # noqa: E402
+    from keras_scale.sync_bn import sync_batchnorm  # noqa: E402
+
+__all__ = [
+    "__version__",
+    # schedules
+    "WarmupCosine", "scale_lr", "scale_learning_rate",
+    # the composed train step / accumulation
+    "wrap", "unwrap", "AccumulatingModel",
+    # callbacks
+    "NanGuard", "NanReport", "NanGuardGaveUp", "ChiefCheckpoint", "CheckpointMismatchError", "GpuMonitor",
+    "ProfileWindow", "HostMemoryWatch", "HostMemoryGrowthWarning", "LearningRateLogger", "ReduceLROnPlateau",
+    # distribution
+    "fit", "is_chief", "choose_strategy", "patch_keras_multi_worker", "launch_local_workers",
+    # precision
+    "choose_precision",
+    # environment / data / profiling
+    "doctor", "data", "profile_summary",
+    # speed and memory levers
+    "compare_xla", "compare_precision", "remat", "remat_model", "sync_batchnorm",
+]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "data":
-        return importlib.import_module("keras_scale.data")
-    module = _EXPORTS.get(name)
-    if module is None:
+    """Explain a public name that was not imported above (no TensorFlow, or the command line's light import)."""
+    if name not in __all__:
         raise AttributeError(f"module 'keras_scale' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
-
-
-# Modules that register Keras-serializable objects must be imported before `keras.models.load_model`
-# sees a saved model that uses them. Do it eagerly only where Keras is installed.
-# The `keras-scale` command line (doctor, version, ...) skips this: it must start fast and work without TF.
-import os as _os
-import sys as _sys
-
-_cli = _os.path.basename(_sys.argv[0] if _sys.argv else "") in ("keras-scale", "-m")
-if not _cli and importlib.util.find_spec("keras") is not None and importlib.util.find_spec("tensorflow") is not None:
-    for _m in ("keras_scale.schedules", "keras_scale.accumulation"):
-        if importlib.util.find_spec(_m) is not None:
-            importlib.import_module(_m)
+    if not _TENSORFLOW_INSTALLED:
+        raise ImportError(f"keras_scale.{name} needs TensorFlow and Keras: pip install tensorflow keras")
+    raise AttributeError(f"keras_scale.{name} is not imported in the keras-scale command line (it imports the "
+                         "TensorFlow-free part only); import its module, e.g. keras_scale.schedules, directly")

@@ -1,4 +1,8 @@
-"""``python -m keras_scale <command>``: same as the ``keras-scale`` console script."""
+"""``python -m keras_scale <command>``: the ``keras-scale`` command.
+
+``python -m keras_scale`` imports the whole package (TensorFlow included) before the command runs; the
+``keras-scale`` script and ``python -m keras_scale_cli`` start without it.
+"""
 import sys
 
 from keras_scale.cli import main

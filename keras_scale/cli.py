@@ -1,72 +1,189 @@
 """The ``keras-scale`` command line.
 
 Example:
-    $ keras-scale version
+    $ keras-scale --version
+    $ keras-scale help doctor
     $ keras-scale doctor --json
-    $ keras-scale profile-summary runs/profile
+    $ keras-scale plot-lr --peak-lr 0.4 --total-steps 9000 --warmup-steps 500 -o lr.png
+    $ keras-scale launch --workers 2 -- python train.py
 
-Each sub-command lives in the module it belongs to, as a ``cli(argv: list[str]) -> int`` function, and is
-imported only when used (so ``doctor`` runs without TensorFlow installed).
+Each sub-command is a function below that imports what it needs when it runs. ``version``, ``help`` and every
+``--help`` import no TensorFlow (the ``keras-scale`` entry point, :mod:`keras_scale_cli`, keeps ``import
+keras_scale`` TensorFlow-free too); ``plot-lr`` imports it only after its arguments were checked.
+
+Exit status: 0 success, 1 the command failed (``doctor`` found an error, a worker failed, ...), 2 bad usage.
 """
 from __future__ import annotations
 
-import importlib
+import argparse
+import importlib.metadata
+import importlib.util
+import math
 import sys
-from typing import Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-# sub-command -> (module, function, one-line help)
-COMMANDS = {
-    "version": ("keras_scale.cli", "version_cli", "print keras_scale, TensorFlow and Keras versions"),
-    "doctor": ("keras_scale.doctor", "cli", "check drivers, CUDA, GPUs, leftover processes, env variables"),
-    "profile-summary": ("keras_scale.profiling", "cli", "summarize the newest profiler capture in LOGDIR"),
-    "plot-lr": ("keras_scale.schedules", "cli", "plot a WarmupCosine schedule to a PNG"),
-    "launch": ("keras_scale.launch", "cli", "run a script as N local MultiWorkerMirroredStrategy workers"),
-}
+
+def _installed_version(distribution: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def version_cli(argv: Sequence[str]) -> int:
-    """Print the versions of keras_scale, TensorFlow and Keras.
+    """``keras-scale version``: the versions of keras_scale, TensorFlow and Keras, read without importing them.
 
     Example:
         >>> version_cli([])  # doctest: +SKIP
         keras_scale 0.1.0
+        tensorflow 2.21.0
+        keras 3.15.0
     """
+    parser = argparse.ArgumentParser(prog="keras-scale version", description=_HELP["version"])
+    parser.parse_args(list(argv))
     from keras_scale import __version__
 
     print(f"keras_scale {__version__}")
     for name in ("tensorflow", "keras"):
-        try:
-            mod = importlib.import_module(name)
-            print(f"{name} {mod.__version__}")
-        except ImportError:
-            print(f"{name} not installed")
+        print(f"{name} {_installed_version(name) or 'not installed'}")
     return 0
 
 
+def doctor_cli(argv: Sequence[str]) -> int:
+    """``keras-scale doctor [--json] [--no-tensorflow]``: see :func:`keras_scale.doctor.cli`."""
+    from keras_scale.doctor import cli
+
+    return int(cli(argv) or 0)
+
+
+def profile_summary_cli(argv: Sequence[str]) -> int:
+    """``keras-scale profile-summary LOGDIR``: see :func:`keras_scale.profiling.cli`."""
+    from keras_scale.profiling import cli
+
+    return int(cli(argv) or 0)
+
+
+def launch_cli(argv: Sequence[str]) -> int:
+    """``keras-scale launch --workers N -- CMD ...``: see :func:`keras_scale.launch.cli`."""
+    from keras_scale.launch import cli
+
+    return int(cli(argv) or 0)
+
+
+def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = kind(text)
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def plot_lr_cli(argv: Sequence[str]) -> int:
+    """``keras-scale plot-lr --peak-lr 1e-3 --total-steps 10000 [--warmup-steps 500] [-o lr.png]``.
+
+    Plots :class:`keras_scale.WarmupCosine` to a PNG. Bad arguments and a missing matplotlib give one
+    ``keras-scale plot-lr: error: ...`` line (exit status 2 and 1), before TensorFlow is imported.
+
+    Example:
+        $ keras-scale plot-lr --peak-lr 0.4 --total-steps 9000 --warmup-steps 500 -o lr.png
+        wrote lr.png
+    """
+    p = argparse.ArgumentParser(prog="keras-scale plot-lr", description=_HELP["plot-lr"])
+    p.add_argument("--peak-lr", type=_positive(float), required=True, help="the learning rate after warmup")
+    p.add_argument("--total-steps", type=_positive(int), required=True, help="optimizer updates of the whole run")
+    p.add_argument("--warmup-steps", type=int, default=0, help="updates of linear warmup (default 0)")
+    p.add_argument("--initial-lr", type=float, default=0.0, help="learning rate at the start of warmup")
+    p.add_argument("--final-lr", type=float, default=0.0, help="learning rate at the end of the cosine")
+    p.add_argument("-o", "--output", default="lr.png", help="PNG file to write (default lr.png)")
+    a = p.parse_args(list(argv))
+    if not 0 <= a.warmup_steps <= a.total_steps:
+        p.error(f"--warmup-steps must be between 0 and --total-steps ({a.total_steps}), got {a.warmup_steps}")
+    for flag, value in (("--initial-lr", a.initial_lr), ("--final-lr", a.final_lr)):
+        if not (value >= 0 and math.isfinite(value)):
+            p.error(f"{flag} must be >= 0, got {value}")
+    if importlib.util.find_spec("matplotlib") is None:
+        print("keras-scale plot-lr: error: matplotlib is not installed: pip install matplotlib "
+              "(or pip install 'keras-scale[plot]')", file=sys.stderr)
+        return 1
+    from keras_scale.schedules import WarmupCosine
+
+    try:
+        schedule = WarmupCosine(a.peak_lr, a.total_steps, a.warmup_steps, a.initial_lr, a.final_lr)
+        print(f"wrote {schedule.plot(a.output)}")
+    except (ValueError, ImportError, OSError) as e:
+        print(f"keras-scale plot-lr: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+_HELP = {
+    "version": "print the keras_scale, TensorFlow and Keras versions",
+    "doctor": "check drivers, CUDA, GPUs, leftover processes, env variables",
+    "profile-summary": "summarize the newest profiler capture in LOGDIR",
+    "plot-lr": "plot a WarmupCosine learning-rate schedule to a PNG",
+    "launch": "run a command as N local MultiWorkerMirroredStrategy workers",
+    "help": "show the help of a command: keras-scale help COMMAND",
+}
+
+COMMANDS: Dict[str, Callable[[Sequence[str]], int]] = {
+    "version": version_cli,
+    "doctor": doctor_cli,
+    "profile-summary": profile_summary_cli,
+    "plot-lr": plot_lr_cli,
+    "launch": launch_cli,
+}
+
+
 def _usage() -> str:
-    lines = ["usage: keras-scale <command> [args]", "", "commands:"]
-    for name, (_, _, help_text) in COMMANDS.items():
-        lines.append(f"  {name:<16} {help_text}")
+    lines = ["usage: keras-scale [--version] [--help] COMMAND [ARGS]", "", "commands:"]
+    for name in list(COMMANDS) + ["help"]:
+        lines.append(f"  {name:<16} {_HELP[name]}")
+    lines += ["", "`keras-scale help COMMAND` or `keras-scale COMMAND --help` shows a command's options."]
     return "\n".join(lines)
 
 
+def _unknown(name: str) -> int:
+    print(f"usage: keras-scale [--version] [--help] COMMAND [ARGS]\nkeras-scale: error: unknown command {name!r} "
+          f"(choose from {', '.join(COMMANDS)}; `keras-scale --help` lists them)", file=sys.stderr)
+    return 2
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of ``keras-scale`` / ``python -m keras_scale``.
+    """Entry point of ``keras-scale``: run one sub-command; returns its exit status.
 
     Example:
-        >>> main(["version"])  # doctest: +SKIP
+        >>> main(["--version"])  # doctest: +SKIP
+        keras-scale 0.1.0
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
+    args: List[str] = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
         print(_usage())
         return 0
-    name, rest = argv[0], argv[1:]
-    if name not in COMMANDS:
-        print(f"keras-scale: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
-        return 2
-    module, func, _ = COMMANDS[name]
-    return int(getattr(importlib.import_module(module), func)(rest) or 0)
+    if args[0] in ("-V", "--version"):
+        from keras_scale import __version__
 
+        print(f"keras-scale {__version__}")
+        return 0
+    if args[0] == "help":
+        if len(args) == 1:
+            print(_usage())
+            return 0
+        if args[1] not in COMMANDS:
+            return _unknown(args[1])
+        args = [args[1], "--help"]
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        return _unknown(name)
+    try:
+        return int(COMMANDS[name](rest) or 0)
+    except SystemExit as e:  # argparse: --help (0) and usage errors (2)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+
+
+__all__: Tuple[str, ...] = ("main", "COMMANDS")
 
 if __name__ == "__main__":
     sys.exit(main())

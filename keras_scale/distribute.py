@@ -446,7 +446,9 @@ def _probe_all_reduce(strategy) -> None:
     def step():
         return tf.distribute.get_replica_context().all_reduce("SUM", tf.ones([2]))
 
-    result = strategy.run(step)
+    # inside a tf.function: an eager strategy.run makes TF log "Using MirroredStrategy eagerly has significant
+    # overhead currently" for what is a one-off probe
+    result = tf.function(lambda: strategy.run(step))()
     value = strategy.experimental_local_results(result)[0]
     expected = float(strategy.num_replicas_in_sync)
     if float(tf.reduce_sum(value)) != 2 * expected:

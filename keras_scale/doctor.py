@@ -1418,12 +1418,6 @@ def doctor(nvml: Any = None, probe_tensorflow: bool = True, paths: Sequence[str]
                                progress=progress))
 
 
-if __name__ != "__main__":
-    from keras_scale._modules import forward_calls_to
-
-    forward_calls_to(__name__, "doctor")  # ks.doctor stays the function after `import keras_scale.doctor`
-
-
 # ================================================================================================= output
 _MARK = {"ok": "ok", "warn": "WARN", "error": "ERROR", "skip": "skip"}
 

@@ -14,23 +14,27 @@ Example:
     ...     return model
     >>> history = ks.fit(build, x, y, per_replica_batch_size=64, epochs=3,
     ...                  lr_scaling=("linear", 256), checkpoint_dir="ckpt")      # doctest: +SKIP
-    keras_scale: global batch 512 = 64 per replica x 8 replicas x accum 1
+    keras_scale: global batch 512 = 64 per replica x 8 replicas (MirroredStrategy, precision bfloat16); ...
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import warnings
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from keras_scale._validate import check_int
+from keras_scale.callbacks.checkpoint import ChiefCheckpoint
+from keras_scale.callbacks.gpu_monitor import GpuMonitor
+from keras_scale.callbacks.nan_guard import NanGuard
 from keras_scale.distribute import choose_strategy, is_chief, patch_keras_multi_worker, strategy_name
 
-__all__ = ["fit", "batch_arithmetic", "prepare_dataset"]
+__all__ = ["fit", "batch_arithmetic", "prepare_dataset", "split_for_validation"]
 
 log = logging.getLogger("keras_scale")
 
@@ -50,34 +54,45 @@ def _positive_int(name: str, value: Any) -> int:
 
 def batch_arithmetic(num_replicas: int, per_replica_batch_size: Optional[int] = None,
                      global_batch_size: Optional[int] = None, accum: int = 1) -> Tuple[int, int]:
-    """``(per_replica_batch_size, global_batch_size)`` with ``global = per_replica x replicas x accum``.
+    """``(per_replica_batch_size, global_batch_size)`` with ``global = per_replica x replicas``.
 
-    Exactly one of the two sizes must be given; a global batch must split evenly.
+    Exactly one of the two sizes must be given; a global batch must split evenly over the replicas. ``accum`` means
+    what it means in :func:`keras_scale.wrap`: each replica's batch is split into ``accum`` micro-batches (one
+    optimizer update per global batch, ``per_replica / accum`` samples on a device at once). It never changes the
+    batch sizes, so it never changes the learning rate or a schedule's ``total_steps``; it only has to fit.
 
     Example:
         >>> batch_arithmetic(4, per_replica_batch_size=64, accum=2)
-        (64, 512)
+        (64, 256)
         >>> batch_arithmetic(4, global_batch_size=512, accum=2)
-        (64, 512)
+        (128, 512)
     """
     accum = _positive_int("accum", accum)
     num_replicas = _positive_int("num_replicas", num_replicas)
     if (per_replica_batch_size is None) == (global_batch_size is None):
         raise ValueError(
-            "pass exactly one of per_replica_batch_size= (samples one device holds at once) or global_batch_size= "
-            f"(samples per optimizer update); got per_replica_batch_size={per_replica_batch_size!r}, "
-            f"global_batch_size={global_batch_size!r}."
+            "pass exactly one of per_replica_batch_size= (samples each replica gets per optimizer update) or "
+            f"global_batch_size= (samples per optimizer update); got per_replica_batch_size={per_replica_batch_size!r}"
+            f", global_batch_size={global_batch_size!r}."
         )
     if per_replica_batch_size is not None:
         per = _positive_int("per_replica_batch_size", per_replica_batch_size)
-        return per, per * num_replicas * accum
-    glob = _positive_int("global_batch_size", global_batch_size)
-    if glob % (num_replicas * accum):
+        glob = per * num_replicas
+    else:
+        glob = _positive_int("global_batch_size", global_batch_size)
+        if glob % num_replicas:
+            raise ValueError(
+                f"global_batch_size={glob} does not split into {num_replicas} replicas: it must be a multiple of "
+                f"{num_replicas}, e.g. {max(1, glob // num_replicas) * num_replicas}."
+            )
+        per = glob // num_replicas
+    if per < accum:
         raise ValueError(
-            f"global_batch_size={glob} does not split into {num_replicas} replicas x accum {accum}: it must be a "
-            f"multiple of {num_replicas * accum}, e.g. {max(1, glob // (num_replicas * accum)) * num_replicas * accum}."
+            f"accum={accum} splits each replica's batch of {per} samples into {accum} micro-batches, but a micro-batch "
+            f"needs at least one sample: use accum <= {per} or a larger batch (global batch {glob} over "
+            f"{num_replicas} replica(s))."
         )
-    return glob // (num_replicas * accum), glob
+    return per, glob
 
 
 def _key_line(message: str) -> str:
@@ -112,6 +127,96 @@ def _is_batched(ds: tf.data.Dataset) -> bool:
         if "Batch" in name:  # _BatchDataset, _PaddedBatchDataset, _ParallelBatchDataset, _RebatchDataset, ...
             return True
     return False
+
+
+_BATCH_OPS = ("_BatchDataset", "_ParallelBatchDataset", "_PaddedBatchDataset")
+
+
+def _samples_of_batched(ds: tf.data.Dataset) -> Optional[int]:
+    """How many samples a batched dataset holds, when tf.data knows: the cardinality of what its outermost batch op
+    reads, provided nothing after that op changes the number of elements. ``None`` when unknown."""
+    node: Any = ds
+    while node is not None:
+        name = type(node).__name__
+        if name in _BATCH_OPS:
+            inner = int(node._input_dataset.cardinality())
+            outer = int(ds.cardinality())
+            return inner if inner >= 0 and outer >= 0 and outer == int(node.cardinality()) else None
+        if "Batch" in name:  # a rebatch or an unbatch: the count of samples is not visible from here
+            return None
+        node = getattr(node, "_input_dataset", None)
+    return None
+
+
+def _check_batched_elements(ds: tf.data.Dataset) -> None:
+    """A batched dataset's elements have a batch dimension: a scalar leaf means the dataset is not batched."""
+    scalars = [str(spec) for spec in tf.nest.flatten(ds.element_spec)
+               if getattr(spec, "shape", None) is not None and spec.shape.rank == 0]
+    if scalars:
+        raise ValueError(
+            f"the dataset's elements hold scalars ({scalars[0]}): it looks unbatched, yet it contains a batch "
+            "operation. Batch your dataset as the last step: dataset.batch(N) (keras_scale.fit rebatches it to the "
+            "global batch)."
+        )
+
+
+def _check_same_length(**arrays: Any) -> int:
+    """The common number of samples of every array in ``arrays`` (x, y, sample_weight), or a ValueError naming each."""
+    lengths = {}
+    for name, value in arrays.items():
+        if value is None:
+            continue
+        for k, leaf in enumerate(tf.nest.flatten(value)):
+            shape = getattr(leaf, "shape", None)
+            n = int(shape[0]) if shape is not None and len(shape) else (len(leaf) if hasattr(leaf, "__len__") else 1)
+            leaves = len(tf.nest.flatten(value))
+            lengths[name if leaves == 1 else f"{name}[{k}]"] = n
+    if len(set(lengths.values())) > 1:
+        detail = ", ".join(f"{name} has {n}" for name, n in lengths.items())
+        raise ValueError(
+            f"x, y and sample_weight must hold the same number of samples (first dimension): {detail}. Keras refuses "
+            "this too; fix the arrays (e.g. y = y[:len(x)]) rather than train on a prefix."
+        )
+    return next(iter(lengths.values()))
+
+
+def _check_validation_split(validation_split: Any) -> None:
+    if isinstance(validation_split, bool) or not isinstance(validation_split, (int, float)) or \
+            not 0 < validation_split < 1:
+        raise ValueError(f"validation_split must be a fraction with 0 < validation_split < 1 (as in Keras), got "
+                         f"{validation_split!r}; e.g. validation_split=0.1 keeps the last 10% for validation.")
+
+
+def split_for_validation(validation_split: float, x: Any, y: Any = None, sample_weight: Any = None
+                         ) -> Tuple[Tuple[Any, Any, Any], Tuple[Any, Any, Any]]:
+    """Split arrays as Keras's ``validation_split`` does: the LAST ``validation_split`` fraction, before shuffling.
+
+    Returns ``((x, y, sample_weight), (x_val, y_val, sample_weight_val))``.
+
+    Example:
+        >>> (x_tr, _, _), (x_val, _, _) = split_for_validation(0.25, np.arange(8))
+        >>> x_tr.tolist(), x_val.tolist()
+        ([0, 1, 2, 3, 4, 5], [6, 7])
+    """
+    _check_validation_split(validation_split)
+    if not _is_array_structure(x):
+        raise ValueError(
+            f"validation_split works on arrays only (as in Keras), not on {type(x).__name__}: pass "
+            "validation_data=(x_val, y_val) or a validation tf.data.Dataset instead."
+        )
+    n = _check_same_length(x=x, y=y, sample_weight=sample_weight)
+    split_at = int(np.floor(n * (1.0 - validation_split)))
+    if split_at == 0 or split_at == n:
+        raise ValueError(f"validation_split={validation_split} of {n} samples leaves "
+                         f"{'no training' if split_at == 0 else 'no validation'} samples: use a fraction that keeps "
+                         "both non-empty.")
+
+    def part(data: Any, sl: slice) -> Any:
+        return None if data is None else tf.nest.map_structure(lambda a: a[sl], data)
+
+    head, tail = slice(0, split_at), slice(split_at, None)
+    return ((part(x, head), part(y, head), part(sample_weight, head)),
+            (part(x, tail), part(y, tail), part(sample_weight, tail)))
 
 
 def _is_file_based(ds: tf.data.Dataset) -> bool:
@@ -161,7 +266,12 @@ def prepare_dataset(x: Any, y: Any = None, sample_weight: Any = None, *, global_
                              "elements as (x, y) or (x, y, sample_weight).")
         file_based = _is_file_based(x)
         if _is_batched(x):
+            _check_batched_elements(x)
+            samples = _samples_of_batched(x)
             ds = x.rebatch(global_batch_size, drop_remainder=drop_remainder)
+            if samples is not None:  # rebatch forgets the cardinality; Keras then warns "ran out of data"
+                batches = samples // global_batch_size if drop_remainder else -(-samples // global_batch_size)
+                ds = ds.apply(tf.data.experimental.assert_cardinality(batches))
             how = "batched tf.data.Dataset, rebatched"
         else:
             ds = x.batch(global_batch_size, drop_remainder=drop_remainder)
@@ -181,7 +291,7 @@ def prepare_dataset(x: Any, y: Any = None, sample_weight: Any = None, *, global_
             else x
         if y is None and sample_weight is not None:
             raise ValueError("sample_weight was given without y; pass y too.")
-        n = _num_samples(x)
+        n = _check_same_length(x=x, y=y, sample_weight=sample_weight)
         if shuffle and epoch_variable is not None:
             ds = _epoch_shuffled_batches(data, n, global_batch_size, drop_remainder, seed, epoch_variable)
         else:
@@ -233,10 +343,6 @@ def _is_array_structure(x: Any) -> bool:
     leaves = tf.nest.flatten(x)
     return bool(leaves) and all(isinstance(v, (np.ndarray, tf.Tensor, list)) or hasattr(v, "__array__")
                                 for v in leaves) and not isinstance(x, str)
-
-
-def _num_samples(x: Any) -> int:
-    return int(len(tf.nest.flatten(x)[0]))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -404,38 +510,212 @@ def _check_lr_scaling(lr_scaling: Any) -> None:
 def _default_callbacks(callbacks: Sequence[Any], log_dir: Optional[str], checkpoint_dir: Optional[str],
                        strategy: Any, monitors: bool = True) -> Tuple[List[Any], List[str]]:
     """User callbacks plus one of each default kind the user did not pass; returns (callbacks, added names)."""
-    import importlib
-
     result = list(callbacks)
     added: List[str] = []
 
-    def missing(cls: type) -> bool:
-        return not any(isinstance(cb, cls) for cb in result)
-
-    def add(module: str, name: str, *args: Any) -> None:
-        cls = getattr(importlib.import_module(module), name)  # imported lazily: only what this run uses
-        if missing(cls):
-            result.append(cls(*args))
-            added.append(name)
+    def add(callback_class: type, *args: Any) -> None:
+        if not any(isinstance(cb, callback_class) for cb in result):
+            result.append(callback_class(*args))
+            added.append(callback_class.__name__)
 
     if monitors:
-        add("keras_scale.callbacks.nan_guard", "NanGuard")
+        add(NanGuard)
         if tf.config.list_physical_devices("GPU"):
-            add("keras_scale.callbacks.gpu_monitor", "GpuMonitor")
-    if log_dir is not None and missing(keras.callbacks.TensorBoard) and is_chief(strategy):
+            add(GpuMonitor)
+    if log_dir is not None and is_chief(strategy) and not any(isinstance(cb, keras.callbacks.TensorBoard)
+                                                              for cb in result):
         result.append(keras.callbacks.TensorBoard(log_dir=str(log_dir)))
         added.append(f"TensorBoard({log_dir})")
     if checkpoint_dir is not None:
         directory = str(checkpoint_dir)
         if "://" not in directory:
             directory = os.path.abspath(directory)  # every worker resolves the same path, whatever its cwd
-        add("keras_scale.callbacks.checkpoint", "ChiefCheckpoint", directory)
+        add(ChiefCheckpoint, directory)
     return result, added
 
 
 # --------------------------------------------------------------------------------------------------------------
-# fit
+# fit, in stages: validate -> plan -> build -> data -> callbacks -> train
 # --------------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Plan:
+    """What fit decided before building anything: the strategy, the batch arithmetic, the precision."""
+
+    strategy: Any
+    replicas: int
+    per_replica: int
+    global_batch: int
+    accum: int
+    policy: str
+    verbose: Any
+
+
+def _validate(model_or_builder: Any, x: Any, per_replica_batch_size: Optional[int], global_batch_size: Optional[int],
+              epochs: int, accum: int, lr_scaling: Any, sync_bn: Any, jit_compile: Any,
+              fit_kwargs: Dict[str, Any]) -> None:
+    """Bad input, early: every argument checked before a strategy or a model exists."""
+    if "batch_size" in fit_kwargs:
+        raise TypeError(
+            f"keras_scale.fit takes per_replica_batch_size= or global_batch_size=, not batch_size= "
+            f"(got batch_size={fit_kwargs['batch_size']!r}). global = per_replica x replicas."
+        )
+    if not (isinstance(model_or_builder, keras.Model) or callable(model_or_builder)):
+        _build_in_scope(model_or_builder, None, "float32", 0)  # raises the TypeError with the fix
+    _positive_int("accum", accum)
+    _positive_int("epochs", epochs)
+    if (per_replica_batch_size is None) == (global_batch_size is None):
+        batch_arithmetic(1, per_replica_batch_size, global_batch_size)  # raises with the explanation
+    for name, value in (("per_replica_batch_size", per_replica_batch_size), ("global_batch_size", global_batch_size)):
+        if value is not None:
+            _positive_int(name, value)
+    _check_lr_scaling(lr_scaling)
+    if sync_bn not in ("auto", True, False):
+        raise ValueError(f"sync_bn must be 'auto', True or False, got {sync_bn!r}")
+    if jit_compile not in ("auto", True, False):
+        raise ValueError(f"jit_compile must be 'auto', True or False, got {jit_compile!r}")
+    if fit_kwargs.get("validation_split") is not None:
+        _check_validation_split(fit_kwargs["validation_split"])
+        if fit_kwargs.get("validation_data") is None and not _is_array_structure(x):
+            split_for_validation(fit_kwargs["validation_split"], x)  # raises: arrays only, as in Keras
+
+
+def _plan(model_or_builder: Any, strategy: Any, all_reduce: str, precision: Any, per_replica_batch_size: Optional[int],
+          global_batch_size: Optional[int], accum: int, fit_kwargs: Dict[str, Any]) -> _Plan:
+    """Choose the strategy (following a model's or an enclosing scope's), the precision and the batch sizes."""
+    from keras_scale.precision import choose_precision
+
+    policy = choose_precision(precision)
+    patch_keras_multi_worker()
+    if isinstance(strategy, str) and strategy == "auto":
+        # a model built inside a strategy scope, or an enclosing scope, already says which strategy to use
+        if isinstance(model_or_builder, keras.Model) and getattr(model_or_builder, "_distribute_strategy", None):
+            strategy = model_or_builder._distribute_strategy
+        elif tf.distribute.has_strategy():
+            strategy = tf.distribute.get_strategy()
+    strategy = choose_strategy(strategy, all_reduce)
+    if "verbose" not in fit_kwargs and not is_chief(strategy):
+        fit_kwargs["verbose"] = 0  # one progress bar per cluster, on the chief
+    replicas = strategy.num_replicas_in_sync
+    per_replica, global_batch = batch_arithmetic(replicas, per_replica_batch_size, global_batch_size, accum)
+    return _Plan(strategy, replicas, per_replica, global_batch, accum, policy, fit_kwargs.get("verbose", "auto"))
+
+
+def _model_accum(model: keras.Model) -> Optional[Tuple[Optional[int], Optional[int]]]:
+    """``(accum, micro_batch_size)`` of a model already wrapped with :func:`keras_scale.wrap`, else ``None``."""
+    from keras_scale.accumulation import AccumulatingModel
+
+    if isinstance(model, AccumulatingModel):
+        return model.accum, model.micro_batch_size
+    return None
+
+
+def _build(model_or_builder: Any, plan: _Plan, sync_bn: Any, jit_compile: Any, lr_scaling: Any) -> keras.Model:
+    """The model inside the strategy scope: float32 outputs, synchronized BatchNorm, XLA choice, LR scaling, wrap."""
+    from keras_scale.precision import check_float32_outputs
+
+    strategy, verbose = plan.strategy, plan.verbose
+    model = _build_in_scope(model_or_builder, strategy, plan.policy, verbose)
+    wrapped_by_user = _model_accum(model)
+    if wrapped_by_user is not None:
+        accum, micro = wrapped_by_user
+        if plan.accum > 1 and accum != plan.accum:
+            how = f"accum={accum}" if accum else f"micro_batch_size={micro}"
+            raise ValueError(f"the model is already wrapped by keras_scale.wrap ({how}) and fit got "
+                             f"accum={plan.accum}: pass accum= to one of them only.")
+        if accum:
+            plan.accum = accum
+            batch_arithmetic(plan.replicas, per_replica_batch_size=plan.per_replica, accum=accum)  # it must fit
+    for finding in check_float32_outputs(model, fix=True):
+        _say(finding, verbose, strategy)
+    model = _apply_sync_bn(model, sync_bn, plan.replicas, max(1, plan.per_replica // plan.accum), strategy, verbose)
+    if jit_compile == "auto":
+        if plan.replicas > 1 and model.jit_compile:
+            model.jit_compile = False
+            _say(f"XLA (jit_compile) off under {plan.replicas} replicas; pass jit_compile=True to force it",
+                 verbose, strategy)
+    else:
+        model.jit_compile = jit_compile
+    _apply_lr_scaling(model, lr_scaling, plan.global_batch, strategy, verbose)
+    if plan.accum > 1 and wrapped_by_user is None:
+        from keras_scale.accumulation import wrap
+
+        with strategy.scope():
+            wrapped = wrap(model, accum=plan.accum)
+            _compile_like(wrapped, model)
+            wrapped.jit_compile = model.jit_compile
+        model = wrapped
+    return model
+
+
+def _data(x: Any, y: Any, model: keras.Model, plan: _Plan, fit_kwargs: Dict[str, Any]
+          ) -> Tuple[tf.data.Dataset, tf.Variable, str]:
+    """The training (and validation) datasets of global batches; pops the data arguments from ``fit_kwargs``."""
+    sample_weight = fit_kwargs.pop("sample_weight", None)
+    shuffle = fit_kwargs.pop("shuffle", True)
+    validation_split = fit_kwargs.pop("validation_split", None)
+    if validation_split is not None and fit_kwargs.get("validation_data") is None:
+        (x, y, sample_weight), validation = split_for_validation(validation_split, x, y, sample_weight)
+        fit_kwargs["validation_data"] = tuple(v for v in validation if v is not None)
+    drop_remainder = bool(model.jit_compile)  # XLA wants static shapes
+    epoch_variable = tf.Variable(0, dtype=tf.int64, trainable=False, name="keras_scale_data_epoch")
+    dataset, how = prepare_dataset(x, y, sample_weight, global_batch_size=plan.global_batch, shuffle=bool(shuffle),
+                                   drop_remainder=drop_remainder, epoch_variable=epoch_variable)
+    if validation_split is not None and fit_kwargs.get("validation_data") is not None:
+        how += f"; validation: the last {validation_split:g} of the arrays (as Keras's validation_split)"
+    validation_data = fit_kwargs.get("validation_data")
+    if validation_data is not None and not isinstance(validation_data, tf.data.Dataset) and not isinstance(
+            validation_data, keras.utils.PyDataset):
+        if not isinstance(validation_data, (tuple, list)) or len(validation_data) not in (2, 3):
+            raise ValueError("validation_data must be (x_val, y_val), (x_val, y_val, sample_weight), a "
+                             f"tf.data.Dataset or a PyDataset; got {type(validation_data).__name__}")
+        fit_kwargs["validation_data"], _ = prepare_dataset(*validation_data, global_batch_size=plan.global_batch,
+                                                           shuffle=False)
+    elif isinstance(validation_data, (tf.data.Dataset, keras.utils.PyDataset)):
+        fit_kwargs["validation_data"], _ = prepare_dataset(validation_data, global_batch_size=plan.global_batch,
+                                                           shuffle=False)
+    return dataset, epoch_variable, how
+
+
+def _batch_line(plan: _Plan, model: keras.Model, dataset: tf.data.Dataset, epochs: int,
+                fit_kwargs: Dict[str, Any]) -> str:
+    """``global batch G = P per replica x R replicas[, each split into accum A micro-batches of M]`` + the updates."""
+    replicas = f"{plan.replicas} replica{'s' if plan.replicas > 1 else ''}"
+    line = f"global batch {plan.global_batch} = {plan.per_replica} per replica x {replicas}"
+    wrapped = _model_accum(model)
+    if wrapped is not None and wrapped[0] is None:
+        line += f", each split into micro-batches of {wrapped[1]}"
+    elif plan.accum > 1:
+        micro = -(-plan.per_replica // plan.accum)
+        size = str(micro) if plan.per_replica % plan.accum == 0 else f"<= {micro}"
+        line += f", each split into accum {plan.accum} micro-batches of {size}"
+    line += f" ({strategy_name(plan.strategy)}, precision {plan.policy})"
+    steps = fit_kwargs.get("steps_per_epoch") or (int(dataset.cardinality()) if int(dataset.cardinality()) > 0
+                                                   else None)
+    if steps is not None:
+        line += (f"; {steps} updates/epoch x {epochs} epochs = {steps * epochs} optimizer updates "
+                 f"(a schedule's total_steps)")
+    else:
+        line += "; updates per epoch unknown (dataset of unknown size): pass steps_per_epoch= to know total_steps"
+    return line
+
+
+def _train(model: keras.Model, dataset: tf.data.Dataset, epochs: int, callbacks: List[Any], plan: _Plan,
+           checkpoint_dir: Optional[str], fit_kwargs: Dict[str, Any]) -> keras.callbacks.History:
+    try:
+        # shuffle=False: the dataset is already shuffled (identically on every worker); Keras would only warn
+        return model.fit(dataset, epochs=epochs, callbacks=callbacks, shuffle=False, **fit_kwargs)
+    except _WORKER_FAILURE_ERRORS as e:
+        if isinstance(plan.strategy, tf.distribute.MultiWorkerMirroredStrategy):
+            raise RuntimeError(
+                f"multi-worker training stopped: a worker of the cluster failed or became unreachable "
+                f"({type(e).__name__}: {_key_line(str(e))}). Check the other workers' "
+                "logs, then rerun the same command on every worker"
+                + (" (it resumes from checkpoint_dir)." if checkpoint_dir else
+                   "; pass checkpoint_dir= to resume instead of restarting.")
+            ) from e
+        raise
+
 
 def fit(
     model_or_builder: Union[keras.Model, Callable[[], keras.Model]],
@@ -463,14 +743,17 @@ def fit(
     Args:
         model_or_builder: a zero-argument function that builds AND compiles the model (called inside the strategy
             scope, under the chosen precision policy), or a compiled model; a model built outside the scope is
-            rebuilt inside it with its weights and compile configuration (logged).
-        x, y: arrays (+ ``y``), a ``tf.data.Dataset`` (batched or not; rebatched to the global batch) or a
-            ``keras.utils.PyDataset``. Datasets get DATA auto-sharding (FILE for file-based pipelines) and AUTOTUNE
-            prefetch.
-        per_replica_batch_size / global_batch_size: exactly one; ``global = per_replica x replicas x accum``.
+            rebuilt inside it with its weights and compile configuration (logged). It may return a model already
+            wrapped with :func:`keras_scale.wrap` (its ``accum`` is used and logged).
+        x, y: arrays (+ ``y``; all of the same length), a ``tf.data.Dataset`` (batched or not; rebatched to the
+            global batch, its size kept) or a ``keras.utils.PyDataset``. Datasets get DATA auto-sharding (FILE for
+            file-based pipelines) and AUTOTUNE prefetch.
+        per_replica_batch_size / global_batch_size: exactly one; ``global = per_replica x replicas`` samples per
+            optimizer update.
         epochs: as in ``model.fit``.
-        accum: gradient-accumulation micro-batches per update (``keras_scale.wrap``); each replica holds
-            ``per_replica_batch_size`` samples at a time.
+        accum: as in :func:`keras_scale.wrap`: each replica's batch is split into ``accum`` micro-batches, one
+            update per global batch. It lowers memory (``per_replica / accum`` samples on a device at once) and
+            changes neither the batch, nor the learning rate, nor a schedule's ``total_steps``.
         strategy: ``"auto"``, ``"default"``, ``"mirrored"``, ``"multi_worker"`` or a ``tf.distribute.Strategy``
             (see :func:`keras_scale.distribute.choose_strategy`).
         precision: ``"auto"`` (bf16 on compute capability >= 8.0, fp16 + loss scaling on 7.x, float32 on CPU) or a
@@ -480,14 +763,15 @@ def fit(
         callbacks: your callbacks; NanGuard, GpuMonitor (with a GPU), TensorBoard (``log_dir``) and ChiefCheckpoint
             (``checkpoint_dir``, resumes) are added when none of their kind is given.
         all_reduce: ``"auto"``, ``"nccl"``, ``"hierarchical_copy"``, ``"one_device"`` or ``"ring"``.
-        sync_bn: ``"auto"`` synchronizes BatchNorm when the per-replica batch < 16 on several replicas;
+        sync_bn: ``"auto"`` synchronizes BatchNorm when the per-replica micro-batch < 16 on several replicas;
             ``True``/``False`` force it.
         jit_compile: ``"auto"`` keeps the model's setting but turns XLA off under multi-replica strategies;
             ``True``/``False`` force it.
         default_callbacks: ``False`` adds none of the default callbacks (only yours, plus TensorBoard /
             ChiefCheckpoint when ``log_dir`` / ``checkpoint_dir`` ask for them).
-        **fit_kwargs: passed to ``model.fit`` (``validation_data``, ``sample_weight``, ``shuffle``,
-            ``steps_per_epoch``, ``verbose``, ...). ``batch_size`` is not accepted (use the two sizes above).
+        **fit_kwargs: passed to ``model.fit`` (``validation_data``, ``validation_split`` (arrays: the last
+            fraction, as Keras), ``sample_weight``, ``shuffle``, ``steps_per_epoch``, ``verbose``, ...).
+            ``batch_size`` is not accepted (use the two sizes above).
 
     Returns:
         The ``keras.callbacks.History``; ``history.model`` is the trained model (``keras_scale.unwrap`` gives the
@@ -495,117 +779,19 @@ def fit(
 
     Example:
         >>> history = fit(build_model, x, y, per_replica_batch_size=32, epochs=2)     # doctest: +SKIP
-        keras_scale: global batch 64 = 32 per replica x 2 replicas x accum 1
+        keras_scale: global batch 64 = 32 per replica x 2 replicas (MirroredStrategy, precision float32); ...
     """
-    # ---- bad input, early ------------------------------------------------------------------------------------
-    if "batch_size" in fit_kwargs:
-        raise TypeError(
-            f"keras_scale.fit takes per_replica_batch_size= or global_batch_size=, not batch_size= "
-            f"(got batch_size={fit_kwargs['batch_size']!r}). global = per_replica x replicas x accum."
-        )
-    if not (isinstance(model_or_builder, keras.Model) or callable(model_or_builder)):
-        _build_in_scope(model_or_builder, None, "float32", 0)  # raises the TypeError with the fix
-    accum = _positive_int("accum", accum)
-    epochs = _positive_int("epochs", epochs)
-    if (per_replica_batch_size is None) == (global_batch_size is None):
-        batch_arithmetic(1, per_replica_batch_size, global_batch_size, accum)  # raises with the explanation
-    for name, value in (("per_replica_batch_size", per_replica_batch_size), ("global_batch_size", global_batch_size)):
-        if value is not None:
-            _positive_int(name, value)
-    _check_lr_scaling(lr_scaling)
-    if sync_bn not in ("auto", True, False):
-        raise ValueError(f"sync_bn must be 'auto', True or False, got {sync_bn!r}")
-    if jit_compile not in ("auto", True, False):
-        raise ValueError(f"jit_compile must be 'auto', True or False, got {jit_compile!r}")
-    if fit_kwargs.get("validation_split"):
-        raise ValueError(
-            f"validation_split={fit_kwargs['validation_split']!r} is not supported by keras_scale.fit (Keras cannot "
-            "split a distributed dataset): pass validation_data=(x_val, y_val) instead."
-        )
-    verbose = fit_kwargs.get("verbose", "auto")
-
-    from keras_scale.precision import check_float32_outputs, choose_precision
-
-    policy = choose_precision(precision)
-
-    # ---- strategy and model ----------------------------------------------------------------------------------
-    patch_keras_multi_worker()
-    if isinstance(strategy, str) and strategy == "auto":
-        # a model built inside a strategy scope, or an enclosing scope, already says which strategy to use
-        if isinstance(model_or_builder, keras.Model) and getattr(model_or_builder, "_distribute_strategy", None):
-            strategy = model_or_builder._distribute_strategy
-        elif tf.distribute.has_strategy():
-            strategy = tf.distribute.get_strategy()
-    strategy = choose_strategy(strategy, all_reduce)
-    if "verbose" not in fit_kwargs and not is_chief(strategy):
-        fit_kwargs["verbose"] = 0  # one progress bar per cluster, on the chief
-    replicas = strategy.num_replicas_in_sync
-    per_replica, global_batch = batch_arithmetic(replicas, per_replica_batch_size, global_batch_size, accum)
-    _say(f"global batch {global_batch} = {per_replica} per replica x {replicas} replica{'s' if replicas > 1 else ''}"
-         f" x accum {accum} ({strategy_name(strategy)}, precision {policy})", verbose, strategy)
-
-    model = _build_in_scope(model_or_builder, strategy, policy, verbose)
-    for finding in check_float32_outputs(model, fix=True):
-        _say(finding, verbose, strategy)
-    model = _apply_sync_bn(model, sync_bn, replicas, per_replica, strategy, verbose)
-    if jit_compile == "auto":
-        if replicas > 1 and model.jit_compile:
-            model.jit_compile = False
-            _say(f"XLA (jit_compile) off under {replicas} replicas; pass jit_compile=True to force it",
-                 verbose, strategy)
-    else:
-        model.jit_compile = jit_compile
-    _apply_lr_scaling(model, lr_scaling, global_batch, strategy, verbose)
-    if accum > 1:
-        from keras_scale.accumulation import wrap
-
-        with strategy.scope():
-            wrapped = wrap(model, accum=accum)
-            _compile_like(wrapped, model)
-            wrapped.jit_compile = model.jit_compile
-        model = wrapped
-
-    # ---- data ------------------------------------------------------------------------------------------------
-    sample_weight = fit_kwargs.pop("sample_weight", None)
-    shuffle = fit_kwargs.pop("shuffle", True)
-    drop_remainder = bool(model.jit_compile)  # XLA wants static shapes
-    epoch_variable = tf.Variable(0, dtype=tf.int64, trainable=False, name="keras_scale_data_epoch")
-    dataset, how = prepare_dataset(x, y, sample_weight, global_batch_size=global_batch, shuffle=bool(shuffle),
-                                   drop_remainder=drop_remainder, epoch_variable=epoch_variable)
-    _say(f"data: {how}", verbose, strategy)
-    validation_data = fit_kwargs.get("validation_data")
-    if validation_data is not None and not isinstance(validation_data, tf.data.Dataset) and not isinstance(
-            validation_data, keras.utils.PyDataset):
-        if not isinstance(validation_data, (tuple, list)) or len(validation_data) not in (2, 3):
-            raise ValueError("validation_data must be (x_val, y_val), (x_val, y_val, sample_weight), a "
-                             f"tf.data.Dataset or a PyDataset; got {type(validation_data).__name__}")
-        fit_kwargs["validation_data"], _ = prepare_dataset(*validation_data, global_batch_size=global_batch,
-                                                           shuffle=False)
-    elif isinstance(validation_data, (tf.data.Dataset, keras.utils.PyDataset)):
-        fit_kwargs["validation_data"], _ = prepare_dataset(validation_data, global_batch_size=global_batch,
-                                                           shuffle=False)
-
-    # ---- callbacks and training ------------------------------------------------------------------------------
-    all_callbacks, added = _default_callbacks(callbacks or [], log_dir, checkpoint_dir, strategy,
+    _validate(model_or_builder, x, per_replica_batch_size, global_batch_size, epochs, accum, lr_scaling, sync_bn,
+              jit_compile, fit_kwargs)
+    plan = _plan(model_or_builder, strategy, all_reduce, precision, per_replica_batch_size, global_batch_size, accum,
+                 fit_kwargs)
+    model = _build(model_or_builder, plan, sync_bn, jit_compile, lr_scaling)
+    dataset, epoch_variable, how = _data(x, y, model, plan, fit_kwargs)
+    _say(_batch_line(plan, model, dataset, epochs, fit_kwargs), plan.verbose, plan.strategy)
+    _say(f"data: {how}", plan.verbose, plan.strategy)
+    all_callbacks, added = _default_callbacks(callbacks or [], log_dir, checkpoint_dir, plan.strategy,
                                               monitors=bool(default_callbacks))
     all_callbacks.insert(0, _EpochCounter(epoch_variable))
     if added:
-        _say(f"default callbacks: {', '.join(added)}", verbose, strategy)
-    try:
-        # shuffle=False: the dataset is already shuffled (identically on every worker); Keras would only warn
-        return model.fit(dataset, epochs=epochs, callbacks=all_callbacks, shuffle=False, **fit_kwargs)
-    except _WORKER_FAILURE_ERRORS as e:
-        if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
-            raise RuntimeError(
-                f"multi-worker training stopped: a worker of the cluster failed or became unreachable "
-                f"({type(e).__name__}: {_key_line(str(e))}). Check the other workers' "
-                "logs, then rerun the same command on every worker"
-                + (" (it resumes from checkpoint_dir)." if checkpoint_dir else
-                   "; pass checkpoint_dir= to resume instead of restarting.")
-            ) from e
-        raise
-
-
-from keras_scale._modules import forward_calls_to  # noqa: E402
-
-forward_calls_to(__name__, "fit")  # ks.fit stays the function after `import keras_scale.fit`
+        _say(f"default callbacks: {', '.join(added)}", plan.verbose, plan.strategy)
+    return _train(model, dataset, epochs, all_callbacks, plan, checkpoint_dir, fit_kwargs)

@@ -36,7 +36,6 @@ import tensorflow as tf
 from keras import tree
 from keras.src.models.functional import Functional
 
-from keras_scale._modules import forward_calls_to
 
 __all__ = ["remat", "remat_model", "Remat"]
 
@@ -266,6 +265,3 @@ def remat_model(model: keras.Model, select: Optional[Callable[[keras.layers.Laye
             f"{[layer.name for layer in model.layers]}). Pass a `select` that returns True for the blocks to recompute."
         )
     return new_model
-
-
-forward_calls_to(__name__, "remat")  # ks.remat stays the function after `import keras_scale.remat`

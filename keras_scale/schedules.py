@@ -284,22 +284,3 @@ def scale_learning_rate(optimizer: keras.optimizers.Optimizer, factor: float) ->
         raise TypeError("cannot scale a callable learning rate; use a LearningRateSchedule or a float")
     lr.assign(lr * factor)
     return False
-
-
-def cli(argv: Sequence[str]) -> int:
-    """``keras-scale plot-lr --peak-lr 1e-3 --total-steps 10000 --warmup-steps 500 -o lr.png``.
-
-    Example:
-        $ keras-scale plot-lr --peak-lr 0.4 --total-steps 9000 --warmup-steps 500 -o lr.png
-    """
-    p = argparse.ArgumentParser(prog="keras-scale plot-lr", description="Plot a WarmupCosine schedule to a PNG.")
-    p.add_argument("--peak-lr", type=float, required=True)
-    p.add_argument("--total-steps", type=int, required=True)
-    p.add_argument("--warmup-steps", type=int, default=0)
-    p.add_argument("--initial-lr", type=float, default=0.0)
-    p.add_argument("--final-lr", type=float, default=0.0)
-    p.add_argument("-o", "--output", default="lr.png")
-    a = p.parse_args(list(argv))
-    s = WarmupCosine(a.peak_lr, a.total_steps, a.warmup_steps, a.initial_lr, a.final_lr)
-    print(f"wrote {s.plot(a.output)}")
-    return 0

@@ -42,11 +42,15 @@ def reference(global_batch=16, epochs=2, **kwargs):
 # --- batch arithmetic and bad input (all raised before any training) -----------------------------------------
 
 def test_batch_arithmetic():
-    assert batch_arithmetic(4, per_replica_batch_size=64, accum=2) == (64, 512)
-    assert batch_arithmetic(4, global_batch_size=512, accum=2) == (64, 512)
+    # accum splits each replica's batch into micro-batches: it never changes the batch sizes
+    assert batch_arithmetic(4, per_replica_batch_size=64, accum=2) == (64, 256)
+    assert batch_arithmetic(4, global_batch_size=512, accum=2) == (128, 512)
+    assert batch_arithmetic(4, global_batch_size=512) == batch_arithmetic(4, global_batch_size=512, accum=8)
     assert batch_arithmetic(1, global_batch_size=10) == (10, 10)
-    with pytest.raises(ValueError, match="multiple of 8"):
-        batch_arithmetic(4, global_batch_size=100, accum=2)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        batch_arithmetic(4, global_batch_size=102, accum=2)
+    with pytest.raises(ValueError, match="use accum <= 8"):
+        batch_arithmetic(2, global_batch_size=16, accum=9)
     with pytest.raises(ValueError, match="exactly one"):
         batch_arithmetic(2, per_replica_batch_size=8, global_batch_size=16)
     with pytest.raises(ValueError, match="exactly one"):
@@ -70,13 +74,20 @@ def test_batch_arithmetic():
         (dict(global_batch_size=16, all_reduce="mpi"), ValueError, "unknown all_reduce 'mpi'"),
         (dict(global_batch_size=16, precision="fp8"), ValueError, "unknown precision 'fp8'"),
         (dict(global_batch_size=15, strategy="mirrored_2cpu"), ValueError, "global_batch_size=15 does not split"),
+        (dict(global_batch_size=16, validation_split=1.5), ValueError, "0 < validation_split < 1"),
+        (dict(global_batch_size=16, y=Y[:60]), ValueError, "x has 64, y has 60"),
+        (dict(global_batch_size=16, sample_weight=np.ones(10)), ValueError, "y has 64, sample_weight has 10"),
     ],
 )
 def test_bad_arguments_fail_early_with_the_fix(kwargs, error, match, mirrored):
     if kwargs.get("strategy") == "mirrored_2cpu":
         kwargs["strategy"] = mirrored
+    y = kwargs.pop("y", Y)
+    started = []
     with pytest.raises(error, match=match):
-        ks.fit(build(), X, Y, verbose=0, **kwargs)
+        ks.fit(build(), X, y, verbose=0, callbacks=[keras.callbacks.LambdaCallback(
+            on_train_begin=lambda logs: started.append(1))], **kwargs)
+    assert not started  # refused before training
 
 
 def test_bad_model_argument():
@@ -100,7 +111,8 @@ def test_two_replicas_equal_one_device_at_the_same_global_batch(mirrored, capsys
     ref = ks.fit(build(), X, Y, global_batch_size=16, epochs=2, strategy="default", verbose=0)  # shuffled
     hist = ks.fit(build(), X, Y, per_replica_batch_size=8, epochs=2, strategy=mirrored, verbose=1)
     out = capsys.readouterr().out
-    assert "global batch 16 = 8 per replica x 2 replicas x accum 1" in out
+    assert ("global batch 16 = 8 per replica x 2 replicas (MirroredStrategy, precision float32); 4 updates/epoch x "
+            "2 epochs = 8 optimizer updates (a schedule's total_steps)") in out
     assert out.count("global batch") == 1  # stated once
     assert max_diff(ref.model, hist.model) < 1e-5
     np.testing.assert_allclose(hist.history["loss"], ref.history["loss"], rtol=1e-5)
@@ -127,13 +139,32 @@ def test_compiled_model_inside_the_scope_is_trained_in_place(mirrored):
     assert hist.model is model
 
 
-def test_accum_uses_wrap_and_keeps_the_global_batch(mirrored, capsys):
+def test_accum_splits_the_batch_like_wrap_and_changes_nothing_else(mirrored, capsys):
     ref = reference()
-    hist = ks.fit(build(), X, Y, per_replica_batch_size=4, accum=2, epochs=2, strategy=mirrored, shuffle=False,
+    hist = ks.fit(build(), X, Y, per_replica_batch_size=8, accum=2, epochs=2, strategy=mirrored, shuffle=False,
                   verbose=1)
-    assert "global batch 16 = 4 per replica x 2 replicas x accum 2" in capsys.readouterr().out
-    assert max_diff(ref.model, ks.unwrap(hist.model)) < 1e-5
+    out = capsys.readouterr().out
+    assert ("global batch 16 = 8 per replica x 2 replicas, each split into accum 2 micro-batches of 4 "
+            "(MirroredStrategy, precision float32); 4 updates/epoch x 2 epochs = 8 optimizer updates") in out
+    assert isinstance(hist.model, ks.AccumulatingModel) and hist.model.accum == 2
+    assert max_diff(ref.model, ks.unwrap(hist.model)) < 1e-5  # the same training as without accumulation
     assert int(hist.model.optimizer.iterations.numpy()) == 2 * 64 // 16  # one update per global batch
+    with pytest.raises(ValueError, match="use accum <= 8"):
+        ks.fit(build(), X, Y, per_replica_batch_size=8, accum=16, strategy=mirrored, verbose=0)
+
+
+def test_a_builder_returning_a_wrapped_model_is_logged_with_its_accum(mirrored, capsys):
+    def wrapped_builder():
+        wrapped = ks.wrap(build()(), accum=4)
+        wrapped.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+        return wrapped
+
+    hist = ks.fit(wrapped_builder, X, Y, global_batch_size=16, epochs=2, strategy=mirrored, shuffle=False,
+                  verbose=1)
+    assert "each split into accum 4 micro-batches of 2" in capsys.readouterr().out
+    assert hist.model.accum == 4 and max_diff(reference().model, ks.unwrap(hist.model)) < 1e-5
+    with pytest.raises(ValueError, match="already wrapped by keras_scale.wrap \\(accum=4\\) and fit got accum=2"):
+        ks.fit(wrapped_builder, X, Y, global_batch_size=16, accum=2, strategy=mirrored, verbose=0)
 
 
 def test_jit_compile_is_turned_off_under_multiple_replicas(mirrored, capsys):
@@ -310,6 +341,60 @@ def test_auto_strategy_follows_the_scope_the_model_was_built_in_and_scales_lr_on
     assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(0.05 * 2)  # scaled once, not twice
 
 
-def test_validation_split_is_refused_with_the_alternative():
-    with pytest.raises(ValueError, match="pass validation_data=\\(x_val, y_val\\)"):
-        ks.fit(build(), X, Y, global_batch_size=16, validation_split=0.2)
+def test_validation_split_takes_the_last_fraction_like_keras(mirrored):
+    hist = ks.fit(build(), X, Y, global_batch_size=16, epochs=2, strategy=mirrored, shuffle=False, verbose=0,
+                  validation_split=0.25)
+    same = ks.fit(build(), X[:48], Y[:48], global_batch_size=16, epochs=2, strategy=mirrored, shuffle=False,
+                  verbose=0, validation_data=(X[48:], Y[48:]))
+    assert max_diff(hist.model, same.model) < 1e-6  # trained on the first 75% only
+    np.testing.assert_allclose(hist.history["val_loss"], same.history["val_loss"], rtol=1e-6)
+    with pytest.raises(ValueError, match="validation_split works on arrays only"):
+        ks.fit(build(), tf.data.Dataset.from_tensor_slices((X, Y)), global_batch_size=16, validation_split=0.25,
+               verbose=0)
+
+
+def test_batched_dataset_keeps_its_size_when_rebatched(recwarn):
+    batched = tf.data.Dataset.from_tensor_slices((X, Y)).batch(5)  # 13 batches of 5 (last 4) -> 4 of 16
+    ds, _ = prepare_dataset(batched, global_batch_size=16)
+    assert int(ds.cardinality()) == 4 == len(list(ds))
+    ds, _ = prepare_dataset(batched.map(lambda a, b: (a * 2, b)), global_batch_size=16, drop_remainder=True)
+    assert int(ds.cardinality()) == 4 == len(list(ds))
+    ds, _ = prepare_dataset(tf.data.Dataset.from_tensor_slices((X[:60], Y[:60])).batch(5), global_batch_size=16,
+                            drop_remainder=True)
+    assert int(ds.cardinality()) == 3 == len(list(ds))
+    filtered = batched.filter(lambda a, b: True)  # unknown size: rebatched, no false claim
+    ds, _ = prepare_dataset(filtered, global_batch_size=16)
+    assert int(ds.cardinality()) == tf.data.UNKNOWN_CARDINALITY and len(list(ds)) == 4
+    ks.fit(build(), batched, global_batch_size=16, epochs=2, strategy="default", verbose=0)
+    assert not [w for w in recwarn if "ran out of data" in str(w.message)]
+
+
+def test_unbatched_dataset_on_a_wrapped_model_says_batch_your_dataset():
+    model = ks.wrap(build()(), accum=2)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    with pytest.raises(ValueError, match="batch your dataset"):  # scalar labels: single samples
+        model.fit(tf.data.Dataset.from_tensor_slices((X, Y[:, 0])), epochs=1, verbose=0)
+    with pytest.raises(ValueError, match="Batch your dataset as the last step"):
+        first_of_each = tf.data.Dataset.from_tensor_slices((X, Y[:, 0])).batch(4).map(lambda a, b: (a[0], b[0]))
+        prepare_dataset(first_of_each, global_batch_size=16)
+    history = model.fit(tf.data.Dataset.from_tensor_slices((X, Y)).batch(16), epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+
+
+def test_mirrored_strategy_probe_prints_no_eager_overhead_warning():
+    import subprocess
+    import sys
+
+    code = ("import numpy as np, keras, keras_scale as ks\n"
+            "def build():\n"
+            "    m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])\n"
+            "    m.compile(optimizer='sgd', loss='mse', metrics=['mae'])\n"
+            "    return m\n"
+            "ks.fit(build, np.ones((32, 4), 'float32'), np.ones((32, 1), 'float32'), global_batch_size=16, "
+            "strategy='mirrored', verbose=0)\n"
+            "print('trained')\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root,
+                         env=dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="0"))
+    assert out.returncode == 0 and "trained" in out.stdout, out.stderr[-2000:]
+    assert "eagerly has significant overhead" not in out.stderr + out.stdout

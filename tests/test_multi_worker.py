@@ -63,8 +63,8 @@ options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoSha
 raw = model.fit(ds.with_options(options), epochs=3, verbose=0)
 dump("raw", history=raw.history, weights=weights(model))
 
-# gradient accumulation across workers: 4 per replica x 2 replicas x accum 2 = the same global batch 16
-acc = ks.fit(build, X, Y, per_replica_batch_size=4, accum=2, epochs=3, strategy=strategy, verbose=0)
+# gradient accumulation across workers: the same global batch 16 = 8 per replica x 2 replicas, each split in 2
+acc = ks.fit(build, X, Y, per_replica_batch_size=8, accum=2, epochs=3, strategy=strategy, verbose=0)
 dump("accum", history=acc.history, weights=weights(ks.unwrap(acc.model)))
 '''
 

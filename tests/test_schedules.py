@@ -149,9 +149,9 @@ def test_learning_rate_logger_writes_the_warmup_per_step(tmp_path):
     lr = ks.WarmupCosine(0.4, total_steps=8, warmup_steps=4)
     model = _tiny_model(lr)
     model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[ks.LearningRateLogger(str(tmp_path))])
-    events = list((tmp_path / "learning_rate").glob("events.out.tfevents.*"))
+    events = list(tmp_path.rglob("events.out.tfevents.*"))
     logged = {e.step: float(tf.make_ndarray(v.tensor)) for e in tf.compat.v1.train.summary_iterator(str(events[0]))
-              for v in e.summary.value if v.tag == "learning_rate"}
+              for v in e.summary.value if v.tag == "optimizer/learning_rate"}
     assert sorted(logged) == list(range(8))
     for step, value in logged.items():
         assert value == pytest.approx(float(lr(step)), rel=1e-5)
