@@ -276,16 +276,16 @@ def require_keras_multi_worker_fix(strategy: Any) -> None:
 
 
 def is_multi_worker(strategy: Any) -> bool:
-    """True for a strategy that spans several processes (``MultiWorkerMirroredStrategy``).
+    """True for a strategy that spans several processes (``MultiWorkerMirroredStrategy`` with a cluster).
+
+    The one place keras_scale decides "is this multi-worker?" (step, checkpoint, fit and the Keras fix ask here).
 
     Example:
         >>> is_multi_worker(tf.distribute.get_strategy())
         False
     """
-    import tensorflow as tf
-
-    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) or bool(
-        getattr(getattr(strategy, "extended", None), "_in_multi_worker_mode", lambda: False)())
+    in_multi_worker_mode = getattr(getattr(strategy, "extended", None), "_in_multi_worker_mode", None)
+    return bool(in_multi_worker_mode is not None and in_multi_worker_mode())
 
 
 def chief_print(message: str, strategy: Any = None, verbose: int = 1, incident: bool = False) -> None:

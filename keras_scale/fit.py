@@ -29,10 +29,11 @@ import numpy as np
 import tensorflow as tf
 
 from keras_scale._validate import check_int
+from keras_scale.data import dataset_is_batched, dataset_is_file_based
 from keras_scale.callbacks.checkpoint import ChiefCheckpoint
 from keras_scale.callbacks.gpu_monitor import GpuMonitor
 from keras_scale.callbacks.nan_guard import NanGuard
-from keras_scale.distribute import choose_strategy, is_chief, patch_keras_multi_worker, strategy_name
+from keras_scale.distribute import choose_strategy, is_chief, is_multi_worker, require_keras_multi_worker_fix, strategy_name
 
 __all__ = ["fit", "batch_arithmetic", "prepare_dataset", "split_for_validation"]
 
@@ -110,23 +111,6 @@ def _say(message: str, verbose: Any = 1, strategy: Any = None) -> None:
     log.info(message)
     if verbose and is_chief(strategy):
         print(f"keras_scale: {message}", flush=True)
-
-
-def _dataset_chain(ds: tf.data.Dataset) -> List[str]:
-    names = []
-    while ds is not None and len(names) < 1000:
-        names.append(type(ds).__name__)
-        ds = getattr(ds, "_input_dataset", None)
-    return names
-
-
-def _is_batched(ds: tf.data.Dataset) -> bool:
-    for name in _dataset_chain(ds):  # outermost first
-        if "Unbatch" in name:
-            return False
-        if "Batch" in name:  # _BatchDataset, _PaddedBatchDataset, _ParallelBatchDataset, _RebatchDataset, ...
-            return True
-    return False
 
 
 _BATCH_OPS = ("_BatchDataset", "_ParallelBatchDataset", "_PaddedBatchDataset")
@@ -219,11 +203,6 @@ def split_for_validation(validation_split: float, x: Any, y: Any = None, sample_
             (part(x, tail), part(y, tail), part(sample_weight, tail)))
 
 
-def _is_file_based(ds: tf.data.Dataset) -> bool:
-    return any(k in name for name in _dataset_chain(ds)
-               for k in ("TFRecord", "TextLine", "FixedLengthRecord", "Interleave", "FlatMap"))
-
-
 def _shard_and_prefetch(ds: tf.data.Dataset, file_based: bool) -> Tuple[tf.data.Dataset, str]:
     options = tf.data.Options()
     current = ds.options().experimental_distribute.auto_shard_policy
@@ -264,8 +243,8 @@ def prepare_dataset(x: Any, y: Any = None, sample_weight: Any = None, *, global_
         if y is not None or sample_weight is not None:
             raise ValueError("x is a tf.data.Dataset, so y/sample_weight must be None: put them in the dataset's "
                              "elements as (x, y) or (x, y, sample_weight).")
-        file_based = _is_file_based(x)
-        if _is_batched(x):
+        file_based = dataset_is_file_based(x)
+        if dataset_is_batched(x):
             _check_batched_elements(x)
             samples = _samples_of_batched(x)
             ds = x.rebatch(global_batch_size, drop_remainder=drop_remainder)
@@ -451,17 +430,13 @@ def _apply_sync_bn(model: keras.Model, sync_bn: Any, replicas: int, per_replica:
     return converted
 
 
-def _inner_optimizer(optimizer: Any) -> Any:
-    return getattr(optimizer, "inner_optimizer", optimizer)
-
-
 def _apply_lr_scaling(model: keras.Model, lr_scaling: Any, global_batch: int, strategy: Any, verbose: Any) -> None:
     if lr_scaling is None:
         return
-    from keras_scale.schedules import WarmupCosine, scale_lr
+    from keras_scale.schedules import WarmupCosine, inner_optimizer, scale_lr
 
     rule, base_batch = lr_scaling
-    optimizer = _inner_optimizer(model.optimizer)
+    optimizer = inner_optimizer(model.optimizer)
     done = getattr(optimizer, "_keras_scale_lr_scaling", None)
     if done is not None:  # a second fit() on the same model must not scale again
         if done != (rule, base_batch, global_batch):
@@ -586,7 +561,6 @@ def _plan(model_or_builder: Any, strategy: Any, all_reduce: str, precision: Any,
     from keras_scale.precision import choose_precision
 
     policy = choose_precision(precision)
-    patch_keras_multi_worker()
     if isinstance(strategy, str) and strategy == "auto":
         # a model built inside a strategy scope, or an enclosing scope, already says which strategy to use
         if isinstance(model_or_builder, keras.Model) and getattr(model_or_builder, "_distribute_strategy", None):
@@ -594,6 +568,7 @@ def _plan(model_or_builder: Any, strategy: Any, all_reduce: str, precision: Any,
         elif tf.distribute.has_strategy():
             strategy = tf.distribute.get_strategy()
     strategy = choose_strategy(strategy, all_reduce)
+    require_keras_multi_worker_fix(strategy)  # Keras's fit crashes under multi-worker without it: refuse, say why
     if "verbose" not in fit_kwargs and not is_chief(strategy):
         fit_kwargs["verbose"] = 0  # one progress bar per cluster, on the chief
     replicas = strategy.num_replicas_in_sync
@@ -706,7 +681,7 @@ def _train(model: keras.Model, dataset: tf.data.Dataset, epochs: int, callbacks:
         # shuffle=False: the dataset is already shuffled (identically on every worker); Keras would only warn
         return model.fit(dataset, epochs=epochs, callbacks=callbacks, shuffle=False, **fit_kwargs)
     except _WORKER_FAILURE_ERRORS as e:
-        if isinstance(plan.strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        if is_multi_worker(plan.strategy):
             raise RuntimeError(
                 f"multi-worker training stopped: a worker of the cluster failed or became unreachable "
                 f"({type(e).__name__}: {_key_line(str(e))}). Check the other workers' "

@@ -8,9 +8,8 @@ Example:
 """
 from __future__ import annotations
 
-import argparse
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import keras
 import tensorflow as tf

@@ -7,7 +7,8 @@ import pytest
 import tensorflow as tf
 
 import keras_scale as ks
-from keras_scale.fit import _default_callbacks, _is_batched, _is_file_based, batch_arithmetic, prepare_dataset
+from keras_scale.data import dataset_is_batched as _is_batched, dataset_is_file_based as _is_file_based
+from keras_scale.fit import _default_callbacks, batch_arithmetic, prepare_dataset
 
 RNG = np.random.default_rng(0)
 X = RNG.normal(size=(64, 4)).astype("float32")

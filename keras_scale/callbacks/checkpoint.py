@@ -27,7 +27,7 @@ import keras
 import tensorflow as tf
 
 from keras_scale._validate import check_int
-from keras_scale.distribute import is_chief
+from keras_scale.distribute import is_chief, is_multi_worker
 
 __all__ = ["ChiefCheckpoint", "CheckpointMismatchError", "list_checkpoints", "checkpoint_for",
            "PREEMPTION_EXIT_CODE"]
@@ -919,7 +919,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             return
         strategy = self.model.distribute_strategy
         mine = 0.0 if self._preempt_requested is None else float(self._preempt_requested)
-        if self._multi_worker(strategy):
+        if is_multi_worker(strategy):
             if not agree_now:
                 return
             # Every worker asks at the same batch: the signal may have reached only one of them.
@@ -935,15 +935,10 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             self.model.stop_training = True
 
     # ------------------------------------------------------------------ multi-worker agreement
-    @staticmethod
-    def _multi_worker(strategy: Any) -> bool:
-        in_multi_worker = getattr(getattr(strategy, "extended", None), "_in_multi_worker_mode", None)
-        return bool(in_multi_worker is not None and in_multi_worker())
-
     def _sum_over_workers(self, strategy: Any, value: float, first_replica_only: bool = False) -> float:
         """All-reduce (SUM) of ``value`` over all replicas of all workers; also a barrier. Local value outside
         multi-worker."""
-        if not self._multi_worker(strategy):
+        if not is_multi_worker(strategy):
             return value
 
         def fn():
@@ -958,7 +953,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
     def _check_workers_agree(self, strategy: Any, restored_step: int) -> None:
         """Multi-worker: every worker must resume from the same checkpoint (or none), else training diverges or
         hangs in a collective. Two small all-reduces; nothing outside multi-worker."""
-        if not self._multi_worker(strategy):
+        if not is_multi_worker(strategy):
             return
         first_step = int(self._sum_over_workers(strategy, float(restored_step), first_replica_only=True))
         if self._sum_over_workers(strategy, 0.0 if first_step == restored_step else 1.0) > 0:

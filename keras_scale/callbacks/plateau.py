@@ -17,6 +17,7 @@ from typing import Any, Dict, Optional
 import keras
 import numpy as np
 
+from keras_scale import step as step_lib
 from keras_scale._validate import check_int
 from keras_scale.callbacks.lr_logger import current_learning_rate
 from keras_scale.distribute import is_chief
@@ -120,7 +121,7 @@ class ReduceLROnPlateau(keras.callbacks.Callback):
             return
         new_lr = max(old_lr * self.factor, self.min_lr)
         if scale_learning_rate(optimizer, new_lr / old_lr):
-            self.model.make_train_function(force=True)  # a generic schedule was wrapped: retrace
+            step_lib.rebuild(self.model)  # a generic schedule was wrapped: retrace (also a cached composed step)
         self.cooldown_counter = self.cooldown
         self.reductions += 1
         if self.verbose and is_chief(self.model.distribute_strategy):
