@@ -38,6 +38,7 @@ _EXPORTS = {
     "HostMemoryWatch": "keras_scale.callbacks.host_memory",
     "HostMemoryGrowthWarning": "keras_scale.callbacks.host_memory",
     "LearningRateLogger": "keras_scale.callbacks.lr_logger",
+    "Goodput": "keras_scale.callbacks.goodput",
     # distribution
     "fit": "keras_scale.fit",
     "is_chief": "keras_scale.distribute",

@@ -430,6 +430,8 @@ def _default_callbacks(callbacks: Sequence[Any], log_dir: Optional[str], checkpo
         if "://" not in directory:
             directory = os.path.abspath(directory)  # every worker resolves the same path, whatever its cwd
         add("keras_scale.callbacks.checkpoint", "ChiefCheckpoint", directory)
+    if monitors:  # last, so that it also sees the final checkpoint written at train end
+        add("keras_scale.callbacks.goodput", "Goodput", log_dir)
     return result, added
 
 
@@ -477,8 +479,8 @@ def fit(
             policy name; output layers are kept in float32.
         lr_scaling: ``("linear" | "sqrt", base_batch)``: scale the optimizer's learning rate (or a
             ``WarmupCosine`` peak) from ``base_batch`` to the global batch.
-        callbacks: your callbacks; NanGuard, GpuMonitor (with a GPU), TensorBoard (``log_dir``) and ChiefCheckpoint
-            (``checkpoint_dir``, resumes) are added when none of their kind is given.
+        callbacks: your callbacks; NanGuard, GpuMonitor (with a GPU), TensorBoard (``log_dir``), ChiefCheckpoint
+            (``checkpoint_dir``, resumes) and Goodput (last) are added when none of their kind is given.
         all_reduce: ``"auto"``, ``"nccl"``, ``"hierarchical_copy"``, ``"one_device"`` or ``"ring"``.
         sync_bn: ``"auto"`` synchronizes BatchNorm when the per-replica batch < 16 on several replicas;
             ``True``/``False`` force it.

@@ -33,7 +33,7 @@ import statistics
 import time
 import warnings
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import keras
 import tensorflow as tf
@@ -180,14 +180,14 @@ def _gpu_name() -> Optional[str]:
 # FLOPs per step, from a trace of the model's forward + backward pass
 # --------------------------------------------------------------------------------------------------------------
 
-def _traced_functions(fn: Any, depth: int = 5) -> List[Any]:
+def _traced_functions(fn: Any, depth: int = 12) -> List[Any]:
     """The ``tf.function`` objects inside ``model.train_function`` (Keras's, under any Python wrappers around it,
     such as ChiefCheckpoint's), found through closures."""
     found: List[Any] = []
     seen = set()
 
     def visit(obj: Any, level: int) -> None:
-        if id(obj) in seen or level > depth:
+        if id(obj) in seen or level > depth or len(seen) > 500:
             return
         seen.add(id(obj))
         if hasattr(obj, "experimental_get_tracing_count"):
@@ -542,7 +542,7 @@ class Goodput(keras.callbacks.Callback):
     ``flops_per_step``, ``tflops_per_s`` (while stepping), ``mfu`` and ``peak_flops``. Each epoch adds
     ``goodput``, ``goodput_input_wait``, ``goodput_samples_per_s``, ``goodput_tflops_per_s`` and ``goodput_mfu``
     (those known) to the epoch logs (``History``), and with ``log_dir`` the chief writes ``goodput/...`` scalars.
-    The chief prints a table at the end of fit (``verbose=1``).
+    The chief prints a table at the end of fit (unless ``fit(verbose=0)``).
 
     List it last (``keras_scale.fit`` does): it then also sees the final checkpoint other callbacks write at
     the end of training.
@@ -551,7 +551,8 @@ class Goodput(keras.callbacks.Callback):
         log_dir: TensorBoard directory (scalars under ``log_dir/goodput``); ``None``: none.
         peak_flops: the accelerator's peak FLOP/s for MFU; ``None`` looks the GPU up in :data:`PEAK_TFLOPS` by
             its NVML name and the model's compute dtype (``mfu`` stays ``None`` on CPU or an unknown GPU).
-        verbose: 1 prints the end-of-fit table (chief only), 0 is silent.
+        verbose: ``"auto"`` prints the end-of-fit table (chief only) unless ``fit`` runs with ``verbose=0``;
+            1 always prints it, 0 never.
         probe_fraction: at most this fraction of the wall time goes into the probes that separate input wait
             from compute (besides the first one), in [0, 0.1].
 
@@ -565,7 +566,8 @@ class Goodput(keras.callbacks.Callback):
     MIN_PROBE_GAP_CALLS = 16  # calls between two probes
     FREE_PROBES = 3  # probes per fit outside the probe_fraction budget
 
-    def __init__(self, log_dir: Optional[str] = None, peak_flops: Optional[float] = None, verbose: int = 1,
+    def __init__(self, log_dir: Optional[str] = None, peak_flops: Optional[float] = None,
+                 verbose: Union[str, int] = "auto",
                  probe_fraction: float = 0.005) -> None:
         super().__init__()
         if log_dir is not None and not isinstance(log_dir, (str, bytes)) and not hasattr(log_dir, "__fspath__"):
@@ -575,7 +577,9 @@ class Goodput(keras.callbacks.Callback):
                                       hint="It is the accelerator's peak FLOP/s, e.g. 989e12 for an H100 in bf16.")
         self.log_dir = None if log_dir is None else str(log_dir)
         self.peak_flops = peak_flops
-        self.verbose = check_int("verbose", verbose, 0, owner="Goodput")
+        if verbose != "auto":
+            verbose = check_int("verbose", verbose, 0, owner="Goodput", hint='Use 0, 1 or "auto".')
+        self.verbose = verbose
         self.probe_fraction = check_number("probe_fraction", probe_fraction, 0.0, owner="Goodput")
         if self.probe_fraction > 0.1:
             raise ValueError(f"Goodput: probe_fraction must be in [0, 0.1], got {probe_fraction!r}.")
@@ -685,7 +689,8 @@ class Goodput(keras.callbacks.Callback):
         self._take_reported()
         self.summary = self._summarize(self._ledger, time.perf_counter() - self._start)
         self._scalars.close()
-        if self.verbose and self._chief:
+        if self._chief and (self.verbose == "auto" and (self.params or {}).get("verbose", 1) != 0
+                            or self.verbose not in ("auto", 0)):
             print(format_summary(self.summary), flush=True)
 
     # ------------------------------------------------------------------ logic
