@@ -488,12 +488,14 @@ def _time_checkpoint_methods(ckpt: Any) -> None:
 
 
 class _ReportedClock:
-    """Seconds other keras_scale pieces report (checkpoint blocking, redone work), read as deltas."""
+    """Seconds other keras_scale pieces report (checkpoint blocking, redone work), read as deltas (a few attribute
+    reads per step: no device sync)."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
         self.ckpt: Any = None
-        self._last = {"blocked": 0.0, "redone": 0.0}
+        self._blocked = 0.0
+        self._redone = 0.0
 
     def resolve(self) -> None:
         ckpt = _find_checkpoint(self.model)
@@ -501,30 +503,27 @@ class _ReportedClock:
             self.ckpt = ckpt
             if ckpt is not None and getattr(ckpt, "blocked_s", None) is None:
                 _time_checkpoint_methods(ckpt)
-            self._last = self._read()
+            self._blocked, self._redone = self._read()
 
-    def _read(self) -> Dict[str, float]:
+    def _read(self) -> Tuple[float, float]:
         ckpt = self.ckpt
-        if ckpt is None:
-            return {"blocked": 0.0, "redone": 0.0}
         blocked = getattr(ckpt, "blocked_s", None)
         if blocked is None:
             blocked = getattr(ckpt, _TIMED_ATTR, 0.0)
-        return {"blocked": float(blocked or 0.0), "redone": float(getattr(ckpt, "redone_s", 0.0) or 0.0)}
+        return float(blocked or 0.0), float(getattr(ckpt, "redone_s", 0.0) or 0.0)
 
     def delta(self) -> Tuple[float, float]:
         """(checkpoint-blocked s, redone s) since the last call; a counter reset at a fit start counts from 0."""
-        now = self._read()
-        out = []
-        for key in ("blocked", "redone"):
-            d = now[key] - self._last[key]
-            out.append(now[key] if d < 0 else d)
-        self._last = now
-        return out[0], out[1]
+        if self.ckpt is None:
+            return 0.0, 0.0
+        blocked, redone = self._read()
+        d_blocked, d_redone = blocked - self._blocked, redone - self._redone
+        self._blocked, self._redone = blocked, redone
+        return (blocked if d_blocked < 0 else d_blocked), (redone if d_redone < 0 else d_redone)
 
     @property
     def last_call_skipped(self) -> bool:
-        return bool(self.ckpt is not None and getattr(self.ckpt, "_last_call_skipped", False))
+        return self.ckpt is not None and bool(getattr(self.ckpt, "_last_call_skipped", False))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -724,8 +723,9 @@ class Goodput(keras.callbacks.Callback):
 
     def _take_reported(self) -> Tuple[float, float]:
         checkpoint_s, redone_s = self._clock.delta()
-        self._ledger.checkpoint_s += checkpoint_s
-        self._ledger.redone_s += redone_s
+        if checkpoint_s or redone_s:
+            self._ledger.checkpoint_s += checkpoint_s
+            self._ledger.redone_s += redone_s
         return checkpoint_s, redone_s
 
     def _record_call(self, duration_s: float) -> None:
