@@ -65,16 +65,16 @@ def timed_fit(model, *args, **kwargs):
 
 def test_slow_pipeline_is_input_wait_and_categories_add_up():
     model, goodput = build(), ks.Goodput(verbose=0)
-    history, elapsed = timed_fit(model, dataset(40, sleep_s=0.02), epochs=2, verbose=0, callbacks=[goodput])
+    history, elapsed = timed_fit(model, dataset(40, sleep_s=0.02), epochs=3, verbose=0, callbacks=[goodput])
     s = goodput.summary
     assert_adds_up(s)
     assert 0.8 * elapsed <= s["wall_s"] <= elapsed
-    # 80 batches x 20 ms of sleeping pipeline, ~1-2 ms of compute each: most of the wall is waiting for data
+    # 120 batches x 20 ms of sleeping pipeline, ~1-2 ms of compute each: most of the wall is waiting for data
     assert s["input_wait"] >= 0.4, s
-    assert s["input_wait_s"] > 5 * s["productive_s"], s
-    assert s["steps"] == 80 and s["samples"] == 80 * BATCH
+    assert s["input_wait_s"] > 2 * s["productive_s"], s
+    assert s["steps"] == 120 and s["samples"] == 120 * BATCH
     # per-epoch figures in the logs
-    assert len(history.history["goodput_input_wait"]) == 2
+    assert len(history.history["goodput_input_wait"]) == 3
     assert history.history["goodput_input_wait"][-1] >= 0.4
 
 
@@ -99,20 +99,34 @@ def test_first_fit_traces_second_does_not():
 
 # --- checkpoint, eval, NaN-skipped -----------------------------------------------------------------------------
 
+class HookClock(keras.callbacks.Callback):
+    """Listed right before and right after another callback: the time that callback spends in its batch-end hook."""
+
+    def __init__(self, partner=None):
+        super().__init__()
+        self.partner, self.total_s = partner, 0.0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.stamp = time.perf_counter()
+        if self.partner is not None:
+            self.total_s += self.stamp - self.partner.stamp
+
+
 def test_checkpoint_and_validation_have_their_own_categories(tmp_path):
     model = build(hidden=1024)  # ~1.1 M parameters + Adam slots: each save takes a while
     ckpt = ks.ChiefCheckpoint(str(tmp_path / "ckpt"), save_freq=2, verbose=0)
+    before = HookClock()
+    after = HookClock(partner=before)  # measures ChiefCheckpoint's saves from the outside
     goodput = ks.Goodput(verbose=0)
-    x, y = data(5)
     slow_val = dataset(5, sleep_s=0.02)  # validation: 5 batches x 20 ms per epoch
-    model.fit(dataset(20), epochs=2, verbose=0, validation_data=slow_val, callbacks=[ckpt, goodput])
+    model.fit(dataset(20), epochs=2, verbose=0, validation_data=slow_val,
+              callbacks=[before, ckpt, after, goodput])
     s = goodput.summary
     assert_adds_up(s)
     assert s["eval_s"] >= 2 * 5 * 0.02, s
-    assert s["checkpoint_s"] > 0.05, s  # 20 saves, each inside a step's batch hooks
-    # the saves happen between the step's hooks: they must not be mistaken for input wait or compute
-    assert s["input_wait_s"] < 0.5 * s["checkpoint_s"], s
-    assert s["productive_s"] < s["checkpoint_s"], s
+    # 20 saves, inside the step's batch hooks: their time is checkpoint time, and only that (were it also counted
+    # as step time, the categories would add up to more than the wall time)
+    assert 0.8 * after.total_s <= s["checkpoint_s"] <= 1.25 * after.total_s + 0.01, (s, after.total_s)
 
 
 def test_nan_skipped_steps_are_priced():

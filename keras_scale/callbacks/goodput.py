@@ -611,6 +611,7 @@ class Goodput(keras.callbacks.Callback):
         self._since_probe = 0
         self._sleep_s = 0.0
         self._probes_run = 0
+        self._x_hat: Optional[float] = None
         self._probe = False
         self._t_call = 0.0
         self._t_last_end: Optional[float] = None
@@ -709,9 +710,14 @@ class Goodput(keras.callbacks.Callback):
         if self._probes_run and self._since_probe < self.MIN_PROBE_GAP_CALLS:
             return False
         sleep_s = min(1.0, max(5e-4, 1.5 * self._ema))
-        elapsed = time.perf_counter() - self._start
-        if self._probes_run >= self.FREE_PROBES and self._sleep_s + sleep_s > self.probe_fraction * elapsed:
-            return False
+        if self._probes_run >= self.FREE_PROBES:
+            # Calls slower than the probes so far suggest input wait: then a probe mostly overlaps time the step
+            # would have waited anyway, and more probes (up to 10x the budget) make the estimate robust to load
+            # that changes during the run. Otherwise probes stay within probe_fraction of the wall time.
+            suspect = self._x_hat is not None and self._ema > 1.25 * self._x_hat
+            budget = self.probe_fraction * (10 if suspect else 1) * (time.perf_counter() - self._start)
+            if self._sleep_s + sleep_s > budget:
+                return False
         start = time.perf_counter()
         time.sleep(sleep_s)
         slept = time.perf_counter() - start
@@ -746,6 +752,7 @@ class Goodput(keras.callbacks.Callback):
         L.calls += 1
         if self._probe and checkpoint_s == 0 and redone_s == 0:
             self._probes.append(duration_s)
+            self._x_hat = compute_time_per_call(self._probes)
         else:
             self._regular_calls += 1
             self._ema = duration_s if self._ema is None else 0.9 * self._ema + 0.1 * duration_s
