@@ -78,9 +78,10 @@ def test_slow_pipeline_is_input_wait_and_categories_add_up():
     assert history.history["goodput_input_wait"][-1] >= 0.4
 
 
-def test_in_memory_pipeline_has_little_input_wait():
-    model, goodput = build(), ks.Goodput(verbose=0)
+def test_in_memory_pipeline_has_little_input_wait(capsys):
+    model, goodput = build(), ks.Goodput()
     model.fit(dataset(60), epochs=2, verbose=0, callbacks=[goodput])
+    assert capsys.readouterr().out == ""  # verbose="auto" follows fit(verbose=0)
     s = goodput.summary
     assert_adds_up(s)
     assert s["input_wait_s"] < 0.3 * (s["productive_s"] + s["input_wait_s"]), s
@@ -95,6 +96,23 @@ def test_first_fit_traces_second_does_not():
     assert first.summary["compile_s"] > 0.1
     assert second.summary["compile_s"] < 0.2 * first.summary["compile_s"], (first.summary, second.summary)
     assert_adds_up(second.summary)
+
+
+def test_training_is_unchanged():
+    """The probes only pause and the FLOPs trace never runs: weights (BatchNorm statistics included) are the
+    same with and without Goodput."""
+    def bn_model():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(32), keras.layers.BatchNormalization(),
+                                  keras.layers.Dropout(0.2), keras.layers.Dense(10)])
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        return model
+
+    plain, measured = bn_model(), bn_model()
+    plain.fit(dataset(30), epochs=2, verbose=0)
+    measured.fit(dataset(30), epochs=2, verbose=0, callbacks=[ks.Goodput(verbose=0)])
+    for a, b in zip(plain.get_weights(), measured.get_weights()):
+        np.testing.assert_array_equal(a, b)
 
 
 # --- checkpoint, eval, NaN-skipped -----------------------------------------------------------------------------
