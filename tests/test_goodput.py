@@ -182,6 +182,8 @@ def test_peak_table_lookup_by_nvml_name_and_dtype():
     assert peak_flops_for("NVIDIA L40S", "bf16")[0] != peak_flops_for("NVIDIA L4", "bf16")[0]
     assert peak_flops_for("NVIDIA H100 PCIe", "bf16")[0] < peak_flops_for("NVIDIA H100 80GB HBM3", "bf16")[0]
     assert peak_flops_for("Tesla T4", "bf16")[0] == 8.1e12  # no bf16 tensor cores: its fp32 figure
+    assert peak_flops_for("Tesla V100-SXM2-16GB", "fp16")[0] == 125e12  # SXM2, not the PCIe figure
+    assert peak_flops_for("Tesla V100-PCIE-32GB", "fp16")[0] == 112e12
     assert peak_flops_for("NVIDIA GeForce GTX 1080", "fp32") is None and peak_flops_for(None, "fp32") is None
     assert all(entry.source for entry in PEAK_TFLOPS)
     mixed = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, dtype="mixed_bfloat16")])

@@ -87,7 +87,8 @@ PEAK_TFLOPS: Tuple[PeakEntry, ...] = (
     PeakEntry("A10", {"fp32": 31.2, "tf32": 62.5, "bf16": 125.0, "fp16": 125.0}, _A10),  # not "A10G" (a different chip)
     PeakEntry("L4", {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0}, _L4),
     PeakEntry("V100S", {"fp32": 16.4, "fp16": 130.0}, _V100),
-    PeakEntry("V100-SXM", {"fp32": 15.7, "fp16": 125.0}, _V100),
+    PeakEntry("V100-SXM2", {"fp32": 15.7, "fp16": 125.0}, _V100),
+    PeakEntry("V100-SXM3", {"fp32": 15.7, "fp16": 125.0}, _V100),
     PeakEntry("V100", {"fp32": 14.0, "fp16": 112.0}, _V100),  # PCIe
     PeakEntry("T4", {"fp32": 8.1, "fp16": 65.0}, _T4),
 )
