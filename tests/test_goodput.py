@@ -69,13 +69,12 @@ def test_slow_pipeline_is_input_wait_and_categories_add_up():
     s = goodput.summary
     assert_adds_up(s)
     assert 0.8 * elapsed <= s["wall_s"] <= elapsed
-    # 120 batches x 20 ms of sleeping pipeline, ~1-2 ms of compute each: most of the wall is waiting for data
-    assert s["input_wait"] >= 0.4, s
+    # 120 batches x 20 ms of sleeping pipeline, ~1-2 ms of compute each: most of the time is waiting for data
     assert s["input_wait_s"] > 2 * s["productive_s"], s
     assert s["steps"] == 120 and s["samples"] == 120 * BATCH
-    # per-epoch figures in the logs
+    # per-epoch figures in the logs; the epochs after the first (which traces) are mostly input wait
     assert len(history.history["goodput_input_wait"]) == 3
-    assert history.history["goodput_input_wait"][-1] >= 0.4
+    assert min(history.history["goodput_input_wait"][1:]) >= 0.4, history.history
 
 
 def test_in_memory_pipeline_has_little_input_wait(capsys):
