@@ -17,8 +17,8 @@ How each figure is measured (see docs/goodput.md):
 - Input wait is separated from compute with *probes*: now and then (three times per fit, then within a budget
   of ``probe_fraction`` of the wall time) the callback sleeps ~1.5 step-times before a step, so a
   pipeline that works ahead (``prefetch``, parallel ``map``, Keras's per-device prefetch) has the next batch
-  ready; that step's time is the compute time. Input wait = measured step calls - calls x compute time. The
-  sleeps are reported as ``measure_s``.
+  ready; that step's time is the compute time. Input wait = calls x (mean call - mean probe), claimed only when
+  that difference exceeds three standard errors. The sleeps are reported as ``measure_s``.
 - Compile: calls during which Keras's train ``tf.function`` traced (its tracing count grew), first trace and
   re-traces, minus the step they also ran.
 - Checkpoint: ``ChiefCheckpoint.blocked_s`` when it has it, else Goodput times that checkpoint's save /
@@ -29,6 +29,7 @@ How each figure is measured (see docs/goodput.md):
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 import warnings
@@ -311,6 +312,7 @@ class Ledger:
     """Measured seconds and counts; subtract two ledgers for the figures of the time between them."""
 
     step_s: float = 0.0          # step calls (input wait + compute), checkpoint/redone time taken out
+    step_sq_s2: float = 0.0      # sum of their squares (for the noise of their mean)
     calls: int = 0               # train_function calls in step_s
     compile_s: float = 0.0       # calls during which the train function traced
     compile_calls: int = 0
@@ -335,7 +337,8 @@ class Ledger:
 
 
 def compute_time_per_call(probe_s: Sequence[float]) -> Optional[float]:
-    """Compute time of one step call from probe measurements: the median of three or more, else the mean.
+    """A robust compute time of one step call from probe measurements: the median of three or more, else the mean.
+    Used to decide when to probe more often (calls much slower than this look input-bound).
 
     Example:
         >>> compute_time_per_call([0.002, 0.0021, 0.009])
@@ -348,23 +351,48 @@ def compute_time_per_call(probe_s: Sequence[float]) -> Optional[float]:
     return statistics.median(probe_s) if len(probe_s) >= 3 else sum(probe_s) / len(probe_s)
 
 
-def summarize(ledger: Ledger, wall_s: float, call_s: Optional[float], steps_per_call: int = 1,
-              flops_per_step: Optional[float] = None, peak_flops: Optional[float] = None) -> Dict[str, Any]:
-    """The goodput figures of one window (a fit, an epoch) from its :class:`Ledger`.
+def compute_per_call(ledger: Ledger, probe_s: Sequence[float]) -> float:
+    """Compute time of one step call: the mean of the probes when the calls are slower than the probes by more than
+    three standard errors of that difference (then the difference is input wait), else the mean call (no input
+    wait is claimed from noise, or without at least two probes).
 
-    ``call_s`` is the compute time of one step call (:func:`compute_time_per_call`); ``None`` means no probe
-    ran and every measured call counts as compute (no input wait is claimed without a measurement).
+    Both are means, so a call slowed down by something else (a load spike on a shared machine) counts the same
+    whether it was a probe or not.
 
     Example:
-        >>> s = summarize(Ledger(step_s=10.0, calls=100, compile_s=1.0, compile_calls=1, eval_s=0.5, steps=101),
-        ...               wall_s=12.0, call_s=0.04)
+        >>> L = Ledger(step_s=2.0, step_sq_s2=0.04, calls=100)          # 20 ms per call, all alike
+        >>> compute_per_call(L, [0.002, 0.0021, 0.0019])                # probes: 2 ms -> 18 ms of input wait per call
+        0.002
+        >>> compute_per_call(L, [0.002])                                # one probe: no claim
+        0.02
+    """
+    L = ledger
+    if not L.calls:
+        return 0.0
+    mean_call = L.step_s / L.calls
+    if len(probe_s) < 2:
+        return mean_call
+    mean_probe = statistics.fmean(probe_s)
+    var_call = max(0.0, L.step_sq_s2 / L.calls - mean_call ** 2)
+    se = math.sqrt(statistics.variance(probe_s) / len(probe_s) + var_call / L.calls)
+    return mean_probe if mean_call - mean_probe > 3 * se else mean_call
+
+
+def summarize(ledger: Ledger, wall_s: float, probe_s: Sequence[float] = (), steps_per_call: int = 1,
+              flops_per_step: Optional[float] = None, peak_flops: Optional[float] = None) -> Dict[str, Any]:
+    """The goodput figures of one window (a fit, an epoch) from its :class:`Ledger` and the probe measurements
+    (compute time per call: :func:`compute_per_call`).
+
+    Example:
+        >>> L = Ledger(step_s=10.0, step_sq_s2=1.0, calls=100, compile_s=1.0, compile_calls=1, eval_s=0.5, steps=101)
+        >>> s = summarize(L, wall_s=12.0, probe_s=[0.04, 0.041, 0.039])
         >>> round(s["productive_s"], 2), round(s["input_wait_s"], 2), round(s["compile_s"], 2)
         (4.04, 6.0, 0.96)
         >>> round(sum(s[c] for c in CATEGORIES), 6) == 12.0
         True
     """
     L = ledger
-    x = (L.step_s / L.calls if L.calls else 0.0) if call_s is None else float(call_s)
+    x = compute_per_call(L, probe_s)
     compute = min(L.step_s, L.calls * x)
     input_wait = L.step_s - compute
     compile_step = min(L.compile_s, L.compile_calls * x)
@@ -407,7 +435,7 @@ def format_summary(summary: Dict[str, Any], title: str = "Goodput") -> str:
     """The end-of-fit table.
 
     Example:
-        >>> s = summarize(Ledger(step_s=1.0, calls=10, steps=10), wall_s=1.2, call_s=0.05)
+        >>> s = summarize(Ledger(step_s=1.0, step_sq_s2=0.1, calls=10, steps=10), wall_s=1.2, probe_s=[0.05, 0.05])
         >>> print(format_summary(s).splitlines()[0])
         Goodput: 41.7% of 1.20 s wall was productive training steps (10 steps, 50.00 ms each)
     """
@@ -750,6 +778,7 @@ class Goodput(keras.callbacks.Callback):
                 L.compile_calls += 1
                 return
         L.step_s += duration_s
+        L.step_sq_s2 += duration_s * duration_s
         L.calls += 1
         if self._probe and checkpoint_s == 0 and redone_s == 0:
             self._probes.append(duration_s)
@@ -845,7 +874,7 @@ class Goodput(keras.callbacks.Callback):
     def _summarize(self, ledger: Ledger, wall_s: float) -> Dict[str, Any]:
         peak = self._peak_flops() if self._flops else None
         spe = int(getattr(self.model, "steps_per_execution", 1) or 1)
-        out = summarize(ledger, wall_s, compute_time_per_call(self._probes), spe, self._flops,
+        out = summarize(ledger, wall_s, self._probes, spe, self._flops,
                         peak[0] if peak else None)
         out["peak_source"] = peak[1] if peak else None
         out["probes"] = len(self._probes)
