@@ -612,7 +612,7 @@ class Goodput(keras.callbacks.Callback):
         if self.probe_fraction > 0.1:
             raise ValueError(f"Goodput: probe_fraction must be in [0, 0.1], got {probe_fraction!r}.")
         self.summary: Dict[str, Any] = {}
-        self.epoch_summaries: List[Dict[str, Any]] = []
+        self.epoch_summaries: List[Dict[str, Any]] = []  # of the last fit
         self._t_set_model: Optional[float] = None
         self._active = False
 
@@ -629,6 +629,7 @@ class Goodput(keras.callbacks.Callback):
         self._chief = is_chief(strategy)
         self._scalars = ChiefScalars(self.log_dir, "goodput", strategy)
         self._ledger = Ledger()
+        self.epoch_summaries = []
         self._probes: List[float] = []
         self._clock = _ReportedClock(self.model)
         self._clock.resolve()
@@ -653,6 +654,8 @@ class Goodput(keras.callbacks.Callback):
         self._active = True
 
     def on_epoch_begin(self, epoch: int, logs: Optional[Dict] = None) -> None:
+        if not self._active:
+            return
         self._clock.resolve()
         self._take_reported()
         self._epoch_start = time.perf_counter()
@@ -682,9 +685,10 @@ class Goodput(keras.callbacks.Callback):
         # validation inside fit: the loss tracker still counts this epoch's training samples (evaluate resets it
         # right after this hook)
         self._epoch_samples = self._read_samples()
-        self._take_reported()
         last = self._t_last_end if self._t_last_end is not None else time.perf_counter()
         self._t_test = max(last, self._epoch_start)
+        # a save by a callback listed after this one, since the last batch end, is checkpoint time, not eval
+        self._t_test += sum(self._take_reported())
 
     def on_test_end(self, logs: Optional[Dict] = None) -> None:
         if not self._active or self._t_test is None:
