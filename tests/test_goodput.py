@@ -130,15 +130,17 @@ class HookClock(keras.callbacks.Callback):
             self.total_s += self.stamp - self.partner.stamp
 
 
-def test_checkpoint_and_validation_have_their_own_categories(tmp_path):
+@pytest.mark.parametrize("goodput_first", [False, True])
+def test_checkpoint_and_validation_have_their_own_categories(tmp_path, goodput_first):
     model = build(hidden=1024)  # ~1.1 M parameters + Adam slots: each save takes a while
     ckpt = ks.ChiefCheckpoint(str(tmp_path / "ckpt"), save_freq=2, verbose=0)
     before = HookClock()
     after = HookClock(partner=before)  # measures ChiefCheckpoint's saves from the outside
     goodput = ks.Goodput(verbose=0)
     slow_val = dataset(5, sleep_s=0.02)  # validation: 5 batches x 20 ms per epoch
-    model.fit(dataset(20), epochs=2, verbose=0, validation_data=slow_val,
-              callbacks=[before, ckpt, after, goodput])
+    # saves inside Goodput's step window (listed after the checkpoint) or between its windows (listed first)
+    callbacks = [goodput, before, ckpt, after] if goodput_first else [before, ckpt, after, goodput]
+    model.fit(dataset(20), epochs=2, verbose=0, validation_data=slow_val, callbacks=callbacks)
     s = goodput.summary
     assert_adds_up(s)
     assert s["eval_s"] >= 2 * 5 * 0.02, s
