@@ -7,9 +7,11 @@
    ``wrap(accum=4)`` (gradient accumulation), ``WarmupCosine`` with the linear-scaling rule, ``NanGuard`` (one
    batch is deliberately poisoned with NaN: the guard skips it and says why), ``GpuMonitor`` (NVML; says so
    when there is no GPU), ``ChiefCheckpoint`` (kill this script and rerun with --resume: it continues at the
-   same step), ``HostMemoryWatch``, ``LearningRateLogger`` and Keras's TensorBoard;
+   same step), ``HostMemoryWatch``, ``LearningRateLogger``, Keras's TensorBoard and ``Goodput`` (prints where the
+   wall-clock went: productive steps, input wait, compile, checkpoints, ...; FLOPs per step and MFU);
 3. trains again with the strategy-aware ``keras_scale.fit`` (1 device here; N GPUs / N machines unchanged)
-   and ``ProfileWindow`` (profiles 4 steps and prints the step-time verdict);
+   and ``ProfileWindow`` (profiles 4 steps and prints the step-time verdict); ``keras_scale.fit`` adds ``Goodput``
+   itself, which prints its table again;
 4. prints where to look.
 """
 from __future__ import annotations
@@ -75,7 +77,7 @@ def main() -> None:
 
     # ------------------------------------------------------------------ 2. model.fit + callbacks
     print("\n== 2. model.fit with wrap(accum=4), WarmupCosine, NanGuard, GpuMonitor, ChiefCheckpoint, "
-          "HostMemoryWatch")
+          "HostMemoryWatch, Goodput")
     steps_per_epoch = len(x) // batch_size
     peak_lr = ks.scale_lr(1e-3, global_batch=batch_size, base_batch=32)  # linear scaling rule: 4e-3
     schedule = ks.WarmupCosine.from_epochs(peak_lr, epochs=args.epochs, steps_per_epoch=steps_per_epoch,
@@ -91,6 +93,7 @@ def main() -> None:
         ks.HostMemoryWatch(log_dir=args.out),
         ks.LearningRateLogger(args.out, every_n_steps=1),
         keras.callbacks.TensorBoard(os.path.join(args.out, "tensorboard")),
+        ks.Goodput(log_dir=args.out),  # last: it also sees the checkpoint written at the end; prints its table
     ]
     history = model.fit(ds, epochs=args.epochs, callbacks=callbacks, verbose=2)
     print(f"  NanGuard skipped {guard.skipped_steps} non-finite step(s); per epoch: {history.history.get('nan_skipped')}")

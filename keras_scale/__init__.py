@@ -39,6 +39,7 @@ if _TENSORFLOW_INSTALLED and not _COMMAND_LINE:
     from keras_scale import data  # noqa: E402
     from keras_scale.accumulation import AccumulatingModel, unwrap, wrap  # noqa: E402
     from keras_scale.callbacks.checkpoint import ChiefCheckpoint, CheckpointMismatchError  # noqa: E402
+    from keras_scale.callbacks.goodput import Goodput  # noqa: E402
     from keras_scale.callbacks.gpu_monitor import GpuMonitor  # noqa: E402
     from keras_scale.callbacks.host_memory import HostMemoryGrowthWarning, HostMemoryWatch  # noqa: E402
     from keras_scale.callbacks.lr_logger import LearningRateLogger  # noqa: E402
@@ -61,6 +62,7 @@ __all__ = [
     # callbacks
     "NanGuard", "NanReport", "NanGuardGaveUp", "ChiefCheckpoint", "CheckpointMismatchError", "GpuMonitor",
     "ProfileWindow", "HostMemoryWatch", "HostMemoryGrowthWarning", "LearningRateLogger", "ReduceLROnPlateau",
+    "Goodput",
     # distribution
     "fit", "is_chief", "choose_strategy", "patch_keras_multi_worker", "launch_local_workers",
     # precision

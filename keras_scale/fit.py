@@ -31,6 +31,7 @@ import tensorflow as tf
 from keras_scale._validate import check_int
 from keras_scale.data import dataset_is_batched, dataset_is_file_based
 from keras_scale.callbacks.checkpoint import ChiefCheckpoint
+from keras_scale.callbacks.goodput import Goodput
 from keras_scale.callbacks.gpu_monitor import GpuMonitor
 from keras_scale.callbacks.nan_guard import NanGuard
 from keras_scale.distribute import choose_strategy, is_chief, is_multi_worker, require_keras_multi_worker_fix, strategy_name
@@ -506,6 +507,8 @@ def _default_callbacks(callbacks: Sequence[Any], log_dir: Optional[str], checkpo
         if "://" not in directory:
             directory = os.path.abspath(directory)  # every worker resolves the same path, whatever its cwd
         add(ChiefCheckpoint, directory)
+    if monitors:  # last, so that it also sees the final checkpoint written at train end
+        add(Goodput, log_dir)
     return result, added
 
 
@@ -735,8 +738,8 @@ def fit(
             policy name; output layers are kept in float32.
         lr_scaling: ``("linear" | "sqrt", base_batch)``: scale the optimizer's learning rate (or a
             ``WarmupCosine`` peak) from ``base_batch`` to the global batch.
-        callbacks: your callbacks; NanGuard, GpuMonitor (with a GPU), TensorBoard (``log_dir``) and ChiefCheckpoint
-            (``checkpoint_dir``, resumes) are added when none of their kind is given.
+        callbacks: your callbacks; NanGuard, GpuMonitor (with a GPU), TensorBoard (``log_dir``), ChiefCheckpoint
+            (``checkpoint_dir``, resumes) and Goodput (last) are added when none of their kind is given.
         all_reduce: ``"auto"``, ``"nccl"``, ``"hierarchical_copy"``, ``"one_device"`` or ``"ring"``.
         sync_bn: ``"auto"`` synchronizes BatchNorm when the per-replica micro-batch < 16 on several replicas;
             ``True``/``False`` force it.
