@@ -208,7 +208,7 @@ def test_table_tensorboard_and_ks_fit_default(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "productive training steps" in out and "input wait" in out and "FLOPs/step" in out
     assert len(history.history["goodput"]) == 2
-    events = glob.glob(str(tmp_path / "tb" / "goodput" / "events.*"))
+    events = glob.glob(str(tmp_path / "tb" / "train" / "events.*"))
     assert events
     tags = {v.tag for e in tf.compat.v1.train.summary_iterator(events[0]) for v in e.summary.value}
     assert {"goodput/goodput", "goodput/input_wait", "goodput/checkpoint_s"} <= tags

@@ -32,7 +32,7 @@ import math
 import statistics
 import time
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import keras
@@ -580,7 +580,7 @@ class Goodput(keras.callbacks.Callback):
         self._t_set_model = None
         strategy = self.model.distribute_strategy
         self._chief = is_chief(strategy)
-        self._scalars = ChiefScalars(self.log_dir, "goodput", strategy)
+        self._scalars = ChiefScalars(self.log_dir, strategy)
         self._ledger = Ledger()
         self.epoch_summaries = []
         self._probes: List[float] = []

@@ -29,6 +29,28 @@ from keras_scale.callbacks._scalars import ChiefScalars
 from keras_scale.schedules import scale_learning_rate
 
 
+__all__ = ["NanGuard", "NanReport", "NanGuardGaveUp"]
+
+POLICIES = ("skip", "stop", "rollback")
+
+_ADVICE = {
+    "inputs": "clean the data: the batch itself holds NaN/Inf. Fix the preprocessing, or drop such rows with "
+              "dataset.filter(lambda x, y: tf.reduce_all(tf.math.is_finite(x))); keras_scale.data.check(ds) "
+              "lints the pipeline.",
+    "targets": "clean the labels: the targets hold NaN/Inf (missing values encoded as NaN?). Fill or drop them.",
+    "sample_weight": "the sample weights hold NaN/Inf: fix how they are computed.",
+    "predictions": "the forward pass overflowed on finite inputs: lower the learning rate or add warmup "
+                   "(keras_scale.WarmupCosine; large batches need it with the linear scaling rule); under "
+                   "mixed_float16 keep the output layer and the loss in float32 (dtype='float32') or use "
+                   "mixed_bfloat16; look for exp/log/division in custom layers.",
+    "loss": "the loss is non-finite on finite predictions: a log(0) or division in the loss; use from_logits=True "
+            "with raw logits, clip probabilities, and compute the loss in float32.",
+    "gradients": "the gradients overflowed: lower the learning rate or add warmup, clip with "
+                 "global_clipnorm, and under float16 use loss scaling (LossScaleOptimizer) or mixed_bfloat16.",
+}
+_ORDER = ("inputs", "targets", "sample_weight", "predictions", "loss", "gradients")
+
+
 class NanGuardGaveUp(RuntimeError):
     """Raised when ``policy="rollback"`` exceeded ``max_rollbacks``."""
 
