@@ -27,6 +27,8 @@ _EXPORTS = {
     "wrap": "keras_scale.accumulation",
     "unwrap": "keras_scale.accumulation",
     "AccumulatingModel": "keras_scale.accumulation",
+    "find_micro_batch": "keras_scale.auto_accum",
+    "AutoAccumGaveUp": "keras_scale.auto_accum",
     # callbacks
     "NanGuard": "keras_scale.callbacks.nan_guard",
     "ChiefCheckpoint": "keras_scale.callbacks.checkpoint",

@@ -445,7 +445,7 @@ def fit(
     per_replica_batch_size: Optional[int] = None,
     global_batch_size: Optional[int] = None,
     epochs: int = 1,
-    accum: int = 1,
+    accum: Union[int, str] = 1,
     strategy: Any = "auto",
     precision: Any = "auto",
     lr_scaling: Optional[Tuple[str, int]] = None,
@@ -470,7 +470,8 @@ def fit(
         per_replica_batch_size / global_batch_size: exactly one; ``global = per_replica x replicas x accum``.
         epochs: as in ``model.fit``.
         accum: gradient-accumulation micro-batches per update (``keras_scale.wrap``); each replica holds
-            ``per_replica_batch_size`` samples at a time.
+            ``per_replica_batch_size`` samples at a time. ``"auto"``: each replica's batch is
+            ``per_replica_batch_size``, split only when a step runs out of memory (``wrap(model, accum="auto")``).
         strategy: ``"auto"``, ``"default"``, ``"mirrored"``, ``"multi_worker"`` or a ``tf.distribute.Strategy``
             (see :func:`keras_scale.distribute.choose_strategy`).
         precision: ``"auto"`` (bf16 on compute capability >= 8.0, fp16 + loss scaling on 7.x, float32 on CPU) or a
@@ -505,7 +506,8 @@ def fit(
         )
     if not (isinstance(model_or_builder, keras.Model) or callable(model_or_builder)):
         _build_in_scope(model_or_builder, None, "float32", 0)  # raises the TypeError with the fix
-    accum = _positive_int("accum", accum)
+    auto_accum = isinstance(accum, str) and accum == "auto"  # accum="auto": split on OOM, global = per x replicas
+    accum = 1 if auto_accum else _positive_int("accum", accum)
     epochs = _positive_int("epochs", epochs)
     if (per_replica_batch_size is None) == (global_batch_size is None):
         batch_arithmetic(1, per_replica_batch_size, global_batch_size, accum)  # raises with the explanation
@@ -556,11 +558,11 @@ def fit(
     else:
         model.jit_compile = jit_compile
     _apply_lr_scaling(model, lr_scaling, global_batch, strategy, verbose)
-    if accum > 1:
+    if accum > 1 or auto_accum:
         from keras_scale.accumulation import wrap
 
         with strategy.scope():
-            wrapped = wrap(model, accum=accum)
+            wrapped = wrap(model, accum="auto" if auto_accum else accum)
             _compile_like(wrapped, model)
             wrapped.jit_compile = model.jit_compile
         model = wrapped

@@ -241,6 +241,9 @@ class ComposedStep:
         self._plain: Optional[Tuple[Tuple, Any]] = None  # Keras's own train function, kept while ours is in place
         self._warned: set = set()
         self._masked = False  # set while tracing: a masked single-output model
+        # accum="auto" (keras_scale.auto_accum): wraps each placed traced function (fn -> the train function)
+        self.outer: Optional[Callable[[Any], Any]] = None
+        self._outer_placed: Any = None
         with model.distribute_strategy.scope():
             self.skipped_steps = self._var("skipped_steps", 0, tf.int64)
             self.epoch_skipped = self._var("epoch_skipped", 0, tf.int64)
@@ -349,7 +352,7 @@ class ComposedStep:
         return (self.accum, self.micro_batch_size, self.unrolled, self.guard, self.halt_after_consecutive)
 
     def _ours(self, fn: Any) -> bool:
-        return fn is not None and any(fn is cached for _, cached in self._cache.values())
+        return fn is not None and (fn is self._outer_placed or any(fn is cached for _, cached in self._cache.values()))
 
     def place_train_function(self, force: bool = False) -> Any:
         """Put the composed train function for the current configuration in ``model.train_function``.
@@ -377,8 +380,11 @@ class ComposedStep:
             step_fn = self._foreign_train_step if has_own_train_step(model) else self.train_step
             cached = (identity, _make_keras_function(model, step_fn))
             self._cache[key] = cached
-        model.train_function = cached[1]
-        return cached[1]
+        fn = cached[1]
+        if self.outer is not None:  # accum="auto": the OOM-retrying wrapper runs the traced function
+            fn = self._outer_placed = self.outer(fn)
+        model.train_function = fn
+        return fn
 
     def give_back_plain(self) -> None:
         """No part is asked for: give the model Keras's own train function (or None: Keras builds it).
