@@ -90,6 +90,7 @@ class AccumulatingModel(keras.Model):
             object.__setattr__(self, "_keras_scale_auto",
                                AutoAccum(self, max_micro_batch_size=max_micro_batch_size, log_dir=log_dir))
             step.outer = self._keras_scale_auto.bind
+            step.atomic_update = True
         if inner.built:
             self.built = True
 

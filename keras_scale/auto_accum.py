@@ -23,7 +23,7 @@ that already trained.
 
 Multi-worker: every worker gets the same per-replica batch and the same model, so the OOM happens on every
 worker in the forward/backward pass, before the step's gradient all-reduce. The workers then agree on the new
-accum with one small collective (all-reduce MAX of each worker's proposal) before retrying, so they can never
+accum with one small collective (the MAX of every proposal, by all-gather) before retrying, so they can never
 disagree. If only ONE worker runs out of memory (uneven hardware), the other workers are already waiting in the
 step's all-reduce and cannot join the agreement: the job stalls or fails there; auto mode assumes identical
 workers, as data-parallel training does. Pass ``max_micro_batch_size`` (e.g. from :func:`find_micro_batch` on
@@ -235,6 +235,11 @@ class AutoAccum:
                     f"trained; set max_micro_batch_size lower to avoid the late allocation.") from err
             for c, value in zip(components[:-1], values[:-1]):
                 c.assign(value)
+        # metrics built by the failed attempt's trace (Keras builds compile metrics lazily) started at zero
+        known = {id(c) for c in components}
+        for c in _components(list(self.model.metrics_variables), self.model.distribute_strategy):
+            if id(c) not in known:
+                c.assign(tf.zeros_like(c))
         old = self.accum
         proposal = next_accum(size, old) if size else None
         agreed = self._agree(_GIVE_UP if proposal is None else proposal)
@@ -254,8 +259,9 @@ class AutoAccum:
         if self._agree_fn is None:
             @tf.function
             def agree(value: tf.Tensor) -> Any:
-                def fn(v):
-                    return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.MAX, v)
+                def fn(v):  # tf.distribute has no MAX all-reduce: gather every replica's proposal, take the max
+                    gathered = tf.distribute.get_replica_context().all_gather(tf.reshape(v, [1]), axis=0)
+                    return tf.reduce_max(gathered)
                 return strategy.run(fn, args=(value,))
 
             self._agree_fn = agree

@@ -243,6 +243,10 @@ class ComposedStep:
         self._masked = False  # set while tracing: a masked single-output model
         # accum="auto" (keras_scale.auto_accum): wraps each placed traced function (fn -> the train function)
         self.outer: Optional[Callable[[Any], Any]] = None
+        # accum="auto": the update waits for every gradient, so a step that fails (OOM) changes no weight, no
+        # optimizer slot and not `iterations` (otherwise TF runs each variable's update as soon as ITS gradient
+        # is ready, and `iterations.assign_add` depends on no gradient at all)
+        self.atomic_update = False
         self._outer_placed: Any = None
         with model.distribute_strategy.scope():
             self.skipped_steps = self._var("skipped_steps", 0, tf.int64)
@@ -436,8 +440,10 @@ class ComposedStep:
         grads, trainable, share, loss_bad, pred_bad = self._accumulate(x, y, sample_weight, batch_size)
         reduced_grads, any_loss_bad, present, local = self._all_reduce(grads, share, loss_bad, batch_size)
 
-        if not self.guard:
-            with _ThreadFlag("already_reduced", True):
+        if not self.guard:  # (guarded: the update sits in a cond on all reduced gradients, atomic already)
+            barrier = [g.values if isinstance(g, tf.IndexedSlices) else g
+                       for g in reduced_grads if g is not None] if self.atomic_update else []
+            with _ThreadFlag("already_reduced", True), tf.control_dependencies(barrier):
                 optimizer.apply(reduced_grads, trainable)
             return model.get_metrics_result()
 

@@ -23,8 +23,9 @@ NEVER = 10 ** 9
 def _oom_if(batch_size, threshold):
     """A real allocator OOM when ``batch_size > threshold`` (the shape is dynamic: nothing is constant-folded)."""
     def allocate():
-        n = tf.reshape(tf.cast(batch_size, tf.int64) * (2 ** 35), [1])
-        return tf.reduce_sum(tf.zeros(n, tf.float32)) * 0.0
+        # 2^35 floats per sample; the fill value comes from a random op, so Grappler cannot constant-fold it
+        value = tf.random.uniform([]) * 0.0
+        return tf.reduce_sum(tf.fill(tf.reshape(tf.cast(batch_size, tf.int64) * (2 ** 35), [1]), value)) * 0.0
 
     return tf.cond(batch_size > threshold, allocate, lambda: tf.constant(0.0))
 
@@ -102,7 +103,7 @@ def plain_reference(ds, epochs=2, strategy=None):
 def test_next_accum_halves_the_micro_batch_until_one_sample():
     assert [next_accum(16, a) for a in (1, 2, 4, 8)] == [2, 4, 8, 16]
     assert next_accum(16, 16) is None
-    assert next_accum(10, 1) == 2 and next_accum(10, 2) == 4 and next_accum(10, 4) == 10
+    assert next_accum(10, 1) == 2 and next_accum(10, 2) == 4 and next_accum(10, 4) == 5 and next_accum(10, 5) == 10
     for b in range(1, 40):
         a = 1
         while (nxt := next_accum(b, a)) is not None:
