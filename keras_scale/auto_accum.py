@@ -139,6 +139,7 @@ class AutoAccum:
         self.verbose = verbose
         self.changes: List[Tuple[int, int, int, int]] = []
         self.recoveries = 0  # OOMs recovered from (tests, benchmarks)
+        self.agreements = 0  # multi-worker: collectives run to agree on a new accum
         self._traced: Any = None
         self._snapshot_fn: Any = None
         self._snapshot_key: Any = None
@@ -266,6 +267,7 @@ class AutoAccum:
 
             self._agree_fn = agree
         result = self._agree_fn(tf.constant(proposal, tf.int64))
+        self.agreements += 1
         return int(max(int(r.numpy()) for r in strategy.experimental_local_results(result)))
 
     def _switch(self, new: int, size: int, reason: str) -> None:
