@@ -56,11 +56,13 @@ class OomAbove(keras.layers.Layer):
         return {**super().get_config(), "threshold": self.threshold, "in_backward": self.in_backward}
 
 
-def build(threshold=NEVER, batchnorm=False, in_backward=False, strategy=None):
+def build(threshold=NEVER, batchnorm=False, in_backward=False, strategy=None, dropout=False):
     def make():
         layers = [keras.Input((4,)), keras.layers.Dense(8, activation="tanh")]
         if batchnorm:
             layers.append(keras.layers.BatchNormalization())
+        if dropout:
+            layers.append(keras.layers.Dropout(0.3, seed=3))
         layers += [OomAbove(threshold, in_backward=in_backward), keras.layers.Dense(1)]
         model = keras.Sequential(layers)
         model.set_weights([np.linspace(-0.5, 0.5, w.size, dtype="float32").reshape(w.shape)
@@ -165,15 +167,16 @@ def test_max_micro_batch_size_splits_up_front():
     assert_close(weights(model), ref_w)
 
 
-def test_oom_in_the_backward_pass_restores_batchnorm_statistics_and_metrics():
-    """The failed attempt ran the forward pass (BatchNorm moving statistics, loss/metric accumulators) before
+def test_oom_in_the_backward_pass_restores_batchnorm_statistics_metrics_and_dropout_seed():
+    """The failed attempt ran the forward pass (BatchNorm moving statistics, loss/metric accumulators, the
+    dropout seed) before
     the backward pass ran out of memory: the retry starts from the state before the attempt, so the run equals
     one that used the final split from the start."""
     ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(16)
-    reference = compile_(ks.wrap(build(batchnorm=True), accum=2))
+    reference = compile_(ks.wrap(build(batchnorm=True, dropout=True), accum=2))
     ref_hist = reference.fit(ds, epochs=2, verbose=0).history
 
-    model = compile_(ks.wrap(build(threshold=8, batchnorm=True, in_backward=True), accum="auto"))
+    model = compile_(ks.wrap(build(threshold=8, batchnorm=True, in_backward=True, dropout=True), accum="auto"))
     history = model.fit(ds, epochs=2, verbose=0).history
     assert model.accum == 2 and model._keras_scale_auto.recoveries == 1
     assert_close(weights(model), weights(reference))  # includes the moving mean and variance
