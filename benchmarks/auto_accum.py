@@ -10,7 +10,8 @@ Same model, data and batch in one process, side by side, rounds interleaved:
   the micro-batch fits: log2(N) recoveries at the first batch.
 
 Printed: the first batch's wall time (trace + recoveries), the cost of ONE recovery = (first batch of "auto from
-unsplit" - first batch of the baseline) / recoveries, in seconds, and each configuration's steady-state
+unsplit" - first batch of the baseline) / recoveries, in seconds (and the part of it TF's allocator spends
+waiting before it reports a failed allocation), and each configuration's steady-state
 seconds per step over the later batches, as a ratio to the baseline. Two model sizes: a small step shows the
 per-batch Python overhead, a larger one what a real step sees.
 
@@ -21,9 +22,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's keras_scale
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -72,6 +75,8 @@ def run(how: str, width: int, steps: int, batch: int, accum: int, data):
     else:
         model = ks.wrap(inner, accum="auto")
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse", metrics=["mae"])
+    if how != "fixed":
+        model._keras_scale_auto.verbose = 0  # no change messages in the table
     timer = Timer()
     ds = tf.data.Dataset.from_tensor_slices((x[: steps * batch], y[: steps * batch])).batch(batch).prefetch(2)
     model.fit(ds, epochs=1, verbose=0, callbacks=[timer])
@@ -80,6 +85,21 @@ def run(how: str, width: int, steps: int, batch: int, accum: int, data):
     later = np.diff(timer.ends[len(timer.ends) // 3:])
     recoveries = model._keras_scale_auto.recoveries if how != "fixed" else 0
     return first, float(np.median(later)), recoveries
+
+
+def bare_oom_s() -> float:
+    """Seconds TF takes to report one failed allocation (its BFC allocator waits for memory to be freed first)."""
+    @tf.function
+    def allocate(n):
+        return tf.reduce_sum(tf.fill(tf.reshape(tf.cast(n, tf.int64) * 2 ** 35, [1]), tf.random.uniform([]) * 0.0))
+
+    allocate(tf.constant(0))  # trace
+    start = time.perf_counter()
+    try:
+        allocate(tf.constant(64))
+    except tf.errors.ResourceExhaustedError:
+        pass
+    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -112,6 +132,8 @@ def main() -> None:
         first, _, rec = med["auto_unsplit"]
         if rec:
             print(f"  cost of one OOM recovery (failed attempt + re-trace): {(first - base_first) / rec:.3f} s")
+    print(f"\nof which TF's allocator spends {bare_oom_s():.3f} s per failed allocation before raising "
+          f"(it waits for memory to be freed); max_micro_batch_size / ks.find_micro_batch avoid recoveries.")
 
 
 if __name__ == "__main__":
