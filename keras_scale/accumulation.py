@@ -11,6 +11,7 @@ Example:
     >>> model.compile(optimizer="adam", loss="mse")
     >>> model.fit(x, y, batch_size=256)                   # the device holds 64 samples at a time
     >>> inner = ks.unwrap(model)                          # the original model, same variables
+    >>> model = ks.wrap(build_model(), accum="auto")      # split finer whenever a step runs out of memory
 """
 from __future__ import annotations
 
@@ -187,6 +188,7 @@ def wrap(model: keras.Model, accum: Union[int, str, None] = None, micro_batch_si
         >>> wrapped = wrap(model, accum=4)
         >>> wrapped.compile(optimizer=keras.optimizers.AdamW(1e-3), loss="mse")
         >>> wrapped.fit(x, y, batch_size=128)
+        >>> auto = wrap(other_model, accum="auto")   # split only when a step runs out of memory
     """
     if isinstance(model, AccumulatingModel):
         raise ValueError("model is already wrapped; use keras_scale.unwrap(model) first or keep one wrap.")

@@ -206,9 +206,9 @@ class AutoAccum:
         variables = self._state_variables()
         key = tuple(id(v) for v in variables)
         if self._snapshot_fn is None or key != self._snapshot_key:
+            # the last entry: optimizer.iterations (fit needs a compiled model), compared, never restored
             components = _components(variables, strategy)
-            if self.model.optimizer is not None:
-                components += _components([self.model.optimizer.iterations], strategy)[:1]
+            components.append(_components([self.model.optimizer.iterations], strategy)[0])
 
             @tf.function(autograph=False)
             def snapshot() -> List[tf.Tensor]:
@@ -219,23 +219,19 @@ class AutoAccum:
                 return copies
 
             self._snapshot_fn, self._snapshot_key, self._snapshot_components = snapshot, key, components
-        if not self._snapshot_components:
-            return [], []
         return self._snapshot_components, self._snapshot_fn()
 
     def _recover(self, err: tf.errors.ResourceExhaustedError, snapshot: Tuple[Any, List[tf.Tensor]],
                  size: int) -> None:
         components, values = snapshot
-        if components:
-            before = int(values[-1].numpy())
-            after = int(components[-1].numpy())
-            if after != before:
-                raise RuntimeError(
-                    f"keras_scale accum='auto': the device ran out of memory AFTER the optimizer applied this "
-                    f"step's update (iterations {before} -> {after}), so retrying would apply it twice. The batch "
-                    f"trained; set max_micro_batch_size lower to avoid the late allocation.") from err
-            for c, value in zip(components[:-1], values[:-1]):
-                c.assign(value)
+        before, after = int(values[-1].numpy()), int(components[-1].numpy())
+        if after != before:  # cannot happen with the composed step's atomic update; never apply a step twice
+            raise RuntimeError(
+                f"keras_scale accum='auto': the device ran out of memory AFTER the optimizer applied this "
+                f"step's update (iterations {before} -> {after}), so retrying would apply it twice. The batch "
+                f"trained; set max_micro_batch_size lower to avoid the late allocation.") from err
+        for c, value in zip(components[:-1], values[:-1]):
+            c.assign(value)
         # metrics built by the failed attempt's trace (Keras builds compile metrics lazily) started at zero
         known = {id(c) for c in components}
         for c in _components(list(self.model.metrics_variables), self.model.distribute_strategy):
