@@ -544,7 +544,8 @@ def fit(
     replicas = strategy.num_replicas_in_sync
     per_replica, global_batch = batch_arithmetic(replicas, per_replica_batch_size, global_batch_size, accum)
     _say(f"global batch {global_batch} = {per_replica} per replica x {replicas} replica{'s' if replicas > 1 else ''}"
-         f" x accum {accum} ({strategy_name(strategy)}, precision {policy})", verbose, strategy)
+         f" x accum {'auto (split on OOM)' if auto_accum else accum} ({strategy_name(strategy)}, precision {policy})",
+         verbose, strategy)
 
     model = _build_in_scope(model_or_builder, strategy, policy, verbose)
     for finding in check_float32_outputs(model, fix=True):

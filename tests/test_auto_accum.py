@@ -262,8 +262,11 @@ def test_find_micro_batch_reports_the_largest_that_fits_and_changes_nothing():
         ks.find_micro_batch(compile_(build(threshold=0)), (X[:8], Y[:8]))
 
 
-def test_ks_fit_accum_auto():
+def test_ks_fit_accum_auto(capsys):
+    ref_w, _, _ = plain_reference(tf.data.Dataset.from_tensor_slices((X, Y)).batch(16), epochs=1)
     model = compile_(build(threshold=4))
     history = ks.fit(model, X, Y, per_replica_batch_size=16, accum="auto", epochs=1, strategy="default",
-                     shuffle=False, verbose=0)
+                     shuffle=False, default_callbacks=False)
+    assert "global batch 16 = 16 per replica x 1 replica x accum auto" in capsys.readouterr().out
     assert history.model.accum == 4
+    assert_close(weights(history.model), ref_w)
