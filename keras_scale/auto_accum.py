@@ -142,8 +142,8 @@ class AutoAccum:
         self.agreements = 0  # multi-worker: collectives run to agree on a new accum
         self._traced: Any = None
         self._snapshot_fn: Any = None
-        self._snapshot_key: Any = None
         self._snapshot_components: List[Any] = []
+        self._fresh = True  # the bound function has not run yet: its first call may create variables
         self._agree_fn: Any = None
         self._scalars: Any = None
 
@@ -155,6 +155,8 @@ class AutoAccum:
             >>> model.train_function = auto.bind(traced)
         """
         self._traced = traced
+        self._snapshot_fn = None  # a new trace may have created state (Keras builds compile metrics lazily)
+        self._fresh = True
         return self
 
     @property
@@ -191,21 +193,37 @@ class AutoAccum:
         while True:
             snapshot = self._snapshot()
             try:
-                return self._traced([batch])
+                outputs = self._traced([batch])
             except tf.errors.ResourceExhaustedError as err:
                 self._recover(err, snapshot, size)
+                continue
+            if self._fresh:  # its first call built what it builds: list the state again before the next step
+                self._fresh, self._snapshot_fn = False, None
+            return outputs
 
     # ---------------------------------------------------------------- recovery
     def _state_variables(self) -> List[Any]:
+        """What a train step may change besides weights and optimizer slots: non-trainable variables of
+        trainable layers (BatchNorm moving statistics, counters), seed-generator states, metric accumulators.
+
+        Frozen layers' variables (``layer.trainable = False``: a fine-tuned model's backbone) are not copied:
+        a train step does not change them, and copying them every step would cost memory and bandwidth.
+        """
         model = self.model
-        return list(model.non_trainable_variables) + list(model.metrics_variables)
+        frozen = {id(v) for layer in model._flatten_layers() if not layer.trainable for v in layer.variables}
+        state = [v for v in model.non_trainable_variables
+                 if id(v) not in frozen or "seed_generator" in getattr(v, "path", "")]
+        return state + list(model.metrics_variables)
 
     def _snapshot(self) -> Tuple[Any, List[tf.Tensor]]:
-        """On-device copies of what a failed attempt may have changed, and ``optimizer.iterations``."""
+        """On-device copies of what a failed attempt may have changed, and ``optimizer.iterations``.
+
+        The list of variables is made once per bound function (and again after its first call); each step then
+        costs one small traced call that copies them on their devices.
+        """
         strategy = self.model.distribute_strategy
-        variables = self._state_variables()
-        key = tuple(id(v) for v in variables)
-        if self._snapshot_fn is None or key != self._snapshot_key:
+        if self._snapshot_fn is None:
+            variables = self._state_variables()
             # the last entry: optimizer.iterations (fit needs a compiled model), compared, never restored
             components = _components(variables, strategy)
             components.append(_components([self.model.optimizer.iterations], strategy)[0])
@@ -218,7 +236,7 @@ class AutoAccum:
                         copies.append(tf.identity(c))
                 return copies
 
-            self._snapshot_fn, self._snapshot_key, self._snapshot_components = snapshot, key, components
+            self._snapshot_fn, self._snapshot_components = snapshot, components
         return self._snapshot_components, self._snapshot_fn()
 
     def _recover(self, err: tf.errors.ResourceExhaustedError, snapshot: Tuple[Any, List[tf.Tensor]],
@@ -237,6 +255,7 @@ class AutoAccum:
         for c in _components(list(self.model.metrics_variables), self.model.distribute_strategy):
             if id(c) not in known:
                 c.assign(tf.zeros_like(c))
+        self._snapshot_fn = None  # list the state again (the failed trace may have created some)
         old = self.accum
         proposal = next_accum(size, old) if size else None
         agreed = self._agree(_GIVE_UP if proposal is None else proposal)

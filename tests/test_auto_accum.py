@@ -184,6 +184,22 @@ def test_oom_in_the_backward_pass_restores_batchnorm_statistics_metrics_and_drop
     np.testing.assert_allclose(history["mae"], ref_hist["mae"], rtol=1e-6)
 
 
+def test_frozen_layers_are_not_copied_before_each_step():
+    """A fine-tuned model's frozen backbone is never changed by a step: only the state a step can change is
+    copied (the trainable layer's BatchNorm statistics, metric accumulators), not the frozen weights."""
+    inner = build(threshold=8, batchnorm=True)
+    frozen = keras.layers.Dense(4, name="frozen_backbone")
+    model_in = keras.Input((4,))
+    full = keras.Model(model_in, inner(frozen(model_in)))
+    frozen.trainable = False
+    model = compile_(ks.wrap(full, accum="auto"))
+    model.fit(tf.data.Dataset.from_tensor_slices((X, Y)).batch(16), epochs=1, verbose=0)
+    assert model.accum == 2
+    copied = {c.name for c in model._keras_scale_auto._snapshot_components}
+    assert any("moving_mean" in n for n in copied) and any("mean_absolute_error" in n for n in copied)
+    assert not any("frozen_backbone" in n for n in copied) and frozen.kernel.path not in copied
+
+
 def test_gives_up_with_advice_when_one_sample_does_not_fit():
     ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(8)
     model = compile_(ks.wrap(build(threshold=0), accum="auto"))
