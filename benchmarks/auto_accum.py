@@ -10,12 +10,13 @@ Same model, data and batch in one process, side by side, rounds interleaved:
   the micro-batch fits: log2(N) recoveries at the first batch.
 
 Printed: the first batch's wall time (trace + recoveries), the cost of ONE recovery = (first batch of "auto from
-unsplit" - first batch of the baseline) / recoveries, in seconds (and the part of it TF's allocator spends
-waiting before it reports a failed allocation), and each configuration's steady-state
+unsplit" - first batch of the baseline) / recoveries, in seconds, split into the time TF's allocator takes to
+report one failed allocation (measured alone) and the rest (the failed attempt + the re-trace), and each configuration's steady-state
 seconds per step over the later batches, as a ratio to the baseline. Two model sizes: a small step shows the
 per-batch Python overhead, a larger one what a real step sees.
 
     python benchmarks/auto_accum.py [--rounds 3] [--steps 30] [--batch 256] [--accum 4]
+    TF_ENABLE_ONEDNN_OPTS=0 python benchmarks/auto_accum.py     # a CPU allocator that reports an OOM at once
 """
 from __future__ import annotations
 
@@ -116,6 +117,7 @@ def main() -> None:
             ("auto_unsplit", "auto from unsplit")]
     print(f"batch {args.batch}, the right accum {args.accum}, {args.steps} steps, {args.rounds} rounds "
           f"(median), TF {tf.__version__}, Keras {keras.__version__}")
+    wait_s = bare_oom_s()
     for width in (64, 1024):
         results = {h: [] for h, _ in hows}
         for _ in range(args.rounds):
@@ -131,9 +133,12 @@ def main() -> None:
             print(f"  {name:32s} {first:14.3f} {rec:10d} {step / base_step:13.3f}")
         first, _, rec = med["auto_unsplit"]
         if rec:
-            print(f"  cost of one OOM recovery (failed attempt + re-trace): {(first - base_first) / rec:.3f} s")
-    print(f"\nof which TF's allocator spends {bare_oom_s():.3f} s per failed allocation before raising "
-          f"(it waits for memory to be freed); max_micro_batch_size / ks.find_micro_batch avoid recoveries.")
+            cost = (first - base_first) / rec
+            print(f"  cost of one OOM recovery: {cost:.3f} s, of which the allocator's wait before it reports the "
+                  f"OOM {wait_s:.3f} s, the failed attempt + re-trace {cost - wait_s:.3f} s")
+    print("\n(oneDNN's CPU allocator, TF's default here, waits up to 10 s for memory to be freed before it reports "
+          "an OOM; TF_ENABLE_ONEDNN_OPTS=0 gives one that reports at once. max_micro_batch_size / "
+          "ks.find_micro_batch avoid recoveries.)")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import keras
 import tensorflow as tf
@@ -317,7 +317,8 @@ def find_micro_batch(model: keras.Model, sample_batch: Any, max_size: Optional[i
     Runs forward and backward passes (no optimizer update) on the first ``m`` samples of ``sample_batch`` for
     halving ``m`` until one fits, then bisects between the largest that fits and the smallest that does not.
     Weights, BatchNorm statistics and metrics are left as they were. Use it to start ``accum="auto"`` at the
-    right split (``max_micro_batch_size``) or to pick ``wrap(model, micro_batch_size=...)``.
+    right split (``max_micro_batch_size``) or to pick ``wrap(model, micro_batch_size=...)``. Each size that does
+    not fit costs however long the allocator waits before it reports the OOM (10 s with oneDNN's CPU allocator).
 
     Args:
         model: a compiled model (wrapped or not); the probe runs on one device.
