@@ -38,6 +38,7 @@ if _TENSORFLOW_INSTALLED and not _COMMAND_LINE:
     # ---- TensorFlow and Keras: imported here, so Keras knows the serializable classes -------------------------
     from keras_scale import data  # noqa: E402
     from keras_scale.accumulation import AccumulatingModel, unwrap, wrap  # noqa: E402
+    from keras_scale.auto_accum import AutoAccumGaveUp, find_micro_batch  # noqa: E402
     from keras_scale.callbacks.checkpoint import ChiefCheckpoint, CheckpointMismatchError  # noqa: E402
     from keras_scale.callbacks.goodput import Goodput  # noqa: E402
     from keras_scale.callbacks.gpu_monitor import GpuMonitor  # noqa: E402
@@ -58,7 +59,7 @@ __all__ = [
     # schedules
     "WarmupCosine", "scale_lr", "scale_learning_rate",
     # the composed train step / accumulation
-    "wrap", "unwrap", "AccumulatingModel",
+    "wrap", "unwrap", "AccumulatingModel", "find_micro_batch", "AutoAccumGaveUp",
     # callbacks
     "NanGuard", "NanReport", "NanGuardGaveUp", "ChiefCheckpoint", "CheckpointMismatchError", "GpuMonitor",
     "ProfileWindow", "HostMemoryWatch", "HostMemoryGrowthWarning", "LearningRateLogger", "ReduceLROnPlateau",

@@ -11,10 +11,11 @@ Example:
     >>> model.compile(optimizer="adam", loss="mse")
     >>> model.fit(x, y, batch_size=256)                   # the device holds 64 samples at a time
     >>> inner = ks.unwrap(model)                          # the original model, same variables
+    >>> model = ks.wrap(build_model(), accum="auto")      # split finer whenever a step runs out of memory
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Union
 
 import keras
 import tensorflow as tf
@@ -44,8 +45,10 @@ class AccumulatingModel(keras.Model):
 
     _keras_scale_composed = True
 
-    def __init__(self, inner: keras.Model, accum: Optional[int] = None,
-                 micro_batch_size: Optional[int] = None, unroll: Optional[bool] = None, **kwargs: Any) -> None:
+    def __init__(self, inner: keras.Model, accum: Union[int, str, None] = None,
+                 micro_batch_size: Optional[int] = None, unroll: Optional[bool] = None,
+                 max_micro_batch_size: Optional[int] = None, log_dir: Optional[str] = None,
+                 **kwargs: Any) -> None:
         if not isinstance(inner, keras.Model):
             raise TypeError(
                 f"keras_scale.wrap expects a keras.Model, got {type(inner).__name__}. "
@@ -54,8 +57,17 @@ class AccumulatingModel(keras.Model):
             raise ValueError(
                 "Pass exactly one of accum= (micro-batches per step) or micro_batch_size= (samples per "
                 f"micro-batch); got accum={accum!r}, micro_batch_size={micro_batch_size!r}.")
-        if accum is not None:
+        auto = isinstance(accum, str) and accum == "auto"
+        if accum is not None and not auto:
+            if isinstance(accum, str):
+                raise ValueError(f"accum must be a positive int or 'auto', got {accum!r}. "
+                                 "Example: keras_scale.wrap(model, accum='auto').")
             _check_positive_int("accum", accum)
+        if max_micro_batch_size is not None:
+            if not auto:
+                raise ValueError(f"max_micro_batch_size={max_micro_batch_size!r} only applies to accum='auto' "
+                                 f"(got accum={accum!r}); use micro_batch_size= for a fixed split.")
+            _check_positive_int("max_micro_batch_size", max_micro_batch_size)
         if micro_batch_size is not None:
             _check_positive_int("micro_batch_size", micro_batch_size)
         if unroll not in (None, True, False):
@@ -65,11 +77,21 @@ class AccumulatingModel(keras.Model):
         # train under the strategy the inner model's variables were created in
         self._distribute_strategy = getattr(inner, "_distribute_strategy", None) or self._distribute_strategy
         self.inner = inner
-        self.accum = accum
+        self.auto_accum = auto
+        self.accum = 1 if auto else accum  # accum="auto": the value in use (starts unsplit)
         self.micro_batch_size = micro_batch_size
+        self.max_micro_batch_size = max_micro_batch_size
+        self.log_dir = log_dir
         self.unroll = unroll
-        step = get_step(self).configure(accum=accum, micro_batch_size=micro_batch_size)
+        step = get_step(self).configure(accum=self.accum, micro_batch_size=micro_batch_size)
         step.unrolled = unroll
+        if auto:  # the OOM-retrying train function runs each traced one (keras_scale.auto_accum)
+            from keras_scale.auto_accum import AutoAccum
+
+            object.__setattr__(self, "_keras_scale_auto",
+                               AutoAccum(self, max_micro_batch_size=max_micro_batch_size, log_dir=log_dir))
+            step.outer = self._keras_scale_auto.bind
+            step.atomic_update = True
         if inner.built:
             self.built = True
 
@@ -110,7 +132,7 @@ class AccumulatingModel(keras.Model):
             if batch_size is None:
                 dims = [s.shape[0] for s in specs if s.shape.rank]
                 batch_size = dims[0] if dims and dims[0] is not None else None
-        if self.accum is None or batch_size is None:
+        if self.accum is None or batch_size is None or self.auto_accum:
             return
         replicas = self.distribute_strategy.num_replicas_in_sync
         if batch_size // replicas < self.accum:
@@ -130,8 +152,12 @@ class AccumulatingModel(keras.Model):
         return self.inner.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
 
     def get_config(self) -> Dict[str, Any]:
-        return {"inner": keras.saving.serialize_keras_object(self.inner), "accum": self.accum,
-                "micro_batch_size": self.micro_batch_size, "unroll": self.unroll, "name": self.name}
+        config = {"inner": keras.saving.serialize_keras_object(self.inner),
+                  "accum": "auto" if self.auto_accum else self.accum,
+                  "micro_batch_size": self.micro_batch_size, "unroll": self.unroll, "name": self.name}
+        if self.auto_accum:
+            config.update(max_micro_batch_size=self.max_micro_batch_size, log_dir=self.log_dir)
+        return config
 
     @classmethod
     def from_config(cls, config: Dict[str, Any], custom_objects: Any = None) -> "AccumulatingModel":
@@ -140,18 +166,24 @@ class AccumulatingModel(keras.Model):
         return cls(inner, **config)
 
 
-def wrap(model: keras.Model, accum: Optional[int] = None, micro_batch_size: Optional[int] = None,
-         unroll: Optional[bool] = None) -> AccumulatingModel:
+def wrap(model: keras.Model, accum: Union[int, str, None] = None, micro_batch_size: Optional[int] = None,
+         unroll: Optional[bool] = None, max_micro_batch_size: Optional[int] = None,
+         log_dir: Optional[str] = None) -> AccumulatingModel:
     """Return a model that trains ``model``'s weights with exact gradient accumulation.
 
     Args:
         model: any Keras model (create it inside the strategy scope for multi-device training).
-        accum: split each batch into this many micro-batches.
+        accum: split each batch into this many micro-batches; ``"auto"``: start unsplit and split finer
+            whenever a step runs out of device memory, retrying the same batch (:mod:`keras_scale.auto_accum`);
+            ``wrapped.accum`` is then the value in use.
         micro_batch_size: or: micro-batches of (at most) this many samples; ``accum`` follows per step.
         unroll: how the micro-batches are looped. ``None`` (default): a ``tf.while_loop`` (lowest memory), or a
             Python-unrolled loop chained by control dependencies when the model has synchronized BatchNorm or is
             compiled with ``jit_compile`` (both need it). ``True`` forces the unrolled loop, e.g. to profile with
             ``ProfileWindow`` (xprof ignores step markers when the step contains a ``tf.while_loop``).
+        max_micro_batch_size: ``accum="auto"`` only: never hand the device more than this many samples per
+            micro-batch (e.g. from :func:`keras_scale.find_micro_batch`); OOMs still split finer.
+        log_dir: ``accum="auto"`` only: write each change of accum to TensorBoard here (chief only).
 
     The update equals the big-batch update: gradients are the sample-weighted mean over the whole batch
     (uneven last batches included); one optimizer update and one all-reduce per step; clipping, weight decay
@@ -162,10 +194,12 @@ def wrap(model: keras.Model, accum: Optional[int] = None, micro_batch_size: Opti
         >>> wrapped = wrap(model, accum=4)
         >>> wrapped.compile(optimizer=keras.optimizers.AdamW(1e-3), loss="mse")
         >>> wrapped.fit(x, y, batch_size=128)
+        >>> auto = wrap(other_model, accum="auto")   # split only when a step runs out of memory
     """
     if isinstance(model, AccumulatingModel):
         raise ValueError("model is already wrapped; use keras_scale.unwrap(model) first or keep one wrap.")
-    return AccumulatingModel(model, accum=accum, micro_batch_size=micro_batch_size, unroll=unroll)
+    return AccumulatingModel(model, accum=accum, micro_batch_size=micro_batch_size, unroll=unroll,
+                             max_micro_batch_size=max_micro_batch_size, log_dir=log_dir)
 
 
 def unwrap(model: keras.Model) -> keras.Model:

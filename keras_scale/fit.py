@@ -527,6 +527,7 @@ class _Plan:
     accum: int
     policy: str
     verbose: Any
+    auto_accum: bool = False  # accum="auto": split each replica's batch only when a step runs out of memory
 
 
 def _validate(model_or_builder: Any, x: Any, per_replica_batch_size: Optional[int], global_batch_size: Optional[int],
@@ -615,11 +616,11 @@ def _build(model_or_builder: Any, plan: _Plan, sync_bn: Any, jit_compile: Any, l
     else:
         model.jit_compile = jit_compile
     _apply_lr_scaling(model, lr_scaling, plan.global_batch, strategy, verbose)
-    if plan.accum > 1 and wrapped_by_user is None:
+    if (plan.accum > 1 or plan.auto_accum) and wrapped_by_user is None:
         from keras_scale.accumulation import wrap
 
         with strategy.scope():
-            wrapped = wrap(model, accum=plan.accum)
+            wrapped = wrap(model, accum="auto" if plan.auto_accum else plan.accum)
             _compile_like(wrapped, model)
             wrapped.jit_compile = model.jit_compile
         model = wrapped
@@ -663,6 +664,8 @@ def _batch_line(plan: _Plan, model: keras.Model, dataset: tf.data.Dataset, epoch
     wrapped = _model_accum(model)
     if wrapped is not None and wrapped[0] is None:
         line += f", each split into micro-batches of {wrapped[1]}"
+    elif plan.auto_accum:
+        line += ", split into micro-batches only when a step runs out of memory (accum auto)"
     elif plan.accum > 1:
         micro = -(-plan.per_replica // plan.accum)
         size = str(micro) if plan.per_replica % plan.accum == 0 else f"<= {micro}"
@@ -703,7 +706,7 @@ def fit(
     per_replica_batch_size: Optional[int] = None,
     global_batch_size: Optional[int] = None,
     epochs: int = 1,
-    accum: int = 1,
+    accum: Union[int, str] = 1,
     strategy: Any = "auto",
     precision: Any = "auto",
     lr_scaling: Optional[Tuple[str, int]] = None,
@@ -731,7 +734,8 @@ def fit(
         epochs: as in ``model.fit``.
         accum: as in :func:`keras_scale.wrap`: each replica's batch is split into ``accum`` micro-batches, one
             update per global batch. It lowers memory (``per_replica / accum`` samples on a device at once) and
-            changes neither the batch, nor the learning rate, nor a schedule's ``total_steps``.
+            changes neither the batch, nor the learning rate, nor a schedule's ``total_steps``. ``"auto"``: split
+            only when a step runs out of memory (``wrap(model, accum="auto")``).
         strategy: ``"auto"``, ``"default"``, ``"mirrored"``, ``"multi_worker"`` or a ``tf.distribute.Strategy``
             (see :func:`keras_scale.distribute.choose_strategy`).
         precision: ``"auto"`` (bf16 on compute capability >= 8.0, fp16 + loss scaling on 7.x, float32 on CPU) or a
@@ -759,10 +763,13 @@ def fit(
         >>> history = fit(build_model, x, y, per_replica_batch_size=32, epochs=2)     # doctest: +SKIP
         keras_scale: global batch 64 = 32 per replica x 2 replicas (MirroredStrategy, precision float32); ...
     """
+    auto_accum = isinstance(accum, str) and accum == "auto"
+    accum = 1 if auto_accum else accum
     _validate(model_or_builder, x, per_replica_batch_size, global_batch_size, epochs, accum, lr_scaling, sync_bn,
               jit_compile, fit_kwargs)
     plan = _plan(model_or_builder, strategy, all_reduce, precision, per_replica_batch_size, global_batch_size, accum,
                  fit_kwargs)
+    plan.auto_accum = auto_accum
     model = _build(model_or_builder, plan, sync_bn, jit_compile, lr_scaling)
     dataset, epoch_variable, how = _data(x, y, model, plan, fit_kwargs)
     _say(_batch_line(plan, model, dataset, epochs, fit_kwargs), plan.verbose, plan.strategy)

@@ -268,6 +268,13 @@ class ComposedStep:
         self._plain: Optional[Tuple[Tuple, Any]] = None  # Keras's own train function, kept while ours is in place
         self._warned: set = set()
         self._masked = False  # set while tracing: a masked single-output model
+        # accum="auto" (keras_scale.auto_accum): wraps each placed traced function (fn -> the train function)
+        self.outer: Optional[Callable[[Any], Any]] = None
+        # accum="auto": the update waits for every gradient, so a step that fails (OOM) changes no weight, no
+        # optimizer slot and not `iterations` (otherwise TF runs each variable's update as soon as ITS gradient
+        # is ready, and `iterations.assign_add` depends on no gradient at all)
+        self.atomic_update = False
+        self._outer_placed: Any = None
         with model.distribute_strategy.scope():
             self.skipped_steps = self._var("skipped_steps", 0, tf.int64)
             self.epoch_skipped = self._var("epoch_skipped", 0, tf.int64)
@@ -376,7 +383,7 @@ class ComposedStep:
         return (self.accum, self.micro_batch_size, self.unrolled, self.guard, self.halt_after_consecutive)
 
     def _ours(self, fn: Any) -> bool:
-        return fn is not None and any(fn is cached for _, cached in self._cache.values())
+        return fn is not None and (fn is self._outer_placed or any(fn is cached for _, cached in self._cache.values()))
 
     def place_train_function(self, force: bool = False) -> Any:
         """Put the composed train function for the current configuration in ``model.train_function``.
@@ -405,8 +412,11 @@ class ComposedStep:
             step_fn = self._foreign_train_step if has_own_train_step(model) else self.train_step
             cached = (identity, _make_keras_function(model, step_fn))
             self._cache[key] = cached
-        model.train_function = cached[1]
-        return cached[1]
+        fn = cached[1]
+        if self.outer is not None:  # accum="auto": the OOM-retrying wrapper runs the traced function
+            fn = self._outer_placed = self.outer(fn)
+        model.train_function = fn
+        return fn
 
     def give_back_plain(self) -> None:
         """No part is asked for: give the model Keras's own train function (or None: Keras builds it).
@@ -461,8 +471,10 @@ class ComposedStep:
         grads, trainable, share, loss_bad, pred_bad = self._accumulate(x, y, sample_weight, batch_size)
         reduced_grads, any_loss_bad, present, local = self._all_reduce(grads, share, loss_bad, batch_size)
 
-        if not self.guard:
-            with _ThreadFlag("already_reduced", True):
+        if not self.guard:  # (guarded: the update sits in a cond on all reduced gradients, atomic already)
+            barrier = [g.values if isinstance(g, tf.IndexedSlices) else g
+                       for g in reduced_grads if g is not None] if self.atomic_update else []
+            with _ThreadFlag("already_reduced", True), tf.control_dependencies(barrier):
                 optimizer.apply(reduced_grads, trainable)
             return model.get_metrics_result()
 

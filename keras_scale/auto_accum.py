@@ -1,0 +1,392 @@
+"""``keras_scale.wrap(model, accum="auto")``: never die of an out-of-memory error; keep the math exact.
+
+The wrapped model starts unsplit (or split so that no micro-batch exceeds ``max_micro_batch_size``). When a
+train step raises ``tf.errors.ResourceExhaustedError`` it splits finer (the micro-batch is halved), re-traces
+and retries THE SAME batch:
+
+- the data iterator is not advanced by the failed attempt: in auto mode the train function fetches each batch
+  itself (``next(iterator)``) and hands it to the traced Keras function as a one-batch list, the form Keras's
+  ``_make_function`` accepts beside an iterator (``keras/src/backend/tensorflow/trainer.py``);
+- no update is applied twice or lost: the OOM happens in forward/backward, before the optimizer update (checked:
+  if ``optimizer.iterations`` moved, the error is re-raised rather than retried); what the failed attempt may
+  already have changed (BatchNorm moving statistics, metric accumulators, dropout seed state) is restored from
+  an on-device copy taken before each step;
+- accumulation is exact for any split (:mod:`keras_scale.step`), so the final weights equal plain big-batch
+  training.
+
+Each change is printed once (chief) and, with ``log_dir``, written to TensorBoard (``auto_accum/accum``,
+``auto_accum/micro_batch_size`` at the optimizer step). ``wrapped.accum`` reports the value in use.
+
+With ``steps_per_execution > 1`` auto mode fetches and runs the execution's batches one by one (one traced call
+per batch): batch callbacks still fire every ``steps_per_execution`` batches, and a retry never replays a batch
+that already trained.
+
+Multi-worker: every worker gets the same per-replica batch and the same model, so the OOM happens on every
+worker in the forward/backward pass, before the step's gradient all-reduce. The workers then agree on the new
+accum with one small collective (the MAX of every proposal, by all-gather) before retrying, so they can never
+disagree. If only ONE worker runs out of memory (uneven hardware), the other workers are already waiting in the
+step's all-reduce and cannot join the agreement: the job stalls or fails there; auto mode assumes identical
+workers, as data-parallel training does. Pass ``max_micro_batch_size`` (e.g. from :func:`find_micro_batch` on
+the smallest device) in that case.
+
+Example:
+    >>> import keras_scale as ks
+    >>> model = ks.wrap(build_model(), accum="auto")
+    >>> model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    >>> model.fit(ds)          # an OOM at batch 256 retries the batch as 2 x 128, then 4 x 64, ...
+    >>> model.accum            # the value in use
+    4
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, List, Optional, Tuple
+
+import keras
+import tensorflow as tf
+
+__all__ = ["AutoAccum", "AutoAccumGaveUp", "find_micro_batch", "next_accum"]
+
+_GIVE_UP = 2 ** 31 - 1  # a worker's "one sample per micro-batch does not fit" in the agreement collective
+
+_ADVICE = ("Try mixed precision (keras.mixed_precision.set_global_policy('mixed_bfloat16') or 'mixed_float16'; "
+           "ks.choose_precision() picks one), recompute activations with ks.remat / ks.remat_model, or a smaller "
+           "model (or shorter sequences / smaller images).")
+
+
+class AutoAccumGaveUp(RuntimeError):
+    """Even one sample per micro-batch runs out of device memory: splitting cannot help any more.
+
+    Example:
+        >>> try:
+        ...     model.fit(ds)
+        ... except ks.AutoAccumGaveUp as err:
+        ...     print(err)          # says what to try: mixed precision, ks.remat, a smaller model
+    """
+
+
+def micro_batch_size(batch_size: int, accum: int) -> int:
+    """The largest micro-batch when ``batch_size`` samples are split into ``accum`` near-equal parts.
+
+    Example:
+        >>> micro_batch_size(10, 3)
+        4
+    """
+    return int(math.ceil(batch_size / max(1, min(accum, batch_size))))
+
+
+def next_accum(batch_size: int, accum: int) -> Optional[int]:
+    """The accum to retry with after an OOM: the micro-batch halved (rounded up); ``None`` at one sample.
+
+    Always gives strictly smaller micro-batches than ``accum`` did for ``batch_size`` samples.
+
+    Example:
+        >>> next_accum(64, 1), next_accum(64, 2), next_accum(10, 3), next_accum(4, 4)
+        (2, 4, 5, None)
+    """
+    micro = micro_batch_size(batch_size, accum)
+    if micro <= 1:
+        return None
+    target = (micro + 1) // 2
+    return int(math.ceil(batch_size / target))
+
+
+def _per_replica_batch_size(batch: Any, strategy: Any) -> int:
+    """The largest per-replica batch in a fetched (possibly distributed) batch."""
+    sizes = [0]
+    for t in tf.nest.flatten(batch, expand_composites=False):
+        for local in strategy.experimental_local_results(t):
+            shape = getattr(local, "shape", None)
+            if shape is not None and shape.rank and shape[0] is not None:
+                sizes.append(int(shape[0]))
+        if len(sizes) > 1:
+            break
+    return max(sizes)
+
+
+def _components(variables: List[Any], strategy: Any) -> List[tf.Variable]:
+    """Each variable's per-device TF variables (a distributed variable has one per local replica)."""
+    out: List[tf.Variable] = []
+    for v in variables:
+        tv = getattr(v, "_value", v)  # keras.Variable wraps a tf.Variable (or a distributed one)
+        out.extend(strategy.experimental_local_results(tv))
+    return out
+
+
+def _is_multi_worker(strategy: Any) -> bool:
+    extended = getattr(strategy, "extended", None)
+    return bool(getattr(extended, "_num_workers", 1) > 1)
+
+
+class AutoAccum:
+    """``accum="auto"`` for one wrapped model: the train function placed in ``model.train_function``.
+
+    Created by ``keras_scale.wrap(model, accum="auto")``; :mod:`keras_scale.step` hands it each traced
+    train function (:meth:`bind`), and it runs them one batch at a time, retrying a batch that ran out of memory
+    with a finer split.
+
+    Example:
+        >>> wrapped = ks.wrap(model, accum="auto", max_micro_batch_size=64, log_dir="runs/exp")
+        >>> wrapped._keras_scale_auto.changes      # [(optimizer step, old accum, new accum, per-replica batch)]
+        []
+    """
+
+    def __init__(self, model: keras.Model, max_micro_batch_size: Optional[int] = None,
+                 log_dir: Optional[str] = None, verbose: int = 1) -> None:
+        self.model = model
+        self.max_micro_batch_size = max_micro_batch_size
+        self.log_dir = log_dir
+        self.verbose = verbose
+        self.changes: List[Tuple[int, int, int, int]] = []
+        self.recoveries = 0  # OOMs recovered from (tests, benchmarks)
+        self.agreements = 0  # multi-worker: collectives run to agree on a new accum
+        self._traced: Any = None
+        self._snapshot_fn: Any = None
+        self._snapshot_components: List[Any] = []
+        self._fresh = True  # the bound function has not run yet: its first call may create variables
+        self._agree_fn: Any = None
+        self._scalars: Any = None
+
+    # ---------------------------------------------------------------- hook called by ComposedStep
+    def bind(self, traced: Any) -> "AutoAccum":
+        """Run ``traced`` (the composed Keras train function for the current accum) from now on.
+
+        Example:
+            >>> model.train_function = auto.bind(traced)
+        """
+        self._traced = traced
+        self._snapshot_fn = None  # a new trace may have created state (Keras builds compile metrics lazily)
+        self._fresh = True
+        return self
+
+    @property
+    def step(self) -> Any:
+        from keras_scale.step import get_step
+
+        return get_step(self.model)
+
+    @property
+    def accum(self) -> int:
+        return int(self.step.accum or 1)
+
+    # ---------------------------------------------------------------- the train function
+    def __call__(self, iterator: Any) -> Any:
+        it = iterator if hasattr(iterator, "__next__") else iter(iterator)
+        outputs = None
+        for _ in range(max(1, int(self.model.steps_per_execution or 1))):
+            try:
+                batch = next(it)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                if outputs is None:
+                    raise
+                break
+            outputs = self._run(batch)
+        return outputs
+
+    def _run(self, batch: Any) -> Any:
+        strategy = self.model.distribute_strategy
+        size = _per_replica_batch_size(batch, strategy)
+        if self.max_micro_batch_size is not None and size:
+            wanted = int(math.ceil(size / self.max_micro_batch_size))
+            if wanted > self.accum:
+                self._switch(wanted, size, reason=f"max_micro_batch_size={self.max_micro_batch_size}")
+        while True:
+            snapshot = self._snapshot()
+            try:
+                outputs = self._traced([batch])
+            except tf.errors.ResourceExhaustedError as err:
+                self._recover(err, snapshot, size)
+                continue
+            if self._fresh:  # its first call built what it builds: list the state again before the next step
+                self._fresh, self._snapshot_fn = False, None
+            return outputs
+
+    # ---------------------------------------------------------------- recovery
+    def _state_variables(self) -> List[Any]:
+        """What a train step may change besides weights and optimizer slots: non-trainable variables of
+        trainable layers (BatchNorm moving statistics, counters), seed-generator states, metric accumulators.
+
+        Frozen layers' variables (``layer.trainable = False``: a fine-tuned model's backbone) are not copied:
+        a train step does not change them, and copying them every step would cost memory and bandwidth.
+        """
+        model = self.model
+        frozen = {id(v) for layer in model._flatten_layers() if not layer.trainable for v in layer.variables}
+        state = [v for v in model.non_trainable_variables
+                 if id(v) not in frozen or "seed_generator" in getattr(v, "path", "")]
+        return state + list(model.metrics_variables)
+
+    def _snapshot(self) -> Tuple[Any, List[tf.Tensor]]:
+        """On-device copies of what a failed attempt may have changed, and ``optimizer.iterations``.
+
+        The list of variables is made once per bound function (and again after its first call); each step then
+        costs one small traced call that copies them on their devices.
+        """
+        strategy = self.model.distribute_strategy
+        if self._snapshot_fn is None:
+            variables = self._state_variables()
+            # the last entry: optimizer.iterations (fit needs a compiled model), compared, never restored
+            components = _components(variables, strategy)
+            components.append(_components([self.model.optimizer.iterations], strategy)[0])
+
+            @tf.function(autograph=False)
+            def snapshot() -> List[tf.Tensor]:
+                copies = []
+                for c in components:
+                    with tf.device(c.device):
+                        copies.append(tf.identity(c))
+                return copies
+
+            self._snapshot_fn, self._snapshot_components = snapshot, components
+        return self._snapshot_components, self._snapshot_fn()
+
+    def _recover(self, err: tf.errors.ResourceExhaustedError, snapshot: Tuple[Any, List[tf.Tensor]],
+                 size: int) -> None:
+        components, values = snapshot
+        before, after = int(values[-1].numpy()), int(components[-1].numpy())
+        if after != before:  # cannot happen with the composed step's atomic update; never apply a step twice
+            raise RuntimeError(
+                f"keras_scale accum='auto': the device ran out of memory AFTER the optimizer applied this "
+                f"step's update (iterations {before} -> {after}), so retrying would apply it twice. The batch "
+                f"trained; set max_micro_batch_size lower to avoid the late allocation.") from err
+        for c, value in zip(components[:-1], values[:-1]):
+            c.assign(value)
+        # metrics built by the failed attempt's trace (Keras builds compile metrics lazily) started at zero
+        known = {id(c) for c in components}
+        for c in _components(list(self.model.metrics_variables), self.model.distribute_strategy):
+            if id(c) not in known:
+                c.assign(tf.zeros_like(c))
+        self._snapshot_fn = None  # list the state again (the failed trace may have created some)
+        old = self.accum
+        proposal = next_accum(size, old) if size else None
+        agreed = self._agree(_GIVE_UP if proposal is None else proposal)
+        if agreed >= _GIVE_UP:
+            raise AutoAccumGaveUp(
+                f"keras_scale accum='auto': out of device memory even with one sample per micro-batch "
+                f"(per-replica batch {size}, accum={old}). Splitting the batch cannot help any more. "
+                f"{_ADVICE}") from err
+        self.recoveries += 1
+        self._switch(agreed, size, reason="out of memory")
+
+    def _agree(self, proposal: int) -> int:
+        """Multi-worker: the MAX of every worker's proposed accum (one small collective); else ``proposal``."""
+        strategy = self.model.distribute_strategy
+        if not _is_multi_worker(strategy):
+            return proposal
+        if self._agree_fn is None:
+            @tf.function
+            def agree(value: tf.Tensor) -> Any:
+                def fn(v):  # tf.distribute has no MAX all-reduce: gather every replica's proposal, take the max
+                    gathered = tf.distribute.get_replica_context().all_gather(tf.reshape(v, [1]), axis=0)
+                    return tf.reduce_max(gathered)
+                return strategy.run(fn, args=(value,))
+
+            self._agree_fn = agree
+        result = self._agree_fn(tf.constant(proposal, tf.int64))
+        self.agreements += 1
+        return int(max(int(r.numpy()) for r in strategy.experimental_local_results(result)))
+
+    def _switch(self, new: int, size: int, reason: str) -> None:
+        from keras_scale.distribute import chief_print
+
+        old = self.accum
+        model = self.model
+        self.step.configure(accum=new)
+        object.__setattr__(model, "accum", new)
+        previous = model.train_function  # this object, or a callback's wrapper around it (ChiefCheckpoint)
+        self.step.place_train_function()  # cached per accum: traced once per value; binds it here
+        if previous is not None:
+            model.train_function = previous
+        iteration = int(model.optimizer.iterations.numpy()) if model.optimizer is not None else 0
+        self.changes.append((iteration, old, new, size))
+        micro = micro_batch_size(size, new)
+        chief_print(f"keras_scale accum='auto': {reason} at optimizer step {iteration} (per-replica batch {size}, "
+                    f"accum={old}, micro-batches of {micro_batch_size(size, old)}); training with accum={new} "
+                    f"(micro-batches of {micro}) from the same batch on.",
+                    strategy=model.distribute_strategy, verbose=self.verbose, incident=True)
+        if self.log_dir is not None:
+            if self._scalars is None:
+                from keras_scale.callbacks._scalars import ChiefScalars
+
+                self._scalars = ChiefScalars(self.log_dir, "auto_accum", strategy=model.distribute_strategy)
+            self._scalars.write({"auto_accum/accum": new, "auto_accum/micro_batch_size": micro}, step=iteration)
+
+
+def find_micro_batch(model: keras.Model, sample_batch: Any, max_size: Optional[int] = None) -> int:
+    """The largest micro-batch (samples) whose forward+backward pass fits in device memory, before training.
+
+    Runs forward and backward passes (no optimizer update) on the first ``m`` samples of ``sample_batch`` for
+    halving ``m`` until one fits, then bisects between the largest that fits and the smallest that does not.
+    Weights, BatchNorm statistics and metrics are left as they were. Use it to start ``accum="auto"`` at the
+    right split (``max_micro_batch_size``) or to pick ``wrap(model, micro_batch_size=...)``. Each size that does
+    not fit costs however long the allocator waits before it reports the OOM (10 s with oneDNN's CPU allocator).
+
+    Args:
+        model: a compiled model (wrapped or not); the probe runs on one device.
+        sample_batch: ``(x, y)`` or ``(x, y, sample_weight)`` with as many samples as the largest micro-batch
+            to consider (e.g. one per-replica batch).
+        max_size: consider at most this many samples (default: the sample batch's size).
+
+    Raises:
+        AutoAccumGaveUp: when even one sample does not fit.
+
+    Example:
+        >>> size = ks.find_micro_batch(model, next(iter(ds)))
+        >>> wrapped = ks.wrap(model, accum="auto", max_micro_batch_size=size)
+    """
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    from keras_scale.accumulation import unwrap
+
+    inner = unwrap(model)
+    if getattr(model, "_compile_loss", None) is None and getattr(model, "loss", None) is None:
+        raise ValueError("find_micro_batch needs a compiled model (model.compile(optimizer=..., loss=...)) to "
+                         "run its loss and backward pass.")
+    x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(tuple(sample_batch)
+                                                                      if isinstance(sample_batch, list)
+                                                                      else sample_batch)
+    first = tf.nest.flatten(x)[0]
+    total = int(first.shape[0])
+    if max_size is not None:
+        total = min(total, int(max_size))
+    if total < 1:
+        raise ValueError(f"find_micro_batch needs a sample batch with at least one sample, got {total}.")
+    state = list(model.non_trainable_variables)
+    saved = [v.numpy() for v in state]
+
+    @tf.function(reduce_retracing=True)
+    def probe(x, y, sample_weight):
+        with tf.GradientTape() as tape:
+            y_pred = inner(x, training=True)
+            loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+        grads = tape.gradient(loss, inner.trainable_weights)
+        return tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) for g in grads if g is not None]
+                        or [tf.constant(0.0)])
+
+    def fits(m: int) -> bool:
+        take = lambda s: None if s is None else tf.nest.map_structure(lambda t: t[:m], s)  # noqa: E731
+        try:
+            probe(take(x), take(y), take(sample_weight)).numpy()
+            return True
+        except tf.errors.ResourceExhaustedError:
+            return False
+
+    try:
+        with model.distribute_strategy.scope():
+            bad = None
+            m = total
+            while not fits(m):
+                bad = m
+                if m == 1:
+                    raise AutoAccumGaveUp(f"find_micro_batch: one sample does not fit in device memory. {_ADVICE}")
+                m = (m + 1) // 2
+            good = m
+            while bad is not None and bad - good > 1:
+                mid = (good + bad) // 2
+                if fits(mid):
+                    good = mid
+                else:
+                    bad = mid
+            return good
+    finally:
+        for v, value in zip(state, saved):
+            v.assign(value)

@@ -1,0 +1,90 @@
+"""wrap(accum="auto") under MultiWorkerMirroredStrategy: 2 worker processes on 127.0.0.1.
+
+Both workers run out of memory on the same step (a real allocator OOM above a per-replica batch threshold),
+agree on the new accum through one collective, retry the same batch and end with identical weights, equal to
+one process training the unwrapped model at the same global batch. Only the chief prints the change.
+"""
+import json
+
+import keras
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+WORKER = r'''
+import json, os
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import tensorflow as tf
+tf.config.threading.set_inter_op_parallelism_threads(1)
+tf.config.threading.set_intra_op_parallelism_threads(1)
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+import numpy as np, keras
+import keras_scale as ks
+from keras_scale.distribute import patch_keras_multi_worker
+patch_keras_multi_worker()
+
+
+class OomAbove(keras.layers.Layer):
+    """Identity; a real allocator OOM (2^35 floats per sample) when its batch exceeds ``threshold``."""
+
+    def __init__(self, threshold, **kwargs):
+        super().__init__(**kwargs)
+        self.threshold = threshold
+
+    def call(self, x):
+        b = tf.shape(x)[0]
+
+        def allocate():
+            value = tf.random.uniform([]) * 0.0
+            return tf.reduce_sum(tf.fill(tf.reshape(tf.cast(b, tf.int64) * (2 ** 35), [1]), value)) * 0.0
+
+        return x + tf.cond(b > self.threshold, allocate, lambda: tf.constant(0.0))
+
+
+rng = np.random.default_rng(0)
+X = rng.normal(size=(128, 6)).astype("float32")
+Y = (X @ rng.normal(size=(6, 1))).astype("float32")
+with strategy.scope():
+    inner = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), OomAbove(4),
+                              keras.layers.Dense(1)])
+    inner.set_weights([np.linspace(-0.4, 0.4, w.size, dtype="float32").reshape(w.shape) for w in inner.get_weights()])
+    model = ks.wrap(inner, accum="auto")
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+options = tf.data.Options()
+options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(32).with_options(options)  # 16 per worker
+history = model.fit(ds, epochs=2, verbose=0, callbacks=[ks.NanGuard(verbose=0)])
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+with open(f"out_{index}.json", "w") as f:
+    json.dump({"weights": [w.tolist() for w in inner.get_weights()], "accum": model.accum,
+               "changes": model._keras_scale_auto.changes,
+               "agreements": model._keras_scale_auto.agreements, "loss": history.history["loss"],
+               "iterations": int(model.optimizer.iterations.numpy())}, f)
+'''
+
+
+def test_workers_agree_on_the_new_accum_and_equal_big_batch(run_workers, tmp_path):
+    results = run_workers(WORKER, num_workers=2, timeout_s=300)
+    outs = [json.loads((tmp_path / f"out_{i}.json").read_text()) for i in range(2)]
+    for out in outs:
+        assert out["accum"] == 4  # per-replica batch 16 -> 8 -> 4
+        assert [tuple(c) for c in out["changes"]] == [(0, 1, 2, 16), (0, 2, 4, 16)]
+        assert out["agreements"] == 2  # one collective per change, on both workers
+        assert out["iterations"] == 8  # 4 batches x 2 epochs, each applied once
+    for a, b in zip(outs[0]["weights"], outs[1]["weights"]):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    assert "training with accum=4" in results[0].stderr  # the chief says it, once
+    assert results[0].stderr.count("training with accum=4") == 1
+    assert "training with accum" not in results[1].stderr
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(128, 6)).astype("float32")
+    Y = (X @ rng.normal(size=(6, 1))).astype("float32")
+    ref = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+    ref.set_weights([np.linspace(-0.4, 0.4, w.size, dtype="float32").reshape(w.shape) for w in ref.get_weights()])
+    ref.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+    history = ref.fit(X, Y, batch_size=32, epochs=2, verbose=0, shuffle=False)
+    for a, b in zip(ref.get_weights(), outs[0]["weights"]):
+        np.testing.assert_allclose(a, np.array(b), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(history.history["loss"], outs[0]["loss"], rtol=1e-5)
