@@ -307,7 +307,7 @@ class AutoAccum:
             if self._scalars is None:
                 from keras_scale.callbacks._scalars import ChiefScalars
 
-                self._scalars = ChiefScalars(self.log_dir, "auto_accum", strategy=model.distribute_strategy)
+                self._scalars = ChiefScalars(self.log_dir, strategy=model.distribute_strategy)
             self._scalars.write({"auto_accum/accum": new, "auto_accum/micro_batch_size": micro}, step=iteration)
 
 
