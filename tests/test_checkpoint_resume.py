@@ -287,3 +287,37 @@ def test_blocked_s_counts_saves_and_is_reset_each_fit(tmp_path):
     ckpt2 = ks.ChiefCheckpoint(d, save_freq=1, async_save=True)
     fit(make_model(), [ckpt2], epochs=1)  # already complete: nothing saved
     assert 0 <= ckpt2.blocked_s < first
+
+
+def test_reshuffling_seeded_pipeline_is_reported_with_global_seed_zero(tmp_path):
+    """keras.utils.set_random_seed(0) sets the global seed to 0: the op seed (shuffle(seed=1)) must still count."""
+    d = str(tmp_path / "ckpt")
+    keras.utils.set_random_seed(0)
+
+    def data():
+        return tf.data.Dataset.from_tensor_slices((X, Y)).shuffle(80, seed=1).batch(BATCH)
+
+    make_model().fit(data(), epochs=2, verbose=0, callbacks=[ks.ChiefCheckpoint(d, save_freq=4), StopAfter(12)])
+    keras.utils.set_random_seed(0)
+    with pytest.warns(RuntimeWarning, match=r"reshuffle_each_iteration=True.*not exact"):
+        make_model().fit(data(), epochs=2, verbose=0, callbacks=[ks.ChiefCheckpoint(d, save_freq=4)])
+
+
+def test_two_checkpoints_in_one_fit_are_refused(tmp_path):
+    model = make_model()
+    with pytest.raises(ValueError, match="two ChiefCheckpoints in one fit"):
+        model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0,
+                  callbacks=[ks.ChiefCheckpoint(str(tmp_path / "a")), ks.ChiefCheckpoint(str(tmp_path / "b"))])
+    history = model.fit(X, Y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[ks.ChiefCheckpoint(str(tmp_path / "a"))])
+    assert len(history.history["loss"]) == 2  # one is fine, also right after the refusal
+
+
+def test_keep_best_does_not_write_through_a_link_out_of_the_directory(tmp_path):
+    d, outside = tmp_path / "ckpt", tmp_path / "outside"
+    d.mkdir()
+    outside.mkdir()
+    os.symlink(outside, d / "best")
+    with pytest.warns(RuntimeWarning, match="symbolic link"):
+        make_model().fit(X, Y, batch_size=BATCH, epochs=2, verbose=0,
+                         callbacks=[ks.ChiefCheckpoint(str(d), keep_best_k=1, monitor="loss")])
+    assert os.listdir(outside) == []

@@ -255,11 +255,12 @@ def _reshuffling_seeded_shuffle(dataset: Any) -> bool:
             continue
         seen.add(id(ds))
         if "Shuffle" in type(ds).__name__ and getattr(ds, "_reshuffle_each_iteration", False):
-            seed = getattr(ds, "_seed", None)
+            # an op seed (shuffle(seed=...)) lives in _seed2; _seed is the global seed (0 after set_random_seed(0))
+            seeds = [getattr(ds, name, None) for name in ("_seed", "_seed2")]
             try:
-                fixed = seed is not None and int(tf.get_static_value(seed) or 0) != 0
+                fixed = any(seed is not None and int(tf.get_static_value(seed) or 0) != 0 for seed in seeds)
             except Exception:  # noqa: BLE001
-                fixed = seed is not None
+                fixed = any(seed is not None for seed in seeds)
             if fixed:
                 return True
         for attr in ("_input_dataset",):
@@ -550,6 +551,12 @@ class ChiefCheckpoint(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         model = self.model
+        ref = getattr(model, _REF_ATTR, None)
+        other = ref() if ref is not None else None
+        if other is not None and other is not self:  # set_model of a second ChiefCheckpoint in this callback list
+            raise ValueError(
+                f"two ChiefCheckpoints in one fit ({self.directory!r} and {other.directory!r}): each would resume and "
+                "fast-forward on its own and batches would be skipped. Pass one ChiefCheckpoint.")
         strategy = model.distribute_strategy
         self._chief = is_chief(strategy)
         self._reset_position()
@@ -1540,6 +1547,10 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             return
         self._wait()  # the files must be complete before they are linked
         best_dir = self._best_dir()
+        if os.path.islink(best_dir):  # never follow a link out of the directory
+            warnings.warn(f"ChiefCheckpoint: {best_dir!r} is a symbolic link; keep_best_k does not write through it. "
+                          "Remove the link.", RuntimeWarning, stacklevel=2)
+            return
         tf.io.gfile.makedirs(best_dir)
         src_name = os.path.basename(self._last_saved_prefix)
         for name in tf.io.gfile.listdir(self.directory):
