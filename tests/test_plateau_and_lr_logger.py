@@ -176,3 +176,16 @@ def test_lr_logger_evaluates_any_keras_schedule_per_update(tmp_path, schedule):
     points = _logged(str(tmp_path))
     assert [s for s, _ in points] == list(range(8))
     assert [v for _, v in points] == pytest.approx([float(schedule(s)) for s in range(8)], rel=1e-5)
+
+
+def test_lr_logger_float_lr_with_the_reducer_listed_first(tmp_path):
+    """A float LR lowered at an epoch's end by a callback listed before the logger: the epoch keeps its own LR."""
+    x, y = _data()
+    model = _model(keras.optimizers.SGD(0.1))
+    reducer = ks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=1e9)
+    model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[reducer, ks.LearningRateLogger(str(tmp_path))])
+    points = _logged(str(tmp_path))
+    assert [s for s, _ in points] == list(range(12))
+    lr_of_epoch = {0: 0.1, 1: 0.1, 2: 0.05}  # reduced at epoch 1's end (epoch 0 improves on inf): from epoch 2 on
+    for step, value in points:
+        assert value == pytest.approx(lr_of_epoch[step // 4], rel=1e-6)

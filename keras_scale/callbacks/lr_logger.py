@@ -71,7 +71,7 @@ class LearningRateLogger(keras.callbacks.Callback):
     The x axis is the update index (``optimizer.iterations`` before the update); the value is the LR that update
     used: a float LR, or the schedule (``WarmupCosine``, any ``LearningRateSchedule``) evaluated at that index,
     times the LR multiplier that was in force when the epoch started (so a ``ReduceLROnPlateau`` step shows from
-    the next epoch on, a mid-epoch NanGuard rollback from the next epoch on). Points are written at each epoch's end
+    the next epoch on, whatever the callbacks' order, a mid-epoch NanGuard rollback from the next epoch on). Points are written at each epoch's end
     (and at the end of training), not during the epoch: the logger adds no per-step work or host read.
 
     Args:
@@ -96,6 +96,7 @@ class LearningRateLogger(keras.callbacks.Callback):
         self._scalars: Any = None
         self._next_step = 0
         self._multiplier_at_epoch_start: Optional[float] = None
+        self._lr_at_epoch_start: Optional[float] = None
         self._write_fn: Any = None
 
     # ---- what to write ---------------------------------------------------------------------------------------
@@ -117,7 +118,9 @@ class LearningRateLogger(keras.callbacks.Callback):
         n = max(0, end_step - first_step)
         lr = getattr(_inner(self.model.optimizer), "_learning_rate", None)
         if not isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
-            return np.full(n, current_learning_rate(self.model.optimizer), np.float64)
+            # the LR in force during the epoch (read at its start), not one a callback lowered at its end
+            value = self._lr_at_epoch_start
+            return np.full(n, current_learning_rate(self.model.optimizer) if value is None else value, np.float64)
         steps = tf.range(first_step, end_step, dtype=tf.int64)
         try:
             values = np.asarray(keras.ops.convert_to_numpy(lr(steps)), np.float64).reshape(-1)
@@ -189,6 +192,9 @@ class LearningRateLogger(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch: int, logs: Optional[Dict] = None) -> None:
         if self._scalars is not None and self._scalars.active:
             self._multiplier_at_epoch_start = self._multiplier()
+            lr = getattr(_inner(self.model.optimizer), "_learning_rate", None)
+            self._lr_at_epoch_start = (None if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule)
+                                       else current_learning_rate(self.model.optimizer))
 
     def on_epoch_end(self, epoch: int, logs: Optional[Dict] = None) -> None:
         self._flush()
