@@ -143,11 +143,12 @@ class _Pump(threading.Thread):
 
 
 def _signal_group(proc: subprocess.Popen, signum: int) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signum)
-        except (ProcessLookupError, PermissionError):
-            pass
+    # the whole process group (its own session), even when the direct child is gone: a wrapper such as
+    # `bash -c "python train.py"` may have exited while its Python child lives on
+    try:
+        os.killpg(proc.pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _wait_all(procs: Sequence[subprocess.Popen], until: float, stop: Optional[threading.Event] = None) -> bool:
@@ -330,6 +331,12 @@ def cli(argv: Sequence[str]) -> int:
         parser.error(f"--timeout-s must be > 0, got {args.timeout_s}")
     if args.grace_s < 0:
         parser.error(f"--grace-s must be >= 0, got {args.grace_s}")
+    import shutil
+
+    if os.sep not in command[0] and shutil.which(command[0]) is None or os.sep in command[0] and not os.access(
+            command[0], os.X_OK):
+        parser.error(f"cannot run {command[0]!r}: not found or not executable (give the command to run on each "
+                     "worker, e.g. `-- python train.py`)")
     results = launch_local_workers(command, num_workers=args.workers, timeout_s=args.timeout_s,
                                    grace_s=args.grace_s, stream=True, reraise_signal=False)
     status = exit_status(results)

@@ -9,6 +9,7 @@ Example:
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Optional
 
 import keras
@@ -178,6 +179,8 @@ class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
         )
         ax.grid(alpha=0.3)
         fig.tight_layout()
+        if not os.path.splitext(os.fspath(path))[1]:
+            path = os.fspath(path) + ".png"  # what matplotlib writes for a name without an extension
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return path

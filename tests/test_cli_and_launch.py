@@ -186,12 +186,14 @@ sys.exit(int(sys.argv[2]) if len(sys.argv) > 2 and index == 1 else 0)
 class Launcher:
     """`keras-scale launch` in a subprocess, its stdout read line by line as it comes."""
 
-    def __init__(self, tmp_path, worker_args, launch_args=()):
+    def __init__(self, tmp_path, worker_args, launch_args=(), through_shell=False):
         (tmp_path / "worker.py").write_text(WORKER)
         code = "import sys; from keras_scale_cli import main; sys.exit(main(sys.argv[1:]))"
+        worker = [sys.executable, str(tmp_path / "worker.py"), *worker_args]
+        if through_shell:  # a wrapper: bash dies on SIGTERM, its Python child lives on
+            worker = ["bash", "-c", " ".join(worker)]
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", code, "launch", "--workers", "2", *launch_args, "--", sys.executable,
-             str(tmp_path / "worker.py"), *worker_args],
+            [sys.executable, "-c", code, "launch", "--workers", "2", *launch_args, "--", *worker],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(tmp_path),
             env=dict(ENV, PYTHONPATH=REPO_ROOT))
         self.lines: "queue.Queue[str]" = queue.Queue()
@@ -276,6 +278,21 @@ def test_launch_kills_workers_that_ignore_the_signal_after_the_grace_period(tmp_
     assert time.monotonic() - start < 20  # 2 s grace, then SIGKILL
     assert "exit -9" in stderr
     assert all(_gone(pid) for pid in pids)
+
+
+def test_launch_grace_period_holds_for_a_wrapped_worker_and_a_missing_command_is_one_line(tmp_path):
+    launcher = Launcher(tmp_path, ["stubborn"], ["--grace-s", "2"], through_shell=True)
+    pids = launcher.ready_pids()
+    start = time.monotonic()
+    launcher.proc.send_signal(signal.SIGTERM)
+    rc, stderr = launcher.finish()
+    assert time.monotonic() - start < 15, stderr  # 2 s grace, then SIGKILL to the whole process group
+    assert all(_gone(pid) for pid in pids)
+    missing = subprocess.run([sys.executable, "-c", "import sys; from keras_scale_cli import main; "
+                              "sys.exit(main(sys.argv[1:]))", "launch", "--workers", "1", "--", "/nonexistent/cmd"],
+                             capture_output=True, text=True, env=dict(ENV, PYTHONPATH=REPO_ROOT), timeout=60)
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert "cannot run '/nonexistent/cmd'" in missing.stderr
 
 
 def test_launch_timeout_is_opt_in_and_stops_the_workers(tmp_path):

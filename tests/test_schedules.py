@@ -2,6 +2,8 @@ import math
 
 import keras
 import numpy as np
+import os
+
 import pytest
 import tensorflow as tf
 
@@ -155,3 +157,9 @@ def test_learning_rate_logger_writes_the_warmup_per_step(tmp_path):
     assert sorted(logged) == list(range(8))
     for step, value in logged.items():
         assert value == pytest.approx(float(lr(step)), rel=1e-5)
+
+
+def test_plot_reports_the_file_it_wrote_for_a_name_without_extension(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = ks.WarmupCosine(1.0, total_steps=100, warmup_steps=10).plot(str(tmp_path / "lr"))
+    assert path.endswith("lr.png") and os.path.exists(path)
