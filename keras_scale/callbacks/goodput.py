@@ -554,8 +554,10 @@ class Goodput(keras.callbacks.Callback):
         if log_dir is not None and not isinstance(log_dir, (str, bytes)) and not hasattr(log_dir, "__fspath__"):
             raise ValueError(f"Goodput: log_dir must be a path or None, got {log_dir!r}.")
         if peak_flops is not None:
-            peak_flops = check_number("peak_flops", peak_flops, 1.0, owner="Goodput",
-                                      hint="It is the accelerator's peak FLOP/s, e.g. 989e12 for an H100 in bf16.")
+            hint = "It is the accelerator's peak FLOP/s (not TFLOP/s), e.g. 989e12 for an H100 in bf16."
+            peak_flops = check_number("peak_flops", peak_flops, 1e9, owner="Goodput", hint=hint)
+            if not math.isfinite(peak_flops):
+                raise ValueError(f"Goodput: peak_flops must be finite, got {peak_flops!r}. {hint}")
         self.log_dir = None if log_dir is None else str(log_dir)
         self.peak_flops = peak_flops
         if verbose != "auto":
