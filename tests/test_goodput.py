@@ -192,7 +192,7 @@ def test_peak_table_lookup_by_nvml_name_and_dtype():
     assert compute_dtype(mixed) == "bf16"
 
 
-@pytest.mark.parametrize("kwargs", [{"peak_flops": 0}, {"peak_flops": "fast"}, {"probe_fraction": 0.5},
+@pytest.mark.parametrize("kwargs", [{"peak_flops": 0}, {"peak_flops": "fast"}, {"peak_flops": 312}, {"peak_flops": float("inf")}, {"probe_fraction": 0.5},
                                     {"verbose": 2.5}, {"log_dir": 3}])
 def test_bad_input(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
