@@ -86,7 +86,7 @@ def test_window_counts_steps_across_fit_calls_and_captures_once(tmp_path):
 def test_steps_per_execution_is_warned_and_explained(tmp_path, capsys):
     # Keras runs steps_per_execution > 1 in a tf.while_loop; xprof then groups by loop iteration and ignores
     # step markers (its limitation, same for TensorBoard(profile_batch)). Say so up front and in the summary.
-    window = ks.ProfileWindow(tmp_path, start_step=4, num_steps=2)
+    window = ks.ProfileWindow(tmp_path, start_step=4, num_steps=2, verbose=1)
     with pytest.warns(UserWarning, match="steps_per_execution=2"):
         _model(steps_per_execution=2).fit(_dataset(12), epochs=1, callbacks=[window], verbose=0)
     assert window.profiled_steps == [4, 6]  # each hook call runs batches (4, 5), then (6, 7)
@@ -98,7 +98,7 @@ def test_steps_per_execution_is_warned_and_explained(tmp_path, capsys):
 
 
 def test_summary_printed_when_window_closes(tmp_path, capsys):
-    window = ks.ProfileWindow(tmp_path, start_step=2, num_steps=3)
+    window = ks.ProfileWindow(tmp_path, start_step=2, num_steps=3, verbose=1)
     _model().fit(_dataset(6), epochs=1, callbacks=[window], verbose=0)
     out = capsys.readouterr().out
     assert "steps 2..4 (3 steps)" in out
@@ -113,14 +113,14 @@ def test_summary_on_a_fresh_line_and_quiet_with_verbose_0(tmp_path, capsys):
     out = capsys.readouterr().out
     summary_lines = [line for line in out.splitlines() if "steps 2..3" in line]
     assert summary_lines and not any("loss" in line for line in summary_lines)  # not glued to the progress bar
-    quiet = ks.ProfileWindow(tmp_path / "b", start_step=2, num_steps=2, verbose=0)
+    quiet = ks.ProfileWindow(tmp_path / "b", start_step=2, num_steps=2)  # verbose="auto": follows fit's
     _model().fit(_dataset(5), epochs=1, callbacks=[quiet], verbose=0)
     assert capsys.readouterr().out == ""
     assert quiet.summary is not None and quiet.summary.step_numbers == [2, 3]  # computed, just not printed
 
 
 def test_training_ending_inside_the_window_stops_cleanly(tmp_path, capsys):
-    window = ks.ProfileWindow(tmp_path, start_step=3, num_steps=10)
+    window = ks.ProfileWindow(tmp_path, start_step=3, num_steps=10, verbose=1)
     _model().fit(_dataset(5), epochs=1, callbacks=[window], verbose=0)  # only steps 3, 4 exist
     assert window.profiled_steps == [3, 4]
     assert _profiler_is_free()
@@ -264,7 +264,7 @@ def test_with_gradient_accumulation_the_window_gives_steps_or_says_why_not(tmp_p
     inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
     model = ks.wrap(inner, accum=4)
     model.compile(optimizer="sgd", loss="mse")
-    window = ks.ProfileWindow(tmp_path, start_step=2, num_steps=3)
+    window = ks.ProfileWindow(tmp_path, start_step=2, num_steps=3, verbose=1)
     model.fit(_dataset(6), epochs=1, callbacks=[window], verbose=0)
     assert window.profiled_steps == [2, 3, 4] and len(_xplanes(tmp_path)) == 1
     out = capsys.readouterr().out

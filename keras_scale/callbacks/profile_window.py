@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from typing import Dict, Optional
+from typing import Dict, Optional, Union
 
 import keras
 import tensorflow as tf
@@ -59,8 +59,8 @@ class ProfileWindow(keras.callbacks.Callback):
         start_step: first profiled step (0-based), >= 0.
         num_steps: how many steps to profile, >= 1.
         print_summary: summarize the capture when the window closes (kept in ``summary``) and print it.
-        verbose: 0 keeps it quiet (the summary is still computed); printing is the chief's only, on a fresh
-            line (not onto Keras's progress bar).
+        verbose: ``"auto"`` follows ``fit(verbose=...)``; 0 keeps it quiet (the summary is still computed);
+            printing is the chief's only, on a fresh line (not onto Keras's progress bar).
 
     Example:
         >>> import keras_scale as ks
@@ -79,7 +79,7 @@ class ProfileWindow(keras.callbacks.Callback):
         start_step: int = 10,
         num_steps: int = 5,
         print_summary: bool = True,
-        verbose: int = 1,
+        verbose: Union[int, str] = "auto",
     ) -> None:
         super().__init__()
         if not isinstance(log_dir, (str, os.PathLike)) or not os.fspath(log_dir):
@@ -207,7 +207,10 @@ class ProfileWindow(keras.callbacks.Callback):
 
     def _say(self, message: str) -> None:
         # a fresh line: the window closes mid-epoch, while Keras's progress bar owns the current line
-        chief_print("\n" + message, getattr(self.model, "distribute_strategy", None), verbose=self.verbose)
+        verbose = self.verbose
+        if verbose == "auto":
+            verbose = (self.params or {}).get("verbose", 1)
+        chief_print("\n" + message, getattr(self.model, "distribute_strategy", None), verbose=verbose)
 
     def _print_summary(self) -> None:
         if self.capture_dir is None:
