@@ -210,7 +210,7 @@ def test_table_tensorboard_and_ks_fit_default(tmp_path, capsys):
     assert len(history.history["goodput"]) == 2
     events = glob.glob(str(tmp_path / "tb" / "train" / "events.*"))
     assert events
-    tags = {v.tag for e in tf.compat.v1.train.summary_iterator(events[0]) for v in e.summary.value}
+    tags = {v.tag for path in events for e in tf.compat.v1.train.summary_iterator(path) for v in e.summary.value}
     assert {"goodput/goodput", "goodput/input_wait", "goodput/checkpoint_s"} <= tags
 
 
@@ -262,4 +262,4 @@ def test_two_workers_chief_only_output(run_workers, tmp_path):
     assert "productive training steps" in results[0].stdout
     assert "productive training steps" not in results[1].stdout
     event_files = glob.glob(str(tmp_path / "tb" / "**" / "events.*"), recursive=True)
-    assert len(event_files) == 1 and os.sep + "goodput" + os.sep in event_files[0]
+    assert len(event_files) == 1 and os.sep + "train" + os.sep in event_files[0]  # the chief's, in the one run

@@ -40,7 +40,8 @@ def _dataset(num_batches, slow_input_s=0.0):
 def _fit_with_window(log_dir, ds, start_step, num_steps, print_summary=False):
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
     model.compile(optimizer="sgd", loss="mse")
-    window = ks.ProfileWindow(log_dir, start_step=start_step, num_steps=num_steps, print_summary=print_summary)
+    window = ks.ProfileWindow(log_dir, start_step=start_step, num_steps=num_steps, print_summary=print_summary,
+                              verbose=1)
     model.fit(ds, epochs=1, callbacks=[window], verbose=0)
     return window
 
