@@ -137,6 +137,22 @@ def test_lr_logger_one_point_per_applied_update_with_skipped_steps(tmp_path):
         assert value == pytest.approx(float(schedule(step)), rel=1e-5)
 
 
+def test_lr_logger_a_fit_in_a_loop_traces_nothing_new(tmp_path):
+    # a model fitted in a loop with a fresh logger (and a fresh run directory) each time pays no trace per fit
+    from keras_scale.callbacks import _scalars
+
+    x, y = _data()
+    model = _model(keras.optimizers.SGD(ks.WarmupCosine(0.05, total_steps=40, warmup_steps=4)))
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[ks.LearningRateLogger(str(tmp_path / "r0"))])
+    traced = _scalars._series_fn().experimental_get_tracing_count()
+    for run in range(1, 3):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0,
+                  callbacks=[ks.LearningRateLogger(str(tmp_path / f"r{run}"))])
+    assert _scalars._series_fn().experimental_get_tracing_count() == traced
+    for run in range(3):  # and every run holds its own updates' points
+        assert [s for s, _ in _logged(str(tmp_path / f"r{run}"))] == list(range(4 * run, 4 * run + 4))
+
+
 def test_lr_logger_every_n_steps_momentum_weight_decay_and_plateau_order(tmp_path):
     x, y = _data()
     schedule = ks.WarmupCosine(0.05, total_steps=40, warmup_steps=4)

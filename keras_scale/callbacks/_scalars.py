@@ -13,9 +13,35 @@ Example:
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from keras_scale.distribute import is_chief
+
+_SERIES_FN: Any = None  # one traced function for every writer, tag and fit (see ChiefScalars.write_series)
+
+
+def _series_fn() -> Any:
+    """A graph function writing ``values[i]`` at ``steps[i]`` for all i into the writer whose resource handle it
+    is given. The writer, tag and metadata are inputs, not captures: it is traced once per process, not once per
+    fit (a trace costs ~150 ms; eager ``tf.summary.scalar`` costs ~0.1-0.5 ms per point)."""
+    global _SERIES_FN
+    if _SERIES_FN is None:
+        import tensorflow as tf
+        from tensorflow.python.ops import gen_summary_ops
+
+        @tf.function(input_signature=[tf.TensorSpec([], tf.resource), tf.TensorSpec([None], tf.int64),
+                                      tf.TensorSpec([None], tf.float32), tf.TensorSpec([], tf.string),
+                                      tf.TensorSpec([], tf.string)], autograph=False)
+        def write_points(handle, steps, values, tag, metadata):
+            def body(i):
+                op = gen_summary_ops.write_summary(handle, steps[i], values[i], tag, metadata)
+                with tf.control_dependencies([op]):
+                    return i + 1
+
+            return tf.while_loop(lambda i: i < tf.shape(steps)[0], body, [tf.constant(0)], parallel_iterations=1)
+
+        _SERIES_FN = write_points
+    return _SERIES_FN
 
 
 class ChiefScalars:
@@ -55,6 +81,25 @@ class ChiefScalars:
                 tf.summary.scalar(tag, value, step=step)
         if flush:
             self._writer.flush()
+
+    def write_series(self, tag: str, steps: Sequence[int], values: Sequence[float]) -> None:
+        """Write ``values[i]`` at ``steps[i]`` under ``tag``, all points in one graph call (no trace after the
+        process's first call, whatever the writer, tag or fit).
+
+        Example:
+            >>> ChiefScalars(None).write_series("optimizer/learning_rate", [0, 1], [1e-3, 9e-4])
+        """
+        if self._writer is None or len(steps) == 0:
+            return
+        import numpy as np
+        import tensorflow as tf
+        from tensorboard.plugins.scalar import metadata as scalar_metadata
+
+        metadata = scalar_metadata.create_summary_metadata(display_name=None, description=None)
+        with tf.device("cpu:0"):
+            _series_fn()(self._writer._resource, tf.constant(np.asarray(steps, np.int64)),  # noqa: SLF001
+                         tf.constant(np.asarray(values, np.float32)), tf.constant(tag),
+                         tf.constant(metadata.SerializeToString()))
 
     def close(self) -> None:
         """Flush and close (idempotent)."""

@@ -97,7 +97,6 @@ class LearningRateLogger(keras.callbacks.Callback):
         self._next_step = 0
         self._multiplier_at_epoch_start: Optional[float] = None
         self._lr_at_epoch_start: Optional[float] = None
-        self._write_fn: Any = None
 
     # ---- what to write ---------------------------------------------------------------------------------------
     def _multiplier(self) -> Optional[float]:
@@ -160,25 +159,12 @@ class LearningRateLogger(keras.callbacks.Callback):
         self.points_written += len(steps)
 
     def _write_series(self, steps: np.ndarray, series: Dict[str, np.ndarray]) -> None:
-        """All points of the epoch in ONE graph call (eager ``tf.summary.scalar`` costs ~0.1-0.5 ms per point)."""
-        import tensorflow as tf
-
-        if self._write_fn is None:
-            scalars = self._scalars
-
-            @tf.function(reduce_retracing=True)
-            def write_all(steps: tf.Tensor, series: Dict[str, tf.Tensor]) -> None:
-                for i in tf.range(tf.shape(steps)[0]):
-                    with tf.name_scope(""):  # tags as given, not prefixed with the loop's "while/"
-                        scalars.write({tag: values[i] for tag, values in series.items()}, step=steps[i],
-                                      flush=False)
-
-            self._write_fn = write_all
-        self._write_fn(tf.constant(steps), {tag: tf.constant(v) for tag, v in series.items()})
+        """All points of the epoch in one graph call per tag (traced once per process, not per fit)."""
+        for tag, values in series.items():
+            self._scalars.write_series(tag, steps, values)
 
     # ---- Keras hooks -----------------------------------------------------------------------------------------
     def on_train_begin(self, logs: Optional[Dict] = None) -> None:
-        self._write_fn = None  # traced for this run's writer
         self._scalars = ChiefScalars(self.log_dir, strategy=self.model.distribute_strategy)
         self._next_step = int(self.model.optimizer.iterations.numpy())  # a resumed run starts where it stopped
         self._has_momentum = _momentum(self.model.optimizer) is not None
