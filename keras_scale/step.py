@@ -208,12 +208,12 @@ def check_supported(model: keras.Model) -> None:
             f"MirroredStrategy and MultiWorkerMirroredStrategy; this model trains under {name}. Use one of those "
             f"(ks.choose_strategy() picks one), or train without wrap/NanGuard.")
     optimizer = model.optimizer
-    if optimizer is not None and getattr(inner_optimizer(optimizer), "gradient_accumulation_steps", None):
+    steps = getattr(inner_optimizer(optimizer), "gradient_accumulation_steps", None) if optimizer is not None else None
+    if steps:
         raise ValueError(
-            f"the optimizer uses Keras's own gradient_accumulation_steps="
-            f"{inner_optimizer(optimizer).gradient_accumulation_steps}, which keras_scale's step cannot combine "
-            f"with (and which crashes under MirroredStrategy). Remove it and use keras_scale.wrap(model, "
-            f"accum={inner_optimizer(optimizer).gradient_accumulation_steps}) instead: one update per batch, "
+            f"the optimizer uses Keras's own gradient_accumulation_steps={steps}, which keras_scale's step cannot "
+            f"combine with (and which crashes under MirroredStrategy). Remove it and use keras_scale.wrap(model, "
+            f"accum={steps}) instead: one update per batch, "
             f"exact.")
 
 
