@@ -438,7 +438,8 @@ x = np.random.RandomState(0).rand(64, 4).astype("float32"); y = x.sum(1, keepdim
 with strategy.scope():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
     model.compile(optimizer="sgd", loss="mse")
-monitor = ks.GpuMonitor(interval_s=0.005, log_dir=sys.argv[1], nvml=fake, devices=[0])  # CUDA_VISIBLE_DEVICES="" here
+monitor = ks.GpuMonitor(interval_s=0.005, log_dir=sys.argv[1], nvml=fake, devices=[0],  # CUDA_VISIBLE_DEVICES="" here
+                        verbose=1)  # prints under fit(verbose=0) too: only the chief may
 h = model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=2, verbose=0, callbacks=[monitor])
 print(json.dumps({"chief": is_chief(strategy), "util": h.history["gpu_util_mean"],
                   "advice": [a.kind for a in monitor.advice_history]}))
