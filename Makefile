@@ -11,7 +11,7 @@ FLOOR_VENV  := .venv-floor
 FLOOR_TESTS := tests/test_schedules.py tests/test_accumulation.py tests/test_nan_guard.py tests/test_fit.py \
                tests/test_plateau_and_lr_logger.py tests/test_cli_and_launch.py
 
-.PHONY: install demo test test-fast test-floor bench clean
+.PHONY: install demo test test-fast doctest test-floor bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,11 +26,20 @@ install: $(STAMP)
 demo: install
 	$(BIN)/python examples/quickstart.py
 
+# The docstring examples run as doctests (a few seconds; --timeout stops a hung one instead of waiting).
+DOCTEST := -m pytest -q -ra -p no:cacheprovider --doctest-modules --timeout=60 --timeout-method=thread \
+           keras_scale keras_scale_cli.py
+
 test: install
+	$(BIN)/python $(DOCTEST)
 	$(BIN)/python -m pytest -q -ra tests
 
 test-fast: install
+	$(BIN)/python $(DOCTEST)
 	$(BIN)/python -m pytest -q -ra -m "not slow" tests
+
+doctest: install
+	$(BIN)/python $(DOCTEST)
 
 # A fast subset at the lowest versions pyproject.toml allows (not run by `make test`; a few GB download).
 test-floor:

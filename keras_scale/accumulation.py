@@ -6,12 +6,12 @@ one micro-batch's activations are alive), sums the sample-weighted gradients and
 with ONE all-reduce. ``optimizer.iterations``, schedules, callbacks and checkpoints all count real updates.
 
 Example:
-    >>> import keras, keras_scale as ks
-    >>> model = ks.wrap(build_model(), accum=4)         # or ks.wrap(model, micro_batch_size=32)
-    >>> model.compile(optimizer="adam", loss="mse")
-    >>> model.fit(x, y, batch_size=256)                   # the device holds 64 samples at a time
-    >>> inner = ks.unwrap(model)                          # the original model, same variables
-    >>> model = ks.wrap(build_model(), accum="auto")      # split finer whenever a step runs out of memory
+    import keras, keras_scale as ks
+    model = ks.wrap(build_model(), accum=4)         # or ks.wrap(model, micro_batch_size=32)
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(x, y, batch_size=256)                   # the device holds 64 samples at a time
+    inner = ks.unwrap(model)                          # the original model, same variables
+    model = ks.wrap(build_model(), accum="auto")      # split finer whenever a step runs out of memory
 """
 from __future__ import annotations
 
@@ -39,8 +39,12 @@ class AccumulatingModel(keras.Model):
     read and write the inner model's weights file, so weights files interchange with the unwrapped model.
 
     Example:
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
         >>> wrapped = AccumulatingModel(model, accum=4)
         >>> wrapped.compile(optimizer="sgd", loss="mse")
+        >>> wrapped.accum, wrapped.inner is model
+        (4, True)
     """
 
     _keras_scale_composed = True
@@ -191,10 +195,15 @@ def wrap(model: keras.Model, accum: Union[int, str, None] = None, micro_batch_si
     own statistics and updates its moving statistics once per micro-batch.
 
     Example:
+        >>> import keras, numpy as np
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
         >>> wrapped = wrap(model, accum=4)
         >>> wrapped.compile(optimizer=keras.optimizers.AdamW(1e-3), loss="mse")
-        >>> wrapped.fit(x, y, batch_size=128)
-        >>> auto = wrap(other_model, accum="auto")   # split only when a step runs out of memory
+        >>> history = wrapped.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=8, verbose=0)  # 4 x 2 samples
+        >>> int(wrapped.optimizer.iterations.numpy())                                         # one update
+        1
+        >>> other = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        >>> auto = wrap(other, accum="auto")   # split only when a step runs out of memory
     """
     if isinstance(model, AccumulatingModel):
         raise ValueError("model is already wrapped; use keras_scale.unwrap(model) first or keep one wrap.")
@@ -206,6 +215,8 @@ def unwrap(model: keras.Model) -> keras.Model:
     """The inner model of a wrapped model (same variables); any other model is returned as is.
 
     Example:
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
         >>> unwrap(wrap(model, accum=2)) is model
         True
     """

@@ -30,12 +30,11 @@ workers, as data-parallel training does. Pass ``max_micro_batch_size`` (e.g. fro
 the smallest device) in that case.
 
 Example:
-    >>> import keras_scale as ks
-    >>> model = ks.wrap(build_model(), accum="auto")
-    >>> model.compile(optimizer="adam", loss="mse", metrics=["mae"])
-    >>> model.fit(ds)          # an OOM at batch 256 retries the batch as 2 x 128, then 4 x 64, ...
-    >>> model.accum            # the value in use
-    4
+    import keras_scale as ks
+    model = ks.wrap(build_model(), accum="auto")
+    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    model.fit(ds)          # an OOM at batch 256 retries the batch as 2 x 128, then 4 x 64, ...
+    model.accum            # the value in use, e.g. 4
 """
 from __future__ import annotations
 
@@ -58,10 +57,10 @@ class AutoAccumGaveUp(RuntimeError):
     """Even one sample per micro-batch runs out of device memory: splitting cannot help any more.
 
     Example:
-        >>> try:
-        ...     model.fit(ds)
-        ... except ks.AutoAccumGaveUp as err:
-        ...     print(err)          # says what to try: mixed precision, ks.remat, a smaller model
+        try:
+            model.fit(ds)
+        except ks.AutoAccumGaveUp as err:
+            print(err)          # says what to try: mixed precision, ks.remat, a smaller model
     """
 
 
@@ -126,7 +125,9 @@ class AutoAccum:
     with a finer split.
 
     Example:
-        >>> wrapped = ks.wrap(model, accum="auto", max_micro_batch_size=64, log_dir="runs/exp")
+        >>> import keras, keras_scale as ks
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        >>> wrapped = ks.wrap(model, accum="auto", max_micro_batch_size=64)
         >>> wrapped._keras_scale_auto.changes      # [(optimizer step, old accum, new accum, per-replica batch)]
         []
     """
@@ -152,7 +153,7 @@ class AutoAccum:
         """Run ``traced`` (the composed Keras train function for the current accum) from now on.
 
         Example:
-            >>> model.train_function = auto.bind(traced)
+            model.train_function = auto.bind(traced)
         """
         self._traced = traced
         self._snapshot_fn = None  # a new trace may have created state (Keras builds compile metrics lazily)
@@ -330,8 +331,8 @@ def find_micro_batch(model: keras.Model, sample_batch: Any, max_size: Optional[i
         AutoAccumGaveUp: when even one sample does not fit.
 
     Example:
-        >>> size = ks.find_micro_batch(model, next(iter(ds)))
-        >>> wrapped = ks.wrap(model, accum="auto", max_micro_batch_size=size)
+        size = ks.find_micro_batch(model, next(iter(ds)))
+        wrapped = ks.wrap(model, accum="auto", max_micro_batch_size=size)
     """
     from keras.src.trainers.data_adapters import data_adapter_utils
 

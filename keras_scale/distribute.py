@@ -11,6 +11,7 @@ Example:
     >>> strategy = choose_strategy()          # first thing in the script: before any TensorFlow op
     >>> if is_chief(strategy):
     ...     print("I write the checkpoints")
+    I write the checkpoints
 """
 from __future__ import annotations
 
@@ -199,10 +200,13 @@ def patch_keras_multi_worker() -> bool:
         >>> import keras_scale.distribute as ksd
         >>> ksd.patch_keras_multi_worker()
         True
-        >>> strategy = tf.distribute.MultiWorkerMirroredStrategy()  # doctest: +SKIP
-        >>> with strategy.scope():                                  # doctest: +SKIP
-        ...     model = build_and_compile()
-        >>> model.fit(ds)                                           # doctest: +SKIP
+
+        Then, in each worker's script::
+
+            strategy = tf.distribute.MultiWorkerMirroredStrategy()
+            with strategy.scope():
+                model = build_and_compile()
+            model.fit(ds)
     """
     import functools
 
@@ -263,6 +267,7 @@ def require_keras_multi_worker_fix(strategy: Any) -> None:
     failing here, at fit start, with why, beats a crash deep in Keras.
 
     Example:
+        >>> import tensorflow as tf
         >>> require_keras_multi_worker_fix(tf.distribute.get_strategy())   # single process: nothing to do
     """
     if not is_multi_worker(strategy):
@@ -281,6 +286,7 @@ def is_multi_worker(strategy: Any) -> bool:
     The one place keras_scale decides "is this multi-worker?" (step, checkpoint, fit and the Keras fix ask here).
 
     Example:
+        >>> import tensorflow as tf
         >>> is_multi_worker(tf.distribute.get_strategy())
         False
     """
@@ -463,9 +469,9 @@ def mirrored_with_fallback(devices: Optional[Sequence[str]] = None, candidates: 
     advice: NCCL failing or slow -> ``ReductionToOneDevice``).
 
     Example:
-        >>> strategy = mirrored_with_fallback(["/cpu:0", "/cpu:1"])
+        >>> strategy = mirrored_with_fallback(["/cpu:0"])      # on a machine with GPUs: ["/gpu:0", "/gpu:1"]
         >>> strategy.num_replicas_in_sync
-        2
+        1
     """
     import logging
 
@@ -527,17 +533,20 @@ def _multi_worker(all_reduce: str, config: Optional[dict]):
 
 
 def strategy_name(strategy: Any) -> str:
-    """The user-facing class name of a strategy (``MultiWorkerMirroredStrategy``, not its alias's).
+    """The user-facing name of a strategy: its class (``MultiWorkerMirroredStrategy``, not its alias's), or
+    ``"default strategy"`` for TensorFlow's default (no ``tf.distribute`` scope, one device).
 
     Example:
+        >>> import tensorflow as tf
         >>> strategy_name(tf.distribute.get_strategy())
-        '_DefaultDistributionStrategy'
+        'default strategy'
     """
     import tensorflow as tf
 
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
         return "MultiWorkerMirroredStrategy"
-    return type(strategy).__name__
+    name = type(strategy).__name__
+    return "default strategy" if name.startswith("_DefaultDistributionStrategy") else name
 
 
 def choose_strategy(strategy: Union[str, Any] = "auto", all_reduce: str = "auto",
@@ -597,5 +606,5 @@ def choose_strategy(strategy: Union[str, Any] = "auto", all_reduce: str = "auto"
         if all_reduce != "auto":
             log.info("all_reduce=%r ignored: the default strategy has one device and no all-reduce", all_reduce)
         result = tf.distribute.get_strategy()
-    log.info("strategy: %s with %d replicas (%s)", strategy_name(result), result.num_replicas_in_sync, reason)
+    log.info("strategy: %s with %d replica(s) (%s)", strategy_name(result), result.num_replicas_in_sync, reason)
     return result

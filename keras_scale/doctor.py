@@ -1437,7 +1437,7 @@ def format_report(rep: Dict[str, Any], width: Optional[int] = None) -> str:
     """The human-readable table of a :func:`doctor` report, wrapped to ``width`` (default: the terminal's).
 
     Example:
-        >>> print(format_report(doctor(probe_tensorflow=False), width=100))  # doctest: +SKIP
+        print(format_report(doctor(probe_tensorflow=False), width=100))
     """
     width = max(60, width or shutil.get_terminal_size((100, 24)).columns)
     lines = ["keras-scale doctor", ""]

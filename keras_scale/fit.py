@@ -114,6 +114,41 @@ def _say(message: str, verbose: Any = 1, strategy: Any = None) -> None:
         print(f"keras_scale: {message}", flush=True)
 
 
+def _batch_size_of(element: Any) -> int:
+    return int(np.shape(tf.nest.flatten(element)[0])[0])
+
+
+def _samples_of_py_dataset(x: keras.utils.PyDataset) -> Optional[Tuple[int, int, int]]:
+    """``(samples, batch size, last batch size)`` of a PyDataset of known length, read from its first and last
+    batches (Keras's convention: every batch full but the last); ``None`` for an infinite or unsized one."""
+    try:
+        num_batches = x.num_batches
+    except NotImplementedError:
+        return None
+    if not num_batches or num_batches <= 0:
+        return None
+    first = _batch_size_of(x[0])
+    last = _batch_size_of(x[num_batches - 1]) if num_batches > 1 else first
+    return (num_batches - 1) * first + last, first, last
+
+
+_PY_DATASET_BATCH_ERROR = "ks.fit: a batch of the PyDataset differs in size"
+
+
+def _check_py_dataset_batch(size: int, last: int) -> Callable[..., Any]:
+    """A ``map`` function that stops at a batch of another size than the first (or the last) one, which would make
+    the counted samples, hence the number of global batches, wrong."""
+    def check(*element: Any) -> Any:
+        got = tf.shape(tf.nest.flatten(element)[0])[0]
+        with tf.control_dependencies([tf.debugging.assert_equal(
+                tf.logical_or(tf.equal(got, size), tf.equal(got, last)), True,
+                message=f"{_PY_DATASET_BATCH_ERROR} from its first ({size}) and last ({last}) "
+                        "batches; ks.fit rebatches a PyDataset to the global batch and needs every batch full but "
+                        "the last (pass a tf.data.Dataset for batches of varying size)")]):
+            return element[0] if len(element) == 1 else element
+    return check
+
+
 _BATCH_OPS = ("_BatchDataset", "_ParallelBatchDataset", "_PaddedBatchDataset")
 
 
@@ -263,7 +298,14 @@ def prepare_dataset(x: Any, y: Any = None, sample_weight: Any = None, *, global_
         from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
 
         ds = PyDatasetAdapter(x, shuffle=shuffle).get_tf_dataset()
+        samples = _samples_of_py_dataset(x)
+        if samples is not None:
+            ds = ds.map(_check_py_dataset_batch(samples[1], samples[2]))
         ds = ds.rebatch(global_batch_size, drop_remainder=drop_remainder)
+        if samples is not None:  # a generator has no cardinality; Keras then warns "ran out of data" each epoch
+            n = samples[0]
+            ds = ds.apply(tf.data.experimental.assert_cardinality(
+                n // global_batch_size if drop_remainder else -(-n // global_batch_size)))
         file_based = False
         how = "PyDataset, rebatched"
     elif _is_array_structure(x):
@@ -656,6 +698,10 @@ def _data(x: Any, y: Any, model: keras.Model, plan: _Plan, fit_kwargs: Dict[str,
     return dataset, epoch_variable, how
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _batch_line(plan: _Plan, model: keras.Model, dataset: tf.data.Dataset, epochs: int,
                 fit_kwargs: Dict[str, Any]) -> str:
     """``global batch G = P per replica x R replicas[, each split into accum A micro-batches of M]`` + the updates."""
@@ -670,11 +716,13 @@ def _batch_line(plan: _Plan, model: keras.Model, dataset: tf.data.Dataset, epoch
         micro = -(-plan.per_replica // plan.accum)
         size = str(micro) if plan.per_replica % plan.accum == 0 else f"<= {micro}"
         line += f", each split into accum {plan.accum} micro-batches of {size}"
-    line += f" ({strategy_name(plan.strategy)}, precision {plan.policy})"
+    name = strategy_name(plan.strategy)
+    line += f" ({name + ', 1 device' if name == 'default strategy' else name}, precision {plan.policy})"
     steps = fit_kwargs.get("steps_per_epoch") or (int(dataset.cardinality()) if int(dataset.cardinality()) > 0
                                                    else None)
     if steps is not None:
-        line += (f"; {steps} updates/epoch x {epochs} epochs = {steps * epochs} optimizer updates "
+        total = steps * epochs
+        line += (f"; {_count(steps, 'update')}/epoch x {_count(epochs, 'epoch')} = {_count(total, 'optimizer update')} "
                  f"(a schedule's total_steps)")
     else:
         line += "; updates per epoch unknown (dataset of unknown size): pass steps_per_epoch= to know total_steps"
@@ -686,6 +734,11 @@ def _train(model: keras.Model, dataset: tf.data.Dataset, epochs: int, callbacks:
     try:
         # shuffle=False: the dataset is already shuffled (identically on every worker); Keras would only warn
         return model.fit(dataset, epochs=epochs, callbacks=callbacks, shuffle=False, **fit_kwargs)
+    except tf.errors.InvalidArgumentError as e:
+        if _PY_DATASET_BATCH_ERROR in str(e):
+            raise ValueError(_PY_DATASET_BATCH_ERROR + str(e).split(_PY_DATASET_BATCH_ERROR, 1)[1].split("]", 1)[0]
+                             ) from None
+        raise
     except _WORKER_FAILURE_ERRORS as e:
         if is_multi_worker(plan.strategy):
             raise RuntimeError(
@@ -760,8 +813,8 @@ def fit(
         inner one when ``accum > 1``).
 
     Example:
-        >>> history = fit(build_model, x, y, per_replica_batch_size=32, epochs=2)     # doctest: +SKIP
-        keras_scale: global batch 64 = 32 per replica x 2 replicas (MirroredStrategy, precision float32); ...
+        history = fit(build_model, x, y, per_replica_batch_size=32, epochs=2)
+        # keras_scale: global batch 64 = 32 per replica x 2 replicas (MirroredStrategy, precision float32); ...
     """
     auto_accum = isinstance(accum, str) and accum == "auto"
     accum = 1 if auto_accum else accum

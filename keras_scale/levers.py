@@ -68,9 +68,9 @@ class LeverComparison:
     largest relative difference between the two runs' logged losses over the steps.
 
     Example:
-        >>> result = compare_xla(build, (x, y), steps=10)  # doctest: +SKIP
-        >>> result.use_candidate, result.losses_agree      # doctest: +SKIP
-        (True, True)
+        result = compare_xla(build, (x, y), steps=10)
+        result.use_candidate, result.losses_agree
+        # (True, True)
     """
 
     lever: str
@@ -326,8 +326,8 @@ def compare_xla(model_or_builder: ModelOrBuilder, data: Any, steps: int = 20, *,
         A :class:`LeverComparison` (baseline: ``jit_compile=False``, candidate: ``jit_compile=True``).
 
     Example:
-        >>> result = compare_xla(build, (x, y), steps=20)   # doctest: +SKIP
-        xla: keep jit_compile=False: jit_compile=True is not faster here (0.97x, 1.10 -> 1.13 ms), ...
+        result = compare_xla(build, (x, y), steps=20)
+        # xla: keep jit_compile=False: jit_compile=True is not faster here (0.97x, 1.10 -> 1.13 ms), ...
     """
     _check_common(steps, batch_size, loss_rtol)
     replicas = tf.distribute.get_strategy().num_replicas_in_sync
@@ -392,8 +392,8 @@ def compare_precision(model_or_builder: ModelOrBuilder, data: Any, steps: int = 
         A :class:`LeverComparison` (baseline: ``float32``, candidate: ``policy``).
 
     Example:
-        >>> result = compare_precision(build, (x, y), policy="mixed_float16")   # doctest: +SKIP
-        precision: use policy mixed_float16: 2.71x faster per step (...), peak memory x0.58, ...
+        result = compare_precision(build, (x, y), policy="mixed_float16")
+        # precision: use policy mixed_float16: 2.71x faster per step (...), peak memory x0.58, ...
     """
     _check_common(steps, batch_size, loss_rtol)
     policy = _default_mixed_policy() if policy is None else policy

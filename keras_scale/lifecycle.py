@@ -17,6 +17,7 @@ the call from Keras's own ``fit`` counts as a fit start (:func:`called_by_keras_
 ``keras_scale.step.rebuild(model)``).
 
 Example:
+    >>> import keras
     >>> from keras_scale import lifecycle
     >>> class MyCallback(keras.callbacks.Callback):
     ...     def set_model(self, model):
@@ -55,7 +56,12 @@ def join(model: Any, owner: Any, undo: Callable[[], None]) -> None:
     ``make_train_function`` so that the next fit undoes what ``owner`` leaves behind if ``owner`` is not in it.
 
     Example:
-        >>> lifecycle.join(model, callback, undo=callback._uninstall)
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        >>> owner, undone = object(), []
+        >>> join(model, owner, undo=lambda: undone.append("reverted"))
+        >>> pending(model)
+        1
     """
     session = _session(model, create=True)
     stale = session.undo.pop(id(owner), None)
@@ -71,7 +77,13 @@ def leave(model: Any, owner: Any) -> None:
     """``owner``'s fit ended normally: undo what it installed now.
 
     Example:
-        >>> lifecycle.leave(model, callback)   # from on_train_end
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        >>> owner, undone = object(), []
+        >>> join(model, owner, undo=lambda: undone.append("reverted"))
+        >>> leave(model, owner)   # from owner's on_train_end
+        >>> undone, pending(model)
+        (['reverted'], 0)
     """
     session = _session(model)
     if session is None:
@@ -87,7 +99,8 @@ def pending(model: Any) -> int:
     """How many pieces still have state installed on ``model`` (0 after a clean fit).
 
     Example:
-        >>> lifecycle.pending(model)
+        >>> import keras
+        >>> pending(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]))
         0
     """
     session = _session(model)
@@ -100,7 +113,14 @@ def fit_starts(model: Any) -> None:
     Called by the ``make_train_function`` hook (and by ``AccumulatingModel.make_train_function``).
 
     Example:
-        >>> lifecycle.fit_starts(model)
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        >>> owner, undone = object(), []
+        >>> join(model, owner, undo=lambda: undone.append("reverted"))
+        >>> fit_starts(model)          # owner joined this fit: its state stays
+        >>> fit_starts(model)          # the next fit starts without owner: what it left is undone
+        >>> undone
+        ['reverted']
     """
     session = _session(model)
     if session is None:

@@ -220,7 +220,7 @@ def remat(layer: keras.layers.Layer) -> Remat:
         A :class:`Remat` layer to use in place of ``layer`` (it shares ``layer``'s variables).
 
     Example:
-        >>> x = keras_scale.remat(keras.layers.Dense(256, activation="gelu"))(x)  # doctest: +SKIP
+        x = keras_scale.remat(keras.layers.Dense(256, activation="gelu"))(x)
     """
     return Remat(layer)
 
@@ -237,7 +237,7 @@ def remat_model(model: keras.Model, select: Optional[Callable[[keras.layers.Laye
         select: ``select(layer) -> bool`` chooses the blocks; default: every layer that has weights.
 
     Example:
-        >>> model = remat_model(model, select=lambda l: l.name.startswith("block"))  # doctest: +SKIP
+        model = remat_model(model, select=lambda l: l.name.startswith("block"))
     """
     if not isinstance(model, keras.Model):
         raise TypeError(f"remat_model() expects a keras.Model; got {type(model).__name__}. Use remat(layer).")

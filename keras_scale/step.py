@@ -25,9 +25,9 @@ however it ends. The traced train function is cached per configuration, so switc
 between fits does not re-trace, and a model left with no request gets Keras's own train function back.
 
 Example:
-    >>> from keras_scale.step import get_step
-    >>> step = get_step(model)
-    >>> step.request(owner=my_callback, guard=True)   # from my_callback.set_model; withdrawn at the fit's end
+    from keras_scale.step import get_step
+    step = get_step(model)
+    step.request(owner=my_callback, guard=True)   # from my_callback.set_model; withdrawn at the fit's end
 """
 from __future__ import annotations
 
@@ -198,7 +198,10 @@ def check_supported(model: keras.Model) -> None:
     """Refuse, with the fix, what the composed step cannot train exactly (called at fit start).
 
     Example:
-        >>> check_supported(model)   # raises ValueError for e.g. CentralStorageStrategy
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> check_supported(model)   # raises ValueError for what it cannot train exactly, e.g. CentralStorageStrategy
     """
     strategy = model.distribute_strategy
     name = type(strategy).__name__
@@ -247,10 +250,11 @@ class ComposedStep:
     incidents) is reset when a fit starts and never checkpointed.
 
     Example:
-        >>> step = get_step(model)
-        >>> step.configure(accum=4)
-        >>> int(step.skipped_steps.numpy())
-        0
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        >>> step = get_step(model).configure(accum=4)
+        >>> step.accum, int(step.skipped_steps.numpy())
+        (4, 0)
     """
 
     def __init__(self, model: keras.Model) -> None:
@@ -298,7 +302,9 @@ class ComposedStep:
         """Set accumulation (what ``wrap`` does); takes effect at the next fit (or :func:`rebuild`).
 
         Example:
-            >>> get_step(model).configure(accum=4)
+            >>> import keras
+            >>> get_step(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])).configure(accum=4).accum
+            4
         """
         if accum is not None:
             self.accum, self.micro_batch_size = int(accum), None
@@ -313,8 +319,8 @@ class ComposedStep:
         :func:`keras_scale.lifecycle.join` undo.
 
         Example:
-            >>> lifecycle.join(model, guard_callback, undo=lambda: get_step(model).withdraw(guard_callback))
-            >>> get_step(model).request(guard_callback, guard=True, halt_after_consecutive=1)
+            lifecycle.join(model, guard_callback, undo=lambda: get_step(model).withdraw(guard_callback))
+            get_step(model).request(guard_callback, guard=True, halt_after_consecutive=1)
         """
         self._requests[id(owner)] = (bool(guard), int(halt_after_consecutive))
         self.reset_transient()
@@ -323,7 +329,7 @@ class ComposedStep:
         """Forget ``owner``'s request (the fit it was made for ended).
 
         Example:
-            >>> get_step(model).withdraw(guard_callback)
+            get_step(model).withdraw(guard_callback)      # from guard_callback's undo
         """
         self._requests.pop(id(owner), None)
         self.reset_transient()
@@ -334,7 +340,8 @@ class ComposedStep:
         """Clear the halt flag, the consecutive-bad count and pending incidents (never carried across fits).
 
         Example:
-            >>> get_step(model).reset_transient()
+            >>> import keras
+            >>> get_step(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])).reset_transient()
         """
         for var in (self.halted, self.consecutive_bad, self.incidents, self.epoch_skipped):
             var.assign(0)
@@ -349,7 +356,8 @@ class ComposedStep:
         """The step's state to checkpoint, by name (transient guard state is never checkpointed).
 
         Example:
-            >>> sorted(get_step(model).variables())
+            >>> import keras
+            >>> sorted(get_step(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])).variables())
             ['skipped_steps']
         """
         return {"skipped_steps": self.skipped_steps}
@@ -391,7 +399,7 @@ class ComposedStep:
         Reuses the function traced by an earlier fit with the same configuration and compile state.
 
         Example:
-            >>> get_step(model).place_train_function()
+            get_step(model).place_train_function()     # at fit start, from the make_train_function hook
         """
         model = self.model
         self._resolve()
@@ -422,7 +430,7 @@ class ComposedStep:
         """No part is asked for: give the model Keras's own train function (or None: Keras builds it).
 
         Example:
-            >>> get_step(model).give_back_plain()
+            get_step(model).give_back_plain()          # the last request was withdrawn
         """
         model = self.model
         current = getattr(model.train_function, "_ks_checkpoint_inner", model.train_function)
@@ -786,8 +794,8 @@ class ComposedStep:
         """The first bad step's diagnosis since the last reset: ``(slot, non-finite count)`` for each slot > 0.
 
         Example:
-            >>> [(slot.label, n) for slot, n in get_step(model).read_diagnosis()]
-            [('inputs[0]', 3.0)]
+            [(slot.label, n) for slot, n in get_step(model).read_diagnosis()]   # after a non-finite step
+            # [('inputs[0]', 3.0)]
         """
         diag = self.diag.numpy()
         layout = int(round(diag[0] / max(_replicas(self.model.distribute_strategy), 1)))
@@ -877,7 +885,10 @@ def get_step(model: keras.Model, create: bool = True) -> Optional[ComposedStep]:
     """The model's :class:`ComposedStep` (created on first use, in the model's strategy scope).
 
     Example:
-        >>> get_step(model).skipped_steps
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        >>> get_step(model) is get_step(model), get_step(model, create=False) is not None
+        (True, True)
     """
     step = vars(model).get(_STEP_ATTR)
     if step is None and create:
@@ -892,7 +903,7 @@ def make_train_function(model: keras.Model, force: bool = False) -> Any:
     Called through the ``make_train_function`` hook of :mod:`keras_scale.lifecycle` and by wrapped models.
 
     Example:
-        >>> make_train_function(model)
+        make_train_function(model)        # from the hooked model.make_train_function
     """
     step = get_step(model, create=False)
     if step is not None and step.active:
@@ -906,7 +917,7 @@ def rebuild(model: keras.Model) -> None:
     """Re-trace the model's train function mid-fit (e.g. after a learning-rate schedule was replaced).
 
     Example:
-        >>> rebuild(model)
+        rebuild(model)                    # after changing what the step traces (e.g. a wrapped schedule)
     """
     step = get_step(model, create=False)
     if step is not None:
@@ -922,7 +933,8 @@ def state_variables(model: keras.Model) -> Dict[str, tf.Variable]:
     """keras_scale's per-model training state to checkpoint (counters of the composed step).
 
     Example:
-        >>> sorted(state_variables(model))
+        >>> import keras
+        >>> sorted(state_variables(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])))
         ['skipped_steps']
     """
     return get_step(model).variables()

@@ -194,7 +194,7 @@ def test_finished_run_says_already_complete(tmp_path, capsys):
     done = fit(make_model(), [ks.ChiefCheckpoint(d)], epochs=2)
     capsys.readouterr()
     again = make_model()
-    history = fit(again, [ks.ChiefCheckpoint(d)], epochs=2)
+    history = fit(again, [ks.ChiefCheckpoint(d, verbose=1)], epochs=2)  # verbose=0 (default): the logger only
     out = capsys.readouterr().out
     assert "already complete (2 epochs, global batch 20)" in out and "larger epochs=" in out
     assert "resuming" not in out

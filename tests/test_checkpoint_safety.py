@@ -295,7 +295,7 @@ class Report(keras.callbacks.Callback):
 
 callbacks = [Report()]
 if mode != "reference":
-    callbacks.insert(0, ks.ChiefCheckpoint(directory, save_freq=1000))
+    callbacks.insert(0, ks.ChiefCheckpoint(directory, save_freq=1000, verbose=1))  # prints its resume notice
 try:
     model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=callbacks)  # 3 x 20 batches
 except RuntimeError:

@@ -33,8 +33,8 @@ def _cli(*args, timeout=120, pre=""):
 # ---- the command line ----------------------------------------------------------------------------------------
 
 def test_version_help_and_every_help_without_tensorflow():
-    argvs = [["--version"], ["version"], ["--help"], ["help"]] + [["help", c] for c in COMMANDS] + \
-            [[c, "--help"] for c in COMMANDS]
+    argvs = [["--version"], ["version"], ["--help"], ["help"], ["help", "help"], ["help", "--help"]] + \
+            [["help", c] for c in COMMANDS] + [[c, "--help"] for c in COMMANDS]
     code = ("import sys, io, json, contextlib; from keras_scale_cli import main; out = []\n"
             f"for argv in {argvs!r}:\n"
             "    buf = io.StringIO()\n"
@@ -58,6 +58,9 @@ def test_version_help_and_every_help_without_tensorflow():
         assert runs[f"help {c}"][1] == runs[f"{c} --help"][1]
         assert runs[f"help {c}"][1].startswith(f"usage: keras-scale {c}")
     assert all(c in runs["--help"][1] for c in COMMANDS)
+    assert runs["help help"][1] == runs["help --help"][1]
+    assert runs["help help"][1].startswith("usage: keras-scale help [COMMAND]")
+    assert all(f"  {c} " in runs["help help"][1] for c in COMMANDS)
 
 
 def test_python_m_keras_scale_still_runs_commands():

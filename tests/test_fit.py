@@ -227,6 +227,50 @@ def test_pydataset_is_rebatched(mirrored):
     assert max_diff(reference().model, hist.model) < 1e-5
 
 
+class _Batches(keras.utils.PyDataset):
+    """X, Y in batches of ``size`` (the last one shorter); ``short`` makes one more batch shorter."""
+
+    def __init__(self, n=len(X), size=5, short=None):
+        super().__init__()
+        self.n, self.size, self.short = n, size, short
+
+    def __len__(self):
+        return -(-self.n // self.size)
+
+    def __getitem__(self, i):
+        end = min((i + 1) * self.size, self.n) if i != self.short else i * self.size + 2
+        return X[i * self.size:end], Y[i * self.size:end]
+
+
+def test_pydataset_keeps_its_size_no_ran_out_of_data_warning(recwarn, capsys):
+    data = _Batches(n=61)  # 13 batches of 5 (the last 1) -> 4 of 16 (the last 13)
+    ds, _ = prepare_dataset(data, global_batch_size=16, shuffle=False)
+    assert int(ds.cardinality()) == 4 and [int(b[0].shape[0]) for b in ds] == [16, 16, 16, 13]
+    ds, _ = prepare_dataset(data, global_batch_size=16, shuffle=False, drop_remainder=True)
+    assert int(ds.cardinality()) == 3 == len(list(ds))
+    hist = ks.fit(build(), data, global_batch_size=16, epochs=2, strategy="default", shuffle=False, verbose=1)
+    assert not [w for w in recwarn if "ran out of data" in str(w.message)]
+    assert "4/4" in capsys.readouterr().out  # Keras's progress bar knows the epoch's length
+    ref = ks.fit(build(), X[:61], Y[:61], global_batch_size=16, epochs=2, strategy="default", shuffle=False,
+                 verbose=0)
+    assert max_diff(ref.model, hist.model) < 1e-6
+
+
+def test_pydataset_with_uneven_batches_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match=r"a batch of the PyDataset differs in size from its first \(5\) and last "
+                                         r"\(4\) batches.*pass a tf.data.Dataset"):
+        ks.fit(build(), _Batches(short=3), global_batch_size=16, epochs=1, strategy="default", shuffle=False,
+               verbose=0)
+
+
+def test_the_batch_line_names_the_default_strategy_and_counts_in_words(capsys):
+    ks.fit(build(), X, Y, global_batch_size=64, epochs=1, strategy="default", verbose=1)
+    out = capsys.readouterr().out
+    assert ("global batch 64 = 64 per replica x 1 replica (default strategy, 1 device, precision float32); "
+            "1 update/epoch x 1 epoch = 1 optimizer update (a schedule's total_steps)") in out
+    assert "_Default" not in out
+
+
 def test_validation_arrays_and_sample_weight(mirrored):
     weights = np.ones(len(X), dtype="float32")
     hist = ks.fit(build(), X, Y, per_replica_batch_size=8, strategy=mirrored, shuffle=False, verbose=0,

@@ -40,7 +40,7 @@ def _fit(monitor, epochs=2, steps=8, sleep_s=0.004, batch_size=8, callbacks_extr
     y = x.sum(axis=1, keepdims=True)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     model.compile(optimizer="sgd", loss="mse")
-    history = model.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0,
+    history = model.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=fit_kwargs.pop("verbose", 0),
                         callbacks=[_SlowSteps(sleep_s), monitor, *callbacks_extra], **fit_kwargs)
     return model, history
 
@@ -321,7 +321,7 @@ def test_advice_printed_once_per_fit_and_recorded_each_epoch(monkeypatch, capsys
     monkeypatch.setenv("TF_FORCE_GPU_ALLOW_GROWTH", "true")  # NVML memory readings mean something
     fake = FakeNvml.with_gpus(1, mem_used_mb=15900.0, util_gpu_pct=60.0, throttle_thermal=True,
                               temperature_c=92.0)
-    monitor = GpuMonitor(interval_s=0.002, nvml=fake)
+    monitor = GpuMonitor(interval_s=0.002, nvml=fake, verbose=1)  # _fit runs fit(verbose=0)
     _fit(monitor, epochs=3)
     out = capsys.readouterr().out
     assert out.count("GPU 0 memory is near full") == 1
@@ -345,16 +345,23 @@ def test_memory_advice_silent_when_tf_reserves_all_memory(capsys):
     assert "memory_full" not in [a.kind for a in monitor.advice_history]
 
 
-def test_verbose_zero_and_non_chief_print_no_advice(monkeypatch, capsys):
+def test_verbose_zero_auto_under_quiet_fit_and_non_chief_print_no_advice(monkeypatch, capsys):
     fake = FakeNvml.with_gpus(1, throttle_power_cap=True)
     quiet = GpuMonitor(interval_s=0.002, nvml=fake, verbose=0)
-    _fit(quiet, epochs=1)
+    _fit(quiet, epochs=1, verbose=1)
+    assert "throttled" not in capsys.readouterr().out
+    auto = GpuMonitor(interval_s=0.002, nvml=FakeNvml.with_gpus(1, throttle_power_cap=True))  # verbose="auto"
+    _fit(auto, epochs=1)  # fit(verbose=0): quiet, like Keras's callbacks
+    assert "throttled" not in capsys.readouterr().out
+    _fit(auto, epochs=1, verbose=2)
+    assert capsys.readouterr().out.count("throttled") == 1
     monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["localhost:1", "localhost:2"]}, '
                                     '"task": {"type": "worker", "index": 1}}')
-    worker = GpuMonitor(interval_s=0.002, nvml=FakeNvml.with_gpus(1, throttle_power_cap=True))
+    worker = GpuMonitor(interval_s=0.002, nvml=FakeNvml.with_gpus(1, throttle_power_cap=True), verbose=1)
     _fit(worker, epochs=1)
     assert "throttled" not in capsys.readouterr().out
     assert [a.kind for a in quiet.advice_history] == ["throttling"]
+    assert "throttling" in [a.kind for a in auto.advice_history]
     assert [a.kind for a in worker.advice_history] == ["throttling"]  # the worker still computes it
 
 
@@ -431,7 +438,8 @@ x = np.random.RandomState(0).rand(64, 4).astype("float32"); y = x.sum(1, keepdim
 with strategy.scope():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
     model.compile(optimizer="sgd", loss="mse")
-monitor = ks.GpuMonitor(interval_s=0.005, log_dir=sys.argv[1], nvml=fake, devices=[0])  # CUDA_VISIBLE_DEVICES="" here
+monitor = ks.GpuMonitor(interval_s=0.005, log_dir=sys.argv[1], nvml=fake, devices=[0],  # CUDA_VISIBLE_DEVICES="" here
+                        verbose=1)  # prints under fit(verbose=0) too: only the chief may
 h = model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=2, verbose=0, callbacks=[monitor])
 print(json.dumps({"chief": is_chief(strategy), "util": h.history["gpu_util_mean"],
                   "advice": [a.kind for a in monitor.advice_history]}))

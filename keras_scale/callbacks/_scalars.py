@@ -6,9 +6,9 @@ Keras's own ``TensorBoard`` callback writes ``epoch_loss`` to, so they sit side 
 written by one callback only.
 
 Example:
-    >>> writer = ChiefScalars("runs/exp", strategy=model.distribute_strategy)
-    >>> writer.write({"nan_guard/skipped_steps": 3}, step=epoch)   # no-op on other workers / without log_dir
-    >>> writer.close()
+    writer = ChiefScalars("runs/exp", strategy=model.distribute_strategy)
+    writer.write({"nan_guard/skipped_steps": 3}, step=epoch)   # no-op on other workers / without log_dir
+    writer.close()
 """
 from __future__ import annotations
 

@@ -137,8 +137,8 @@ def list_checkpoints(directory: str) -> List[Tuple[int, str]]:
     ``ckpt-N.index`` found is. Nothing outside ``directory`` is ever listed (links and foreign paths are ignored).
 
     Example:
-        >>> list_checkpoints("ckpt")  # doctest: +SKIP
-        [(300, 'ckpt/ckpt-300'), (200, 'ckpt/ckpt-200')]
+        list_checkpoints("ckpt")
+        # [(300, 'ckpt/ckpt-300'), (200, 'ckpt/ckpt-200')]
     """
     return _scan(directory)[0]
 
@@ -151,9 +151,9 @@ def checkpoint_for(model: keras.Model) -> Optional["ChiefCheckpoint"]:
     the state the fit started from, so :meth:`ChiefCheckpoint.restore_latest` works before the first save.
 
     Example:
-        >>> ckpt = checkpoint_for(model)  # doctest: +SKIP
-        >>> if ckpt is not None:
-        ...     ckpt.restore_latest()
+        ckpt = checkpoint_for(model)     # from another callback, during fit
+        if ckpt is not None:
+            ckpt.restore_latest()
     """
     ref = getattr(model, _REF_ATTR, None)
     ckpt = ref() if ref is not None else None
@@ -374,7 +374,8 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             :attr:`preempted` says why it stopped).
         signal_check_every_n_steps: multi-worker only: how often the workers agree on whether a signal arrived
             (one tiny all-reduce each time).
-        verbose: 0 quiet; 1 one line per save (chief only). Resumes, preemption and incidents are always reported.
+        verbose: 0 quiet (saves, restores and resumes go to the ``keras_scale.checkpoint`` logger at INFO); 1 one
+            line on stdout per save, restore and resume (chief only). Preemption and incidents always warn (stderr).
 
     Example:
         >>> ckpt = ChiefCheckpoint("runs/exp1/ckpt", save_freq=500, max_to_keep=3, async_save=True)
@@ -468,8 +469,8 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         """``(monitored value, prefix)`` of the kept best checkpoints, best first (``keep_best_k``).
 
         Example:
-            >>> ckpt.best_checkpoints  # doctest: +SKIP
-            [(0.031, 'ckpt/best/ckpt-300'), (0.035, 'ckpt/best/ckpt-200')]
+            ckpt.best_checkpoints
+            # [(0.031, 'ckpt/best/ckpt-300'), (0.035, 'ckpt/best/ckpt-200')]
         """
         return [(e["value"], os.path.join(self.directory, _BEST_DIR, f"{_NAME}-{e['number']}"))
                 for e in self._read_best()]
@@ -487,7 +488,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         step (it synchronizes them). Returns the restored state's global batch, or ``None`` if there is none.
 
         Example:
-            >>> step = checkpoint_for(model).restore_latest()  # doctest: +SKIP
+            step = checkpoint_for(model).restore_latest()
         """
         if self._checkpoint is None:
             if self.model is None or self._write_dir is None or not self._ensure_built():
@@ -513,8 +514,8 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         optimizer; returns its global batch.
 
         Example:
-            >>> value, prefix = ckpt.best_checkpoints[0]  # doctest: +SKIP
-            >>> ckpt.restore_checkpoint(prefix)  # doctest: +SKIP
+            value, prefix = ckpt.best_checkpoints[0]
+            ckpt.restore_checkpoint(prefix)
         """
         if self.model is None or not self._ensure_built():
             raise RuntimeError("restore_checkpoint() needs the model this ChiefCheckpoint was used with, built.")
@@ -530,7 +531,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         """Block until a background (``async_save``) write has finished.
 
         Example:
-            >>> ckpt.wait()  # doctest: +SKIP
+            ckpt.wait()
         """
         self._timed_wait()
 
@@ -1245,7 +1246,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             self._already_complete = epoch
             self._say(f"ChiefCheckpoint: the run in {self.directory!r} is already complete ({epoch} epochs, global "
                       f"batch {self._global_step}): nothing to train. Pass a larger epochs= to train further, or a "
-                      "new directory to start over.", routine=False)
+                      "new directory to start over.")
             return
         spe = int(getattr(self.model, "steps_per_execution", 1) or 1)
         self._skip_calls = step_in_epoch // spe
@@ -1257,7 +1258,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             )
         self._skip_prefix = max(position["stream_pos"] - self._skip_calls * spe, 0)
         self._say(f"ChiefCheckpoint: resuming {_describe(epoch, self._skip_calls * spe)} from {prefix!r} "
-                  f"(global batch {self._global_step})", routine=False)
+                  f"(global batch {self._global_step})")
 
     def _fill_history(self) -> None:
         """A rerun of a finished run trains nothing: its History holds the last epoch's logs from the checkpoint."""
@@ -1577,8 +1578,15 @@ class ChiefCheckpoint(keras.callbacks.Callback):
 
     # ------------------------------------------------------------------ output and waiting
     def _say(self, message: str, routine: bool = True) -> None:
+        """Routine news (saves, restores, resumes) like Keras's callbacks: logged at INFO, printed with
+        ``io_utils.print_msg`` on the chief only when ``verbose``. Incidents (preemption, a changed batch size)
+        are logged as warnings on the chief, which reach stderr even where no logging is configured."""
+        if not routine:
+            if self._chief:
+                log.warning(message)
+            return
         log.info(message)
-        if self._chief and (self.verbose or not routine):
+        if self._chief and self.verbose:
             from keras.src.utils.io_utils import print_msg
 
             print_msg(message)

@@ -282,7 +282,9 @@ class GpuMonitor(keras.callbacks.Callback):
         advice: True (default rules), False, an :class:`AdviceThresholds`, or a list of rule functions.
         update_freq: ``"epoch"``, a number of steps, or seconds as ``"30s"``: how often TensorBoard gets a point.
         full_logs: also put every per-GPU metric into ``logs`` (long lines with many GPUs).
-        verbose: 0 silences the printed advice (incidents still go through ``warnings``).
+        verbose: ``"auto"`` prints the advice when ``fit`` shows progress (not under ``fit(verbose=0)``), like
+            Keras's callbacks; 1 always; 0 never (``advice_history`` records it either way; incidents still go
+            through ``warnings``).
         input_batches_per_s: the input pipeline's own rate, e.g. ``keras_scale.data.benchmark(ds).batches_per_s``
             (a number, or the benchmark result itself); lets the advice tell input-bound from other stalls.
         nvml: an object with the :class:`keras_scale.nvml.Nvml` methods, or a callable returning one; default
@@ -304,7 +306,7 @@ class GpuMonitor(keras.callbacks.Callback):
         advice: Union[bool, AdviceThresholds, Sequence[Rule]] = True,
         update_freq: Union[str, int] = "epoch",
         full_logs: bool = False,
-        verbose: int = 1,
+        verbose: Union[int, str] = "auto",
         input_batches_per_s: Any = None,
         nvml: Optional[Union[NvmlLike, Callable[[], NvmlLike]]] = None,
     ) -> None:
@@ -325,7 +327,9 @@ class GpuMonitor(keras.callbacks.Callback):
         self.input_batches_per_s = None if rate is None else check_number(
             "input_batches_per_s", rate, 1e-9, owner=owner,
             hint="Give a positive rate (batches/s) or the result of keras_scale.data.benchmark(ds).")
-        self.full_logs, self.verbose = bool(full_logs), int(verbose)
+        if verbose != "auto":
+            verbose = check_int("verbose", verbose, 0, owner=owner, hint='Use 0, 1 or "auto".')
+        self.full_logs, self.verbose = bool(full_logs), verbose
         self._nvml_source = nvml
         self.read_host_cpu_pct: Optional[Callable[[], float]] = _psutil_cpu_reader()
         self.history: List[Dict[str, Any]] = []
@@ -565,4 +569,5 @@ class GpuMonitor(keras.callbacks.Callback):
                 if key in self._advised_kinds:
                     continue  # say each thing once per fit; advice_history keeps every epoch
                 self._advised_kinds.add(key)
-                chief_print(f"GpuMonitor (epoch {stats.epoch + 1}): {advice.message}", strategy, verbose=self.verbose)
+                verbose = (self.params or {}).get("verbose", 1) if self.verbose == "auto" else self.verbose
+                chief_print(f"GpuMonitor (epoch {stats.epoch + 1}): {advice.message}", strategy, verbose=verbose)

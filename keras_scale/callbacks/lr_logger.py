@@ -7,7 +7,7 @@ updates in one vectorised call and writes one point per applied update (a step N
 and gets no point).
 
 Example:
-    >>> model.fit(ds, callbacks=[ks.LearningRateLogger("runs/lr")])  # doctest: +SKIP
+    model.fit(ds, callbacks=[ks.LearningRateLogger("runs/lr")])
 """
 from __future__ import annotations
 
@@ -109,8 +109,8 @@ class LearningRateLogger(keras.callbacks.Callback):
         """The LR of updates ``first_step .. end_step - 1``, evaluated in one call (host side, no training op).
 
         Example:
-            >>> logger.learning_rates(0, 3)  # doctest: +SKIP
-            array([0.001, 0.002, 0.003], dtype=float32)
+            logger.learning_rates(0, 3)
+            # array([0.001, 0.002, 0.003], dtype=float32)
         """
         import tensorflow as tf
 

@@ -6,11 +6,10 @@ statistics restored), and every replica takes the same decision. This callback s
 the step's counters, prints one diagnosis per incident and applies the policy.
 
 Example:
-    >>> import keras_scale as ks
-    >>> guard = ks.NanGuard(policy="rollback", max_consecutive=3, lr_factor=0.5)
-    >>> model.fit(ds, epochs=5, callbacks=[guard])
-    >>> guard.skipped_steps, guard.reports[0].source
-    (2, 'inputs')
+    import keras_scale as ks
+    guard = ks.NanGuard(policy="rollback", max_consecutive=3, lr_factor=0.5)
+    model.fit(ds, epochs=5, callbacks=[guard])
+    guard.skipped_steps, guard.reports[0].source      # e.g. (2, 'inputs')
 """
 from __future__ import annotations
 
@@ -60,9 +59,8 @@ class NanReport:
     """One incident: where the non-finite value first appeared and the likely fix.
 
     Example:
-        >>> report = guard.reports[0]
-        >>> report.source, report.details[:1]
-        ('inputs', ['inputs[0]: 3 non-finite values'])
+        report = guard.reports[0]              # after a fit with NanGuard that skipped a step
+        report.source, report.details[:1]      # e.g. ('inputs', ['inputs[0]: 3 non-finite values'])
     """
 
     epoch: int
@@ -106,9 +104,14 @@ class NanGuard(keras.callbacks.Callback):
     incident), ``rollbacks``; ``logs["nan_skipped"]`` holds each epoch's count.
 
     Example:
-        >>> guard = NanGuard()
-        >>> model.fit(x, y, callbacks=[guard])
-        >>> print(guard.skipped_steps)
+        >>> import keras, numpy as np
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        >>> model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+        >>> x = np.ones((8, 3)); x[2, 0] = np.nan            # one non-finite sample in the second batch
+        >>> guard = NanGuard(verbose=0)
+        >>> history = model.fit(x, np.ones((8, 1)), batch_size=2, callbacks=[guard], verbose=0)
+        >>> guard.skipped_steps, int(model.optimizer.iterations.numpy())   # that step applied no update
+        (1, 3)
     """
 
     def __init__(self, policy: str = "skip", max_consecutive: int = 5, lr_factor: float = 0.5,

@@ -6,7 +6,7 @@ rate is a schedule (``WarmupCosine``, ``CosineDecay``, ...). This one lowers the
 multiplier variable (the schedule keeps its shape, scaled down).
 
 Example:
-    >>> model.fit(x, y, validation_data=(xv, yv), callbacks=[ks.ReduceLROnPlateau(patience=3)])  # doctest: +SKIP
+    model.fit(x, y, validation_data=(xv, yv), callbacks=[ks.ReduceLROnPlateau(patience=3)])
 """
 from __future__ import annotations
 
