@@ -461,6 +461,26 @@ def _probe_all_reduce(strategy) -> None:
         raise RuntimeError(f"all-reduce probe returned {value.numpy().tolist()}, expected [{expected}, {expected}]")
 
 
+def _require_devices(devices: Optional[Sequence[str]]) -> None:
+    """Refuse devices this process does not have (TensorFlow's all-reduce probe would block forever on them)."""
+    if not devices:
+        return
+    import tensorflow as tf
+
+    def key(name: str) -> tuple:
+        spec = tf.DeviceSpec.from_string(name)
+        return ((spec.device_type or "").upper(), spec.device_index or 0)
+
+    available = tf.config.list_logical_devices()
+    have = {key(d.name) for d in available}
+    missing = [d for d in devices if key(d) not in have]
+    if missing:
+        raise ValueError(
+            f"devices {missing} do not exist in this process; it has {[d.name for d in available]}. Pass devices "
+            f"from that list (or devices=None for all GPUs), or create logical devices first with "
+            f"tf.config.set_logical_device_configuration before TensorFlow runs anything.")
+
+
 def mirrored_with_fallback(devices: Optional[Sequence[str]] = None, candidates: Sequence[Any] = (None, "one_device")):
     """A ``MirroredStrategy`` whose all-reduce works: tries ``candidates`` in order, probing each with one all-reduce.
 
@@ -477,6 +497,7 @@ def mirrored_with_fallback(devices: Optional[Sequence[str]] = None, candidates: 
 
     import tensorflow as tf
 
+    _require_devices(devices)
     errors = []
     for candidate in candidates:
         ops = _cross_device_ops(candidate) if isinstance(candidate, str) else candidate

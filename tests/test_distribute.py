@@ -127,6 +127,13 @@ def test_explicit_all_reduce_that_fails_raises_with_the_fix():
     assert strategy.num_replicas_in_sync == 2 and strategy._keras_scale_all_reduce == "hierarchical_copy"
 
 
+def test_a_device_the_process_does_not_have_is_refused_not_waited_on():
+    # TensorFlow's all-reduce probe blocks forever on a device that does not exist: refuse it up front
+    with pytest.raises(ValueError, match=r"/cpu:7.*do not exist.*set_logical_device_configuration"):
+        ksd.mirrored_with_fallback(["/cpu:0", "/cpu:7"])
+    assert ksd.mirrored_with_fallback(["/cpu:0"]).num_replicas_in_sync == 1
+
+
 @pytest.mark.skipif(not tf.config.list_physical_devices("GPU"), reason="needs a GPU")
 def test_memory_growth_on_every_gpu():
     gpus = tf.config.list_physical_devices("GPU")
