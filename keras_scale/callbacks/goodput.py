@@ -41,6 +41,7 @@ import tensorflow as tf
 from keras_scale._validate import check_int, check_number
 from keras_scale.callbacks._scalars import ChiefScalars
 from keras_scale.distribute import is_chief
+from keras_scale.step import SKIPPED_LOG_KEY
 
 __all__ = ["Goodput", "PEAK_TFLOPS", "peak_flops_for", "compute_dtype", "traced_flops_per_step", "summarize",
            "format_summary", "CATEGORIES"]
@@ -320,9 +321,10 @@ class Ledger:
     eval_s: float = 0.0
     measure_s: float = 0.0       # Goodput's own probe sleeps and FLOPs trace
     fast_forward_s: float = 0.0  # calls that skipped already-trained batches after a resume (part of other_s)
-    steps: int = 0               # training steps executed (applied + NaN-skipped), read at epoch ends
-    skipped_steps: int = 0
-    samples: Optional[float] = 0.0
+    steps: int = 0               # train batches this fit ran through the train step (fast-forwarded ones not)
+    skipped_steps: int = 0       # of those, NaN-skipped (no update): the step logs' ``nan_skipped``
+    rolled_back_steps: int = 0   # updates applied, then discarded by NanGuard(policy="rollback")
+    samples: Optional[float] = 0.0  # global samples of the ``steps`` (all replicas, all workers)
 
     def __sub__(self, other: "Ledger") -> "Ledger":
         out = Ledger()
@@ -377,6 +379,18 @@ def compute_per_call(ledger: Ledger, probe_s: Sequence[float]) -> float:
     return mean_probe if mean_call - mean_probe > 3 * se else mean_call
 
 
+def clean_seconds(value: float) -> float:
+    """A duration from differences of clock readings, rounded to the microsecond (below what the host clock
+    around a step call resolves) and never negative: ``3.9e-18`` and ``-2e-17`` are ``0.0``.
+
+    Example:
+        >>> clean_seconds(3.9e-18), clean_seconds(-2e-17), clean_seconds(1.2345678)
+        (0.0, 0.0, 1.234568)
+    """
+    value = round(float(value), 6)
+    return value if value > 0 else 0.0
+
+
 def summarize(ledger: Ledger, wall_s: float, probe_s: Sequence[float] = (), steps_per_call: int = 1,
               flops_per_step: Optional[float] = None, peak_flops: Optional[float] = None) -> Dict[str, Any]:
     """The goodput figures of one window (a fit, an epoch) from its :class:`Ledger` and the probe measurements
@@ -398,32 +412,42 @@ def summarize(ledger: Ledger, wall_s: float, probe_s: Sequence[float] = (), step
     compile_s = L.compile_s - compile_step
     compute += compile_step
     per_step = x / max(int(steps_per_call), 1)
-    skipped_s = min(compute, L.skipped_steps * per_step)
-    productive = compute - skipped_s
+    steps = max(0, int(L.steps))
+    skipped = min(steps, max(0, int(L.skipped_steps)))
+    rolled_back = min(steps - skipped, max(0, int(L.rolled_back_steps)))  # a rollback past this fit's start
+    productive_steps = steps - skipped - rolled_back
+    skipped_s = min(compute, skipped * per_step)
+    rolled_back_s = min(compute - skipped_s, rolled_back * per_step)
+    productive = compute - skipped_s - rolled_back_s
     out: Dict[str, Any] = {
         "wall_s": float(wall_s),
         "productive_s": productive,
         "skipped_steps_s": skipped_s,
-        "redone_s": L.redone_s,
+        "redone_s": L.redone_s + rolled_back_s,
         "input_wait_s": input_wait,
         "compile_s": compile_s,
         "checkpoint_s": L.checkpoint_s,
         "eval_s": L.eval_s,
         "measure_s": L.measure_s,
     }
+    for c in out:  # differences of clock readings: no float noise (3.9e-18 s) or tiny negatives
+        out[c] = clean_seconds(out[c])
     known = sum(out[c] for c in CATEGORIES if c != "other_s")
-    out["other_s"] = max(0.0, wall_s - known)
-    out["goodput"] = productive / wall_s if wall_s > 0 else None
-    out["input_wait"] = input_wait / wall_s if wall_s > 0 else None
-    out["steps"] = int(L.steps)
-    out["skipped_steps"] = int(L.skipped_steps)
+    out["other_s"] = clean_seconds(wall_s - known)
+    productive = out["productive_s"]
+    out["goodput"] = round(productive / wall_s, 6) if wall_s > 0 else None
+    out["input_wait"] = round(out["input_wait_s"] / wall_s, 6) if wall_s > 0 else None
+    out["steps"] = steps
+    out["skipped_steps"] = skipped
+    out["rolled_back_steps"] = rolled_back
+    out["productive_steps"] = productive_steps
     executed_calls = L.calls + L.compile_calls
     out["step_time_s"] = compute / executed_calls / max(int(steps_per_call), 1) if executed_calls else None
-    out["samples"] = L.samples
+    out["samples"] = None if L.samples is None else int(round(L.samples))
     out["samples_per_s"] = L.samples / wall_s if L.samples and wall_s > 0 else None
-    applied = L.steps - L.skipped_steps
     out["flops_per_step"] = flops_per_step
-    achieved = flops_per_step * applied / productive if flops_per_step and productive > 0 and applied > 0 else None
+    achieved = (flops_per_step * productive_steps / productive
+                if flops_per_step and productive > 0 and productive_steps > 0 else None)
     out["tflops_per_s"] = achieved / 1e12 if achieved is not None else None
     out["peak_flops"] = peak_flops
     out["mfu"] = achieved / peak_flops if achieved is not None and peak_flops else None
@@ -506,6 +530,63 @@ class _ReportedClock:
     @property
     def last_call_skipped(self) -> bool:
         return self.ckpt is not None and bool(getattr(self.ckpt, "_last_call_skipped", False))
+
+
+def _global_sum(strategy: Any, variable: Any) -> Optional[float]:
+    """A per-replica counter summed over all replicas, reading only this worker's copies (no cross-worker
+    collective at an epoch end that workers may reach at different times): their sum, scaled to all replicas."""
+    try:
+        local = strategy.experimental_local_results(variable)
+        total = float(sum(float(v.numpy()) for v in local))
+        return total * strategy.num_replicas_in_sync / max(len(local), 1)
+    except Exception:  # noqa: BLE001 - a count is a nicety; never break training for it
+        return None
+
+
+class _StepCounters:
+    """The composed step's counters, as deltas since the fit started: samples (``samples_seen``), NaN-skipped
+    steps this epoch (``epoch_skipped``, NanGuard resets it per epoch) and rollbacks (host-side). Read at epoch
+    ends only. A composed step created after the fit started (it starts at 0) counts from 0."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self._step = self._find()
+        self._samples0 = self._samples()
+        self._rolled0 = int(getattr(self._step, "rolled_back_steps", 0) or 0)
+
+    def _find(self) -> Any:
+        from keras_scale.step import get_step
+
+        return get_step(self.model, create=False)
+
+    def _current(self) -> Any:
+        step = self._find()
+        if step is not self._step:  # created during the fit: it counted from 0
+            self._step, self._samples0, self._rolled0 = step, 0.0, 0
+        return step
+
+    def _samples(self) -> float:
+        step = self._step
+        if step is None or getattr(step, "samples_seen", None) is None:
+            return 0.0
+        return _global_sum(self.model.distribute_strategy, step.samples_seen) or 0.0
+
+    def samples(self) -> float:
+        self._current()
+        return max(0.0, self._samples() - self._samples0)
+
+    def rolled_back(self) -> int:
+        step = self._current()
+        return max(0, int(getattr(step, "rolled_back_steps", 0) or 0) - self._rolled0)
+
+    def epoch_skipped(self) -> int:
+        step = self._current()
+        if step is None or not getattr(step, "guard", False):
+            return 0
+        try:
+            return int(step.epoch_skipped.numpy())
+        except Exception:  # noqa: BLE001
+            return 0
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -605,7 +686,11 @@ class Goodput(keras.callbacks.Callback):
         self._flops: Optional[float] = None
         self._flops_tried = False
         self._peak: Optional[Tuple[float, str]] = None
-        self._counters = self._read_counters()
+        self._call_begin = 0
+        self._epoch_skipped: Optional[float] = None
+        self._tracker_base = 0.0
+        self._rebase_tracker = False
+        self._step_counters = _StepCounters(self.model)
         self._active = True
 
     def on_epoch_begin(self, epoch: int, logs: Optional[Dict] = None) -> None:
@@ -616,6 +701,9 @@ class Goodput(keras.callbacks.Callback):
         self._epoch_start = time.perf_counter()
         self._epoch_ledger = self._ledger.copy()
         self._epoch_samples = None
+        self._epoch_skipped = None  # NanGuard resets its per-epoch count (the step logs' ``nan_skipped``)
+        self._tracker_base = 0.0  # Keras resets its loss tracker at each epoch start
+        self._rebase_tracker = False
 
     def on_train_batch_begin(self, batch: int, logs: Optional[Dict] = None) -> None:
         if not self._active:
@@ -623,6 +711,10 @@ class Goodput(keras.callbacks.Callback):
         fn = self.model.train_function
         if fn is not self._fn:
             self._new_train_function(fn)
+        if self._rebase_tracker:  # after fast-forwarded calls (a resume): ChiefCheckpoint restored the epoch's
+            self._rebase_tracker = False  # metrics, the loss tracker's count included: count from here
+            self._tracker_base = self._loss_tracker_samples() or 0.0
+        self._call_begin = int(batch)
         self._probe = self._plan_probe()
         self._take_reported()
         self._t_call = time.perf_counter()
@@ -631,7 +723,13 @@ class Goodput(keras.callbacks.Callback):
         if not self._active:
             return
         now = time.perf_counter()
-        self._record_call(now - self._t_call)
+        if self._record_call(now - self._t_call):
+            self._ledger.steps += self._batches_in_call(int(batch))
+            skipped = (logs or {}).get(SKIPPED_LOG_KEY)  # already a Python number: no device read
+            if skipped is not None:
+                self._epoch_skipped = float(skipped)
+        else:
+            self._rebase_tracker = True
         self._t_last_end = now
 
     def on_test_begin(self, logs: Optional[Dict] = None) -> None:
@@ -639,7 +737,7 @@ class Goodput(keras.callbacks.Callback):
             return
         # validation inside fit: the loss tracker still counts this epoch's training samples (evaluate resets it
         # right after this hook)
-        self._epoch_samples = self._read_samples()
+        self._epoch_samples = self._loss_tracker_samples()
         last = self._t_last_end if self._t_last_end is not None else time.perf_counter()
         self._t_test = max(last, self._epoch_start)
         # a save by a callback listed after this one, since the last batch end, is checkpoint time, not eval
@@ -657,6 +755,8 @@ class Goodput(keras.callbacks.Callback):
     def on_epoch_end(self, epoch: int, logs: Optional[Dict] = None) -> None:
         if not self._active:
             return
+        if self._epoch_skipped is None and (logs or {}).get(SKIPPED_LOG_KEY) is not None:
+            self._epoch_skipped = float(logs[SKIPPED_LOG_KEY])  # NanGuard's, for a step with no dict of logs
         self._close_epoch()
         summary = self._summarize(self._ledger - self._epoch_ledger, time.perf_counter() - self._epoch_start)
         self.epoch_summaries.append(summary)
@@ -722,20 +822,29 @@ class Goodput(keras.callbacks.Callback):
             self._ledger.redone_s += redone_s
         return checkpoint_s, redone_s
 
-    def _record_call(self, duration_s: float) -> None:
+    def _batches_in_call(self, end: int) -> int:
+        """Train batches one call ran: ``steps_per_execution`` of them, fewer at the end of an epoch of known
+        length (Keras passes the first and the last index of the call's batches)."""
+        steps = (self.params or {}).get("steps")
+        if steps:
+            end = min(end, int(steps) - 1)
+        return max(0, end - self._call_begin + 1)
+
+    def _record_call(self, duration_s: float) -> bool:
+        """Book one train-function call; False for a call that trained nothing (a resume's fast-forward)."""
         L = self._ledger
         checkpoint_s, redone_s = self._take_reported()
         duration_s = max(0.0, duration_s - checkpoint_s - redone_s)
         if self._clock.last_call_skipped:  # ChiefCheckpoint fast-forwarding over already-trained batches
             L.fast_forward_s += duration_s
-            return
+            return False
         if self._ema is None or duration_s > 3 * self._ema:  # only a long call can have traced
             count = _tracing_count(self._functions)
             traced, self._trace_count = count > self._trace_count, count
             if traced:
                 L.compile_s += duration_s
                 L.compile_calls += 1
-                return
+                return True
         L.step_s += duration_s
         L.step_sq_s2 += duration_s * duration_s
         L.calls += 1
@@ -745,58 +854,38 @@ class Goodput(keras.callbacks.Callback):
         else:
             self._regular_calls += 1
             self._ema = duration_s if self._ema is None else 0.9 * self._ema + 0.1 * duration_s
+        return True
 
-    def _read_counters(self) -> Dict[str, int]:
-        """Optimizer updates and NaN-skipped steps so far (host reads: at fit/epoch boundaries only)."""
-        out = {"iterations": 0, "skipped": 0}
-        optimizer = getattr(self.model, "optimizer", None)
-        try:
-            out["iterations"] = int(optimizer.iterations.numpy()) if optimizer is not None else 0
-        except Exception:  # noqa: BLE001 - an optimizer not built yet counts 0
-            pass
-        try:
-            from keras_scale.step import get_step
-
-            step = get_step(self.model, create=False)
-            if step is not None and getattr(step, "skipped_steps", None) is not None:
-                out["skipped"] = int(step.skipped_steps.numpy())
-        except Exception:  # noqa: BLE001
-            pass
-        return out
-
-    def _read_samples(self) -> Optional[float]:
-        """Training samples seen this epoch: Keras's loss tracker counts each batch's size (reset per epoch).
-        Only this worker's replicas are read (no cross-worker collective), scaled to all replicas."""
+    def _loss_tracker_samples(self) -> Optional[float]:
+        """Training samples Keras's loss tracker counted this epoch (it adds each replica's batch size; reset per
+        epoch), all replicas; ``None`` without one. Keras's own train step records every batch; the composed step
+        (NanGuard) leaves non-finite ones out, so :class:`_StepCounters` counts for it."""
         tracker = getattr(self.model, "_loss_tracker", None)
         count = getattr(tracker, "count", None)
         if count is None:
             return None
-        try:
-            variable = getattr(count, "value", count)
-            strategy = self.model.distribute_strategy
-            local = strategy.experimental_local_results(variable)
-            total = float(sum(float(v.numpy()) for v in local))
-            return total * strategy.num_replicas_in_sync / max(len(local), 1)
-        except Exception:  # noqa: BLE001
-            return None
+        return _global_sum(self.model.distribute_strategy, getattr(count, "value", count))
 
     def _close_epoch(self) -> None:
         self._take_reported()
-        counters = self._read_counters()
-        skipped = max(0, counters["skipped"] - self._counters["skipped"])
-        updates = max(0, counters["iterations"] - self._counters["iterations"])
-        self._counters = counters
-        self._ledger.steps += updates + skipped
-        self._ledger.skipped_steps += skipped
-        samples = self._epoch_samples if self._epoch_samples is not None else self._read_samples()
-        if samples is None or self._ledger.samples is None:
-            self._ledger.samples = None
-        else:
-            self._ledger.samples += samples
-        if not self._flops_tried and updates + skipped > 0:
+        L = self._ledger
+        steps = L.steps - self._epoch_ledger.steps
+        skipped = self._epoch_skipped
+        if skipped is None:  # no step logs with the count (a foreign step): the variable (one read per epoch)
+            skipped = self._step_counters.epoch_skipped()
+        L.skipped_steps += int(round(skipped))
+        L.rolled_back_steps = self._step_counters.rolled_back()
+        counted = self._step_counters.samples()
+        if counted:  # the composed step ran this fit: its own count (cumulative since the fit started)
+            L.samples = counted
+        elif L.samples is not None:
+            samples = self._epoch_samples if self._epoch_samples is not None else self._loss_tracker_samples()
+            L.samples = None if samples is None else L.samples + max(0.0, samples - self._tracker_base)
+        samples = None if L.samples is None else L.samples - (self._epoch_ledger.samples or 0.0)
+        if not self._flops_tried and steps > 0:
             self._flops_tried = True
             start = time.perf_counter()
-            self._flops = self._trace_flops(samples, updates + skipped)
+            self._flops = self._trace_flops(samples, steps)
             self._ledger.measure_s += time.perf_counter() - start
 
     def _trace_flops(self, samples: Optional[float], steps: int) -> Optional[float]:
