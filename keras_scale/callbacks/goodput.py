@@ -53,45 +53,73 @@ CATEGORIES = ("productive_s", "skipped_steps_s", "redone_s", "input_wait_s", "co
               "measure_s", "other_s")
 
 # --------------------------------------------------------------------------------------------------------------
-# peak FLOP/s of common GPUs: dense (no 2:4 sparsity) tensor-core figures from NVIDIA's datasheets, in TFLOP/s.
-# Datasheets print sparse figures with an asterisk; the dense figure is half of it. ``match`` is a substring of
-# the NVML device name; the first match wins, so specific names come before general ones.
+# peak FLOP/s of common GPUs, DENSE figures only (MFU is measured against dense math: a trained model's matmuls
+# are not 2:4 sparse), in TFLOP/s. NVIDIA's datasheets print tensor-core figures either as "dense | sparse*" (A100,
+# A10, L40, L40S: the dense one is taken as printed) or only "with sparsity*" (H100, H200, L4: halved here). fp32
+# is the non-tensor-core FP32 figure (no sparsity). Each row's ``source`` names the document, the column and the
+# numbers it prints. ``match`` is a substring of the NVML device name; the first match wins, so specific names
+# come before general ones.
 # --------------------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class PeakEntry:
-    """Peak dense TFLOP/s of one GPU model by compute dtype, with the datasheet it comes from."""
+    """Peak DENSE TFLOP/s of one GPU model by compute dtype, with the datasheet figures it comes from."""
 
     match: str
     tflops: Dict[str, float]
     source: str
+    dense: bool = True  # every figure is dense (sparse datasheet figures halved); MFU divides by these
 
 
-_H100 = "NVIDIA H100 Tensor Core GPU datasheet, nvidia.com/en-us/data-center/h100 (specifications table)"
-_H200 = "NVIDIA H200 Tensor Core GPU datasheet, nvidia.com/en-us/data-center/h200 (specifications table)"
-_A100 = "NVIDIA A100 Tensor Core GPU datasheet, nvidia.com/en-us/data-center/a100 (specifications table)"
-_A10 = "NVIDIA A10 Tensor Core GPU datasheet, nvidia.com/en-us/data-center/products/a10-gpu"
-_L4 = "NVIDIA L4 Tensor Core GPU datasheet, nvidia.com/en-us/data-center/l4"
-_L40S = "NVIDIA L40S GPU datasheet, nvidia.com/en-us/data-center/l40s"
-_V100 = "NVIDIA V100 Tensor Core GPU datasheet, nvidia.com/en-us/data-center/v100"
-_T4 = "NVIDIA T4 Tensor Core GPU datasheet, nvidia.com/en-us/data-center/tesla-t4"
-
+_SPARSE_HALVED = "; * = with sparsity, dense = half"
 PEAK_TFLOPS: Tuple[PeakEntry, ...] = (
-    PeakEntry("H200 NVL", {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5}, _H200),
-    PeakEntry("H200", {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5}, _H200),
-    PeakEntry("H100 NVL", {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5}, _H100),
-    PeakEntry("H100 PCIe", {"fp32": 51.0, "tf32": 378.0, "bf16": 756.5, "fp16": 756.5}, _H100),
-    PeakEntry("H100", {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5}, _H100),  # SXM5 ("H100 80GB HBM3")
-    PeakEntry("A100", {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}, _A100),
-    PeakEntry("L40S", {"fp32": 91.6, "tf32": 183.0, "bf16": 366.0, "fp16": 366.0}, _L40S),
-    PeakEntry("A10", {"fp32": 31.2, "tf32": 62.5, "bf16": 125.0, "fp16": 125.0}, _A10),  # not "A10G" (a different chip)
-    PeakEntry("L4", {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0}, _L4),
-    PeakEntry("V100S", {"fp32": 16.4, "fp16": 130.0}, _V100),
-    PeakEntry("V100-SXM2", {"fp32": 15.7, "fp16": 125.0}, _V100),
-    PeakEntry("V100-SXM3", {"fp32": 15.7, "fp16": 125.0}, _V100),
-    PeakEntry("V100", {"fp32": 14.0, "fp16": 112.0}, _V100),  # PCIe
-    PeakEntry("T4", {"fp32": 8.1, "fp16": 65.0}, _T4),
+    PeakEntry("H200 NVL", {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5},
+              "NVIDIA H200 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h200), H200 NVL column: FP32 60, "
+              "TF32 Tensor Core 835*, BFLOAT16/FP16 Tensor Core 1,671*" + _SPARSE_HALVED),
+    PeakEntry("H200", {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5},
+              "NVIDIA H200 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h200), H200 SXM column: FP32 67, "
+              "TF32 Tensor Core 989*, BFLOAT16/FP16 Tensor Core 1,979*" + _SPARSE_HALVED),
+    PeakEntry("H100 NVL", {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5},
+              "NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100), H100 NVL column (per GPU): "
+              "FP32 60, TF32 Tensor Core 835*, BFLOAT16/FP16 Tensor Core 1,671*" + _SPARSE_HALVED),
+    PeakEntry("H100 PCIe", {"fp32": 51.0, "tf32": 378.0, "bf16": 756.5, "fp16": 756.5},
+              "NVIDIA H100 PCIe product brief / datasheet (nvidia.com/en-us/data-center/h100), H100 PCIe column: "
+              "FP32 51, TF32 Tensor Core 756*, BFLOAT16/FP16 Tensor Core 1,513*" + _SPARSE_HALVED),
+    PeakEntry("H100", {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5},  # SXM5 ("H100 80GB HBM3")
+              "NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100), H100 SXM column: FP32 67, "
+              "TF32 Tensor Core 989*, BFLOAT16/FP16 Tensor Core 1,979*" + _SPARSE_HALVED),
+    PeakEntry("A100", {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
+              "NVIDIA A100 Tensor Core GPU datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf), all A100 "
+              "columns (40/80 GB, PCIe/SXM): FP32 19.5, TF32 Tensor Core 156 | 312*, BFLOAT16/FP16 Tensor Core "
+              "312 | 624*; the dense (first) figures"),
+    PeakEntry("L40S", {"fp32": 91.6, "tf32": 183.0, "bf16": 362.05, "fp16": 362.05},
+              "NVIDIA L40S GPU datasheet (nvidia.com/en-us/data-center/l40s): FP32 91.6, TF32 Tensor Core 183 | 366*, "
+              "BFLOAT16/FP16 Tensor Core 362.05 | 733*; the dense (first) figures"),
+    PeakEntry("L40", {"fp32": 90.5, "tf32": 90.5, "bf16": 181.05, "fp16": 181.05},  # not "L40S" (matched above)
+              "NVIDIA L40 GPU datasheet (nvidia.com/en-us/data-center/l40): FP32 90.5, TF32 Tensor Core 90.5 | 181*, "
+              "BFLOAT16/FP16 Tensor Core 181.05 | 362.1*; the dense (first) figures"),
+    PeakEntry("A10", {"fp32": 31.2, "tf32": 62.5, "bf16": 125.0, "fp16": 125.0},  # not "A10G" (a different chip)
+              "NVIDIA A10 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/products/a10-gpu): FP32 31.2, "
+              "TF32 Tensor Core 62.5 | 125*, BFLOAT16/FP16 Tensor Core 125 | 250*; the dense (first) figures"),
+    PeakEntry("L4", {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0},
+              "NVIDIA L4 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/l4): FP32 30.3, TF32 Tensor Core "
+              "120*, BFLOAT16/FP16 Tensor Core 242*" + _SPARSE_HALVED),
+    PeakEntry("V100S", {"fp32": 16.4, "fp16": 130.0},
+              "NVIDIA V100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/v100), V100S PCIe column: "
+              "single-precision 16.4, Tensor Performance 130 (FP16, dense: Volta has no sparsity)"),
+    PeakEntry("V100-SXM2", {"fp32": 15.7, "fp16": 125.0},
+              "NVIDIA V100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/v100), V100 SXM2 column: "
+              "single-precision 15.7, Tensor Performance 125 (FP16, dense)"),
+    PeakEntry("V100-SXM3", {"fp32": 15.7, "fp16": 125.0},
+              "NVIDIA V100 Tensor Core GPU datasheet has no SXM3 (DGX-2) column: its SXM2 figures, as NVIDIA DGX-2 "
+              "spec 2 petaFLOPS tensor / 16 GPUs = 125: single-precision 15.7, Tensor Performance 125 (FP16, dense)"),
+    PeakEntry("V100", {"fp32": 14.0, "fp16": 112.0},  # PCIe
+              "NVIDIA V100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/v100), V100 PCIe column: "
+              "single-precision 14, Tensor Performance 112 (FP16, dense)"),
+    PeakEntry("T4", {"fp32": 8.1, "fp16": 65.0},
+              "NVIDIA T4 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/tesla-t4): single-precision 8.1, "
+              "mixed-precision (FP16/FP32) 65 (dense: Turing has no sparsity); no bf16/tf32 tensor cores"),
 )
 
 
