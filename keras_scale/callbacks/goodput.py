@@ -22,8 +22,14 @@ How each figure is measured (see docs/goodput.md):
 - Compile: calls during which Keras's train ``tf.function`` traced (its tracing count grew), first trace and
   re-traces, minus the step they also ran.
 - Checkpoint: ``ChiefCheckpoint.blocked_s`` (time the training thread waited on saves and restores). Eval: ``on_test_begin`` to ``on_test_end`` inside ``fit``.
-- NaN-skipped steps: the composed step's ``skipped_steps`` counter x compute time per step, read at epoch ends.
-- Redone work: only what a keras_scale piece reports as ``redone_s`` (none does yet: 0).
+- Counts: ``steps`` = train batches this fit ran through its train step (from the batch indices Keras passes
+  the batch hooks; a resume's fast-forwarded batches excluded); ``skipped_steps`` = NaN-skipped ones (the step
+  logs' ``nan_skipped``, a Python number already); ``rolled_back_steps`` = updates NanGuard's rollback discarded
+  (it reports them); ``productive_steps`` = the rest; ``samples`` = global samples of the steps (the composed
+  step's ``samples_seen`` counter, else Keras's loss tracker count; read at epoch ends).
+- NaN-skipped steps: their count x compute time per step. Redone work: rolled-back steps x compute time per step,
+  plus what a keras_scale piece reports as ``redone_s`` (ChiefCheckpoint: nothing yet).
+- Durations are rounded to the microsecond and never negative (no float noise from subtracting clock readings).
 """
 from __future__ import annotations
 
@@ -628,7 +634,8 @@ class Goodput(keras.callbacks.Callback):
     After ``fit``, :attr:`summary` holds ``wall_s`` and its parts ``productive_s``, ``input_wait_s``,
     ``compile_s``, ``checkpoint_s``, ``eval_s``, ``skipped_steps_s``, ``redone_s``, ``measure_s`` (this
     callback's own probes) and ``other_s`` (callbacks and the rest), which add up to ``wall_s``; ``goodput``
-    (= productive_s / wall_s), ``input_wait`` (fraction), ``steps``, ``samples_per_s``, ``step_time_s``,
+    (= productive_s / wall_s), ``input_wait`` (fraction), ``steps`` (train batches run), ``skipped_steps``,
+    ``rolled_back_steps``, ``productive_steps``, ``samples`` (global), ``samples_per_s``, ``step_time_s``,
     ``flops_per_step``, ``tflops_per_s`` (while stepping), ``mfu`` and ``peak_flops``. Each epoch adds
     ``goodput``, ``goodput_input_wait``, ``goodput_samples_per_s``, ``goodput_tflops_per_s`` and ``goodput_mfu``
     (those known) to the epoch logs (``History``), and with ``log_dir`` the chief writes ``goodput/...`` scalars.
