@@ -723,6 +723,7 @@ class Goodput(keras.callbacks.Callback):
         self._peak: Optional[Tuple[float, str]] = None
         self._call_begin = 0
         self._epoch_skipped: Optional[float] = None
+        self._epoch_batches = 0
         self._tracker_base = 0.0
         self._rebase_tracker = False
         self._step_counters = _StepCounters(self.model)
@@ -737,6 +738,7 @@ class Goodput(keras.callbacks.Callback):
         self._epoch_ledger = self._ledger.copy()
         self._epoch_samples = None
         self._epoch_skipped = None  # NanGuard resets its per-epoch count (the step logs' ``nan_skipped``)
+        self._epoch_batches = int((self.params or {}).get("steps") or 0)  # 0: unknown length
         self._tracker_base = 0.0  # Keras resets its loss tracker at each epoch start
         self._rebase_tracker = False
 
@@ -860,9 +862,8 @@ class Goodput(keras.callbacks.Callback):
     def _batches_in_call(self, end: int) -> int:
         """Train batches one call ran: ``steps_per_execution`` of them, fewer at the end of an epoch of known
         length (Keras passes the first and the last index of the call's batches)."""
-        steps = (self.params or {}).get("steps")
-        if steps:
-            end = min(end, int(steps) - 1)
+        if self._epoch_batches:
+            end = min(end, self._epoch_batches - 1)
         return max(0, end - self._call_begin + 1)
 
     def _record_call(self, duration_s: float) -> bool:
