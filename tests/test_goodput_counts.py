@@ -93,13 +93,20 @@ def test_nan_skipped_steps_are_counted_and_their_samples_too(replicas, request):
     assert_consistent(s)
 
 
-def test_rollback_counts_every_batch_and_prices_the_discarded_updates():
+@pytest.mark.parametrize("restore_from", ["snapshot", "checkpoint"])
+def test_rollback_counts_every_batch_and_prices_the_discarded_updates(restore_from, tmp_path):
     model, goodput = build(), ks.Goodput(verbose=0, peak_flops=1e12)
-    x, y = data(20, nan_batches=(10,))
     guard = ks.NanGuard(policy="rollback", max_consecutive=1, snapshot_every_n_steps=4, verbose=0)
-    fit(model, x, y, [guard, goodput], epochs=1)
+    if restore_from == "snapshot":
+        # in-memory snapshots after 4 and 8 updates; batch 10 is bad: the updates of batches 8 and 9 are discarded
+        x, y = data(20, nan_batches=(10,))
+        callbacks = [guard, goodput]
+    else:
+        # checkpoints after 5 and 10 updates; batch 12 is bad: the updates of batches 10 and 11 are discarded
+        x, y = data(20, nan_batches=(12,))
+        callbacks = [ks.ChiefCheckpoint(str(tmp_path), save_freq=5, verbose=0), guard, goodput]
+    fit(model, x, y, callbacks, epochs=1)
     s = goodput.summary
-    # snapshots after batches 4 and 8; batch 10 is bad: the updates of batches 8 and 9 are discarded
     assert guard.rollbacks == 1
     assert (s["steps"], s["skipped_steps"], s["rolled_back_steps"], s["productive_steps"]) == (20, 1, 2, 17)
     assert int(model.optimizer.iterations.numpy()) == 17
