@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import keras_scale as ks
-from keras_scale.callbacks.goodput import CATEGORIES, Ledger, clean_seconds, summarize
+from keras_scale.callbacks.goodput import CATEGORIES, Ledger, clean_seconds, format_summary, summarize
 
 BATCH = 64
 FEATURES = 16
@@ -112,6 +112,7 @@ def test_rollback_counts_every_batch_and_prices_the_discarded_updates(restore_fr
     assert int(model.optimizer.iterations.numpy()) == 17
     assert s["samples"] == 20 * BATCH
     assert s["redone_s"] > 0  # the two discarded steps' compute
+    assert "(20 steps" in format_summary(s) and "1 NaN-skipped, 2 rolled back" in format_summary(s)
     assert_consistent(s)
 
 

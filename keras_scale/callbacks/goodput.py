@@ -500,6 +500,9 @@ def format_summary(summary: Dict[str, Any], title: str = "Goodput") -> str:
     step_ms = summary.get("step_time_s")
     head = f"{title}: {100 * (summary.get('goodput') or 0):.1f}% of {wall:.2f} s wall was productive training steps"
     head += f" ({summary['steps']} steps" + (f", {1e3 * step_ms:.2f} ms each" if step_ms else "")
+    for key, label in (("skipped_steps", "NaN-skipped"), ("rolled_back_steps", "rolled back")):
+        if summary.get(key):
+            head += f", {summary[key]} {label}"
     if summary.get("samples_per_s"):
         head += f", {summary['samples_per_s']:,.0f} samples/s"
     lines = [head + ")"]
