@@ -279,9 +279,14 @@ class ComposedStep:
         # is ready, and `iterations.assign_add` depends on no gradient at all)
         self.atomic_update = False
         self._outer_placed: Any = None
+        # updates NanGuard(policy="rollback") discarded (restored to an earlier state), host-side, for ks.Goodput
+        self.rolled_back_steps = 0
         with model.distribute_strategy.scope():
             self.skipped_steps = self._var("skipped_steps", 0, tf.int64)
             self.epoch_skipped = self._var("epoch_skipped", 0, tf.int64)
+            # samples this step trained on (skipped steps included), each replica adding its own: read lazily
+            # (ks.Goodput, at epoch ends); never reset, never checkpointed, untouched by a rollback
+            self.samples_seen = self._var("samples_seen", 0, tf.int64, aggregation=tf.VariableAggregation.SUM)
             self.consecutive_bad = self._var("consecutive_bad", 0, tf.int64)
             self.halted = self._var("halted", 0, tf.int64)
             self.incidents = self._var("incidents", 0, tf.int64)  # bad steps since the host last looked
@@ -478,6 +483,7 @@ class ComposedStep:
 
         grads, trainable, share, loss_bad, pred_bad = self._accumulate(x, y, sample_weight, batch_size)
         reduced_grads, any_loss_bad, present, local = self._all_reduce(grads, share, loss_bad, batch_size)
+        self._count_samples(batch_size, reduced_grads)
 
         if not self.guard:  # (guarded: the update sits in a cond on all reduced gradients, atomic already)
             barrier = [g.values if isinstance(g, tf.IndexedSlices) else g
@@ -521,12 +527,22 @@ class ComposedStep:
             reduced_grads[i] = _scaled(g, scale)
         return reduced_grads, reduced[-2] > 0, present, local
 
+    def _count_samples(self, batch_size: tf.Tensor, after: List[Any]) -> None:
+        """Add this replica's batch to ``samples_seen``, once the step got that far (an OOM retried by
+        ``accum="auto"`` raises before: its batch is counted once, by the retry)."""
+        deps = [g.values if isinstance(g, tf.IndexedSlices) else g for g in after if g is not None]
+        with tf.control_dependencies(deps):
+            self.samples_seen.assign_add(tf.cast(batch_size, tf.int64))
+
     def _foreign_train_step(self, data: Any) -> Dict[str, Any]:
         """A model with its own ``train_step``: run it; NanGuard's check sits at its optimizer's ``apply``."""
         self.traces += 1
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        first = _flat(x)
+        if first:
+            self._count_samples(tf.shape(first[0])[0], [])
         if not self.guard:
             return self.model.train_step(data)
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         snapshot = [(v, tf.identity(v)) for v in self.model.non_trainable_variables]
         with _ThreadFlag("guarding", self), _ThreadFlag("foreign_data", (x, y, sample_weight, snapshot)):
             logs = self.model.train_step(data)

@@ -181,13 +181,21 @@ def test_flops_per_step_match_the_analytic_count_and_mfu_uses_peak_flops():
 def test_peak_table_lookup_by_nvml_name_and_dtype():
     assert peak_flops_for("NVIDIA A100-SXM4-80GB", "bf16")[0] == 312e12
     assert peak_flops_for("NVIDIA A10", "bf16")[0] == 125e12  # not the A100's figure
-    assert peak_flops_for("NVIDIA L40S", "bf16")[0] != peak_flops_for("NVIDIA L4", "bf16")[0]
+    assert peak_flops_for("NVIDIA L40S", "bf16")[0] == 362.05e12  # the datasheet's dense figure, not 366
+    assert peak_flops_for("NVIDIA L40", "bf16")[0] == 181.05e12  # not the L40S's
+    assert peak_flops_for("NVIDIA L4", "bf16")[0] == 121e12  # 242 "with sparsity", halved
+    assert peak_flops_for("NVIDIA H100 80GB HBM3", "bf16")[0] == 989.5e12  # 1,979 with sparsity, halved
     assert peak_flops_for("NVIDIA H100 PCIe", "bf16")[0] < peak_flops_for("NVIDIA H100 80GB HBM3", "bf16")[0]
     assert peak_flops_for("Tesla T4", "bf16")[0] == 8.1e12  # no bf16 tensor cores: its fp32 figure
     assert peak_flops_for("Tesla V100-SXM2-16GB", "fp16")[0] == 125e12  # SXM2, not the PCIe figure
     assert peak_flops_for("Tesla V100-PCIE-32GB", "fp16")[0] == 112e12
     assert peak_flops_for("NVIDIA GeForce GTX 1080", "fp32") is None and peak_flops_for(None, "fp32") is None
-    assert all(entry.source for entry in PEAK_TFLOPS)
+    for entry in PEAK_TFLOPS:  # dense figures, each citing the datasheet numbers it comes from
+        assert entry.dense and "datasheet" in entry.source
+        assert "with sparsity, dense = half" in entry.source or "dense" in entry.source, entry
+        for dtype, tflops in entry.tflops.items():
+            assert f"{tflops:g}" in entry.source.replace(",", "") or f"{2 * tflops:g}" in entry.source.replace(
+                ",", ""), (entry.match, dtype, tflops)
     mixed = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, dtype="mixed_bfloat16")])
     assert compute_dtype(mixed) == "bf16"
 

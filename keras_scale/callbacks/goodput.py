@@ -22,8 +22,14 @@ How each figure is measured (see docs/goodput.md):
 - Compile: calls during which Keras's train ``tf.function`` traced (its tracing count grew), first trace and
   re-traces, minus the step they also ran.
 - Checkpoint: ``ChiefCheckpoint.blocked_s`` (time the training thread waited on saves and restores). Eval: ``on_test_begin`` to ``on_test_end`` inside ``fit``.
-- NaN-skipped steps: the composed step's ``skipped_steps`` counter x compute time per step, read at epoch ends.
-- Redone work: only what a keras_scale piece reports as ``redone_s`` (none does yet: 0).
+- Counts: ``steps`` = train batches this fit ran through its train step (from the batch indices Keras passes
+  the batch hooks; a resume's fast-forwarded batches excluded); ``skipped_steps`` = NaN-skipped ones (the step
+  logs' ``nan_skipped``, a Python number already); ``rolled_back_steps`` = updates NanGuard's rollback discarded
+  (it reports them); ``productive_steps`` = the rest; ``samples`` = global samples of the steps (the composed
+  step's ``samples_seen`` counter, else Keras's loss tracker count; read at epoch ends).
+- NaN-skipped steps: their count x compute time per step. Redone work: rolled-back steps x compute time per step,
+  plus what a keras_scale piece reports as ``redone_s`` (ChiefCheckpoint: nothing yet).
+- Durations are rounded to the microsecond and never negative (no float noise from subtracting clock readings).
 """
 from __future__ import annotations
 
@@ -41,6 +47,7 @@ import tensorflow as tf
 from keras_scale._validate import check_int, check_number
 from keras_scale.callbacks._scalars import ChiefScalars
 from keras_scale.distribute import is_chief
+from keras_scale.step import SKIPPED_LOG_KEY
 
 __all__ = ["Goodput", "PEAK_TFLOPS", "peak_flops_for", "compute_dtype", "traced_flops_per_step", "summarize",
            "format_summary", "CATEGORIES"]
@@ -52,45 +59,73 @@ CATEGORIES = ("productive_s", "skipped_steps_s", "redone_s", "input_wait_s", "co
               "measure_s", "other_s")
 
 # --------------------------------------------------------------------------------------------------------------
-# peak FLOP/s of common GPUs: dense (no 2:4 sparsity) tensor-core figures from NVIDIA's datasheets, in TFLOP/s.
-# Datasheets print sparse figures with an asterisk; the dense figure is half of it. ``match`` is a substring of
-# the NVML device name; the first match wins, so specific names come before general ones.
+# peak FLOP/s of common GPUs, DENSE figures only (MFU is measured against dense math: a trained model's matmuls
+# are not 2:4 sparse), in TFLOP/s. NVIDIA's datasheets print tensor-core figures either as "dense | sparse*" (A100,
+# A10, L40, L40S: the dense one is taken as printed) or only "with sparsity*" (H100, H200, L4: halved here). fp32
+# is the non-tensor-core FP32 figure (no sparsity). Each row's ``source`` names the document, the column and the
+# numbers it prints. ``match`` is a substring of the NVML device name; the first match wins, so specific names
+# come before general ones.
 # --------------------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class PeakEntry:
-    """Peak dense TFLOP/s of one GPU model by compute dtype, with the datasheet it comes from."""
+    """Peak DENSE TFLOP/s of one GPU model by compute dtype, with the datasheet figures it comes from."""
 
     match: str
     tflops: Dict[str, float]
     source: str
+    dense: bool = True  # every figure is dense (sparse datasheet figures halved); MFU divides by these
 
 
-_H100 = "NVIDIA H100 Tensor Core GPU datasheet, nvidia.com/en-us/data-center/h100 (specifications table)"
-_H200 = "NVIDIA H200 Tensor Core GPU datasheet, nvidia.com/en-us/data-center/h200 (specifications table)"
-_A100 = "NVIDIA A100 Tensor Core GPU datasheet, nvidia.com/en-us/data-center/a100 (specifications table)"
-_A10 = "NVIDIA A10 Tensor Core GPU datasheet, nvidia.com/en-us/data-center/products/a10-gpu"
-_L4 = "NVIDIA L4 Tensor Core GPU datasheet, nvidia.com/en-us/data-center/l4"
-_L40S = "NVIDIA L40S GPU datasheet, nvidia.com/en-us/data-center/l40s"
-_V100 = "NVIDIA V100 Tensor Core GPU datasheet, nvidia.com/en-us/data-center/v100"
-_T4 = "NVIDIA T4 Tensor Core GPU datasheet, nvidia.com/en-us/data-center/tesla-t4"
-
+_SPARSE_HALVED = "; * = with sparsity, dense = half"
 PEAK_TFLOPS: Tuple[PeakEntry, ...] = (
-    PeakEntry("H200 NVL", {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5}, _H200),
-    PeakEntry("H200", {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5}, _H200),
-    PeakEntry("H100 NVL", {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5}, _H100),
-    PeakEntry("H100 PCIe", {"fp32": 51.0, "tf32": 378.0, "bf16": 756.5, "fp16": 756.5}, _H100),
-    PeakEntry("H100", {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5}, _H100),  # SXM5 ("H100 80GB HBM3")
-    PeakEntry("A100", {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}, _A100),
-    PeakEntry("L40S", {"fp32": 91.6, "tf32": 183.0, "bf16": 366.0, "fp16": 366.0}, _L40S),
-    PeakEntry("A10", {"fp32": 31.2, "tf32": 62.5, "bf16": 125.0, "fp16": 125.0}, _A10),  # not "A10G" (a different chip)
-    PeakEntry("L4", {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0}, _L4),
-    PeakEntry("V100S", {"fp32": 16.4, "fp16": 130.0}, _V100),
-    PeakEntry("V100-SXM2", {"fp32": 15.7, "fp16": 125.0}, _V100),
-    PeakEntry("V100-SXM3", {"fp32": 15.7, "fp16": 125.0}, _V100),
-    PeakEntry("V100", {"fp32": 14.0, "fp16": 112.0}, _V100),  # PCIe
-    PeakEntry("T4", {"fp32": 8.1, "fp16": 65.0}, _T4),
+    PeakEntry("H200 NVL", {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5},
+              "NVIDIA H200 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h200), H200 NVL column: FP32 60, "
+              "TF32 Tensor Core 835*, BFLOAT16/FP16 Tensor Core 1,671*" + _SPARSE_HALVED),
+    PeakEntry("H200", {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5},
+              "NVIDIA H200 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h200), H200 SXM column: FP32 67, "
+              "TF32 Tensor Core 989*, BFLOAT16/FP16 Tensor Core 1,979*" + _SPARSE_HALVED),
+    PeakEntry("H100 NVL", {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5},
+              "NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100), H100 NVL column (per GPU): "
+              "FP32 60, TF32 Tensor Core 835*, BFLOAT16/FP16 Tensor Core 1,671*" + _SPARSE_HALVED),
+    PeakEntry("H100 PCIe", {"fp32": 51.0, "tf32": 378.0, "bf16": 756.5, "fp16": 756.5},
+              "NVIDIA H100 PCIe product brief / datasheet (nvidia.com/en-us/data-center/h100), H100 PCIe column: "
+              "FP32 51, TF32 Tensor Core 756*, BFLOAT16/FP16 Tensor Core 1,513*" + _SPARSE_HALVED),
+    PeakEntry("H100", {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5},  # SXM5 ("H100 80GB HBM3")
+              "NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100), H100 SXM column: FP32 67, "
+              "TF32 Tensor Core 989*, BFLOAT16/FP16 Tensor Core 1,979*" + _SPARSE_HALVED),
+    PeakEntry("A100", {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
+              "NVIDIA A100 Tensor Core GPU datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf), all A100 "
+              "columns (40/80 GB, PCIe/SXM): FP32 19.5, TF32 Tensor Core 156 | 312*, BFLOAT16/FP16 Tensor Core "
+              "312 | 624*; the dense (first) figures"),
+    PeakEntry("L40S", {"fp32": 91.6, "tf32": 183.0, "bf16": 362.05, "fp16": 362.05},
+              "NVIDIA L40S GPU datasheet (nvidia.com/en-us/data-center/l40s): FP32 91.6, TF32 Tensor Core 183 | 366*, "
+              "BFLOAT16/FP16 Tensor Core 362.05 | 733*; the dense (first) figures"),
+    PeakEntry("L40", {"fp32": 90.5, "tf32": 90.5, "bf16": 181.05, "fp16": 181.05},  # not "L40S" (matched above)
+              "NVIDIA L40 GPU datasheet (nvidia.com/en-us/data-center/l40): FP32 90.5, TF32 Tensor Core 90.5 | 181*, "
+              "BFLOAT16/FP16 Tensor Core 181.05 | 362.1*; the dense (first) figures"),
+    PeakEntry("A10", {"fp32": 31.2, "tf32": 62.5, "bf16": 125.0, "fp16": 125.0},  # not "A10G" (a different chip)
+              "NVIDIA A10 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/products/a10-gpu): FP32 31.2, "
+              "TF32 Tensor Core 62.5 | 125*, BFLOAT16/FP16 Tensor Core 125 | 250*; the dense (first) figures"),
+    PeakEntry("L4", {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0},
+              "NVIDIA L4 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/l4): FP32 30.3, TF32 Tensor Core "
+              "120*, BFLOAT16/FP16 Tensor Core 242*" + _SPARSE_HALVED),
+    PeakEntry("V100S", {"fp32": 16.4, "fp16": 130.0},
+              "NVIDIA V100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/v100), V100S PCIe column: "
+              "single-precision 16.4, Tensor Performance 130 (FP16, dense: Volta has no sparsity)"),
+    PeakEntry("V100-SXM2", {"fp32": 15.7, "fp16": 125.0},
+              "NVIDIA V100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/v100), V100 SXM2 column: "
+              "single-precision 15.7, Tensor Performance 125 (FP16, dense)"),
+    PeakEntry("V100-SXM3", {"fp32": 15.7, "fp16": 125.0},
+              "NVIDIA V100 Tensor Core GPU datasheet has no SXM3 (DGX-2) column: its SXM2 figures, as NVIDIA DGX-2 "
+              "spec 2 petaFLOPS tensor / 16 GPUs = 125: single-precision 15.7, Tensor Performance 125 (FP16, dense)"),
+    PeakEntry("V100", {"fp32": 14.0, "fp16": 112.0},  # PCIe
+              "NVIDIA V100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/v100), V100 PCIe column: "
+              "single-precision 14, Tensor Performance 112 (FP16, dense)"),
+    PeakEntry("T4", {"fp32": 8.1, "fp16": 65.0},
+              "NVIDIA T4 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/tesla-t4): single-precision 8.1, "
+              "mixed-precision (FP16/FP32) 65 (dense: Turing has no sparsity); no bf16/tf32 tensor cores"),
 )
 
 
@@ -320,9 +355,10 @@ class Ledger:
     eval_s: float = 0.0
     measure_s: float = 0.0       # Goodput's own probe sleeps and FLOPs trace
     fast_forward_s: float = 0.0  # calls that skipped already-trained batches after a resume (part of other_s)
-    steps: int = 0               # training steps executed (applied + NaN-skipped), read at epoch ends
-    skipped_steps: int = 0
-    samples: Optional[float] = 0.0
+    steps: int = 0               # train batches this fit ran through the train step (fast-forwarded ones not)
+    skipped_steps: int = 0       # of those, NaN-skipped (no update): the step logs' ``nan_skipped``
+    rolled_back_steps: int = 0   # updates applied, then discarded by NanGuard(policy="rollback")
+    samples: Optional[float] = 0.0  # global samples of the ``steps`` (all replicas, all workers)
 
     def __sub__(self, other: "Ledger") -> "Ledger":
         out = Ledger()
@@ -377,6 +413,18 @@ def compute_per_call(ledger: Ledger, probe_s: Sequence[float]) -> float:
     return mean_probe if mean_call - mean_probe > 3 * se else mean_call
 
 
+def clean_seconds(value: float) -> float:
+    """A duration from differences of clock readings, rounded to the microsecond (below what the host clock
+    around a step call resolves) and never negative: ``3.9e-18`` and ``-2e-17`` are ``0.0``.
+
+    Example:
+        >>> clean_seconds(3.9e-18), clean_seconds(-2e-17), clean_seconds(1.2345678)
+        (0.0, 0.0, 1.234568)
+    """
+    value = round(float(value), 6)
+    return value if value > 0 else 0.0
+
+
 def summarize(ledger: Ledger, wall_s: float, probe_s: Sequence[float] = (), steps_per_call: int = 1,
               flops_per_step: Optional[float] = None, peak_flops: Optional[float] = None) -> Dict[str, Any]:
     """The goodput figures of one window (a fit, an epoch) from its :class:`Ledger` and the probe measurements
@@ -398,32 +446,42 @@ def summarize(ledger: Ledger, wall_s: float, probe_s: Sequence[float] = (), step
     compile_s = L.compile_s - compile_step
     compute += compile_step
     per_step = x / max(int(steps_per_call), 1)
-    skipped_s = min(compute, L.skipped_steps * per_step)
-    productive = compute - skipped_s
+    steps = max(0, int(L.steps))
+    skipped = min(steps, max(0, int(L.skipped_steps)))
+    rolled_back = min(steps - skipped, max(0, int(L.rolled_back_steps)))  # a rollback past this fit's start
+    productive_steps = steps - skipped - rolled_back
+    skipped_s = min(compute, skipped * per_step)
+    rolled_back_s = min(compute - skipped_s, rolled_back * per_step)
+    productive = compute - skipped_s - rolled_back_s
     out: Dict[str, Any] = {
         "wall_s": float(wall_s),
         "productive_s": productive,
         "skipped_steps_s": skipped_s,
-        "redone_s": L.redone_s,
+        "redone_s": L.redone_s + rolled_back_s,
         "input_wait_s": input_wait,
         "compile_s": compile_s,
         "checkpoint_s": L.checkpoint_s,
         "eval_s": L.eval_s,
         "measure_s": L.measure_s,
     }
+    for c in out:  # differences of clock readings: no float noise (3.9e-18 s) or tiny negatives
+        out[c] = clean_seconds(out[c])
     known = sum(out[c] for c in CATEGORIES if c != "other_s")
-    out["other_s"] = max(0.0, wall_s - known)
-    out["goodput"] = productive / wall_s if wall_s > 0 else None
-    out["input_wait"] = input_wait / wall_s if wall_s > 0 else None
-    out["steps"] = int(L.steps)
-    out["skipped_steps"] = int(L.skipped_steps)
+    out["other_s"] = clean_seconds(wall_s - known)
+    productive = out["productive_s"]
+    out["goodput"] = round(productive / wall_s, 6) if wall_s > 0 else None
+    out["input_wait"] = round(out["input_wait_s"] / wall_s, 6) if wall_s > 0 else None
+    out["steps"] = steps
+    out["skipped_steps"] = skipped
+    out["rolled_back_steps"] = rolled_back
+    out["productive_steps"] = productive_steps
     executed_calls = L.calls + L.compile_calls
     out["step_time_s"] = compute / executed_calls / max(int(steps_per_call), 1) if executed_calls else None
-    out["samples"] = L.samples
+    out["samples"] = None if L.samples is None else int(round(L.samples))
     out["samples_per_s"] = L.samples / wall_s if L.samples and wall_s > 0 else None
-    applied = L.steps - L.skipped_steps
     out["flops_per_step"] = flops_per_step
-    achieved = flops_per_step * applied / productive if flops_per_step and productive > 0 and applied > 0 else None
+    achieved = (flops_per_step * productive_steps / productive
+                if flops_per_step and productive > 0 and productive_steps > 0 else None)
     out["tflops_per_s"] = achieved / 1e12 if achieved is not None else None
     out["peak_flops"] = peak_flops
     out["mfu"] = achieved / peak_flops if achieved is not None and peak_flops else None
@@ -442,6 +500,9 @@ def format_summary(summary: Dict[str, Any], title: str = "Goodput") -> str:
     step_ms = summary.get("step_time_s")
     head = f"{title}: {100 * (summary.get('goodput') or 0):.1f}% of {wall:.2f} s wall was productive training steps"
     head += f" ({summary['steps']} steps" + (f", {1e3 * step_ms:.2f} ms each" if step_ms else "")
+    for key, label in (("skipped_steps", "NaN-skipped"), ("rolled_back_steps", "rolled back")):
+        if summary.get(key):
+            head += f", {summary[key]} {label}"
     if summary.get("samples_per_s"):
         head += f", {summary['samples_per_s']:,.0f} samples/s"
     lines = [head + ")"]
@@ -508,6 +569,63 @@ class _ReportedClock:
         return self.ckpt is not None and bool(getattr(self.ckpt, "_last_call_skipped", False))
 
 
+def _global_sum(strategy: Any, variable: Any) -> Optional[float]:
+    """A per-replica counter summed over all replicas, reading only this worker's copies (no cross-worker
+    collective at an epoch end that workers may reach at different times): their sum, scaled to all replicas."""
+    try:
+        local = strategy.experimental_local_results(variable)
+        total = float(sum(float(v.numpy()) for v in local))
+        return total * strategy.num_replicas_in_sync / max(len(local), 1)
+    except Exception:  # noqa: BLE001 - a count is a nicety; never break training for it
+        return None
+
+
+class _StepCounters:
+    """The composed step's counters, as deltas since the fit started: samples (``samples_seen``), NaN-skipped
+    steps this epoch (``epoch_skipped``, NanGuard resets it per epoch) and rollbacks (host-side). Read at epoch
+    ends only. A composed step created after the fit started (it starts at 0) counts from 0."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self._step = self._find()
+        self._samples0 = self._samples()
+        self._rolled0 = int(getattr(self._step, "rolled_back_steps", 0) or 0)
+
+    def _find(self) -> Any:
+        from keras_scale.step import get_step
+
+        return get_step(self.model, create=False)
+
+    def _current(self) -> Any:
+        step = self._find()
+        if step is not self._step:  # created during the fit: it counted from 0
+            self._step, self._samples0, self._rolled0 = step, 0.0, 0
+        return step
+
+    def _samples(self) -> float:
+        step = self._step
+        if step is None or getattr(step, "samples_seen", None) is None:
+            return 0.0
+        return _global_sum(self.model.distribute_strategy, step.samples_seen) or 0.0
+
+    def samples(self) -> float:
+        self._current()
+        return max(0.0, self._samples() - self._samples0)
+
+    def rolled_back(self) -> int:
+        step = self._current()
+        return max(0, int(getattr(step, "rolled_back_steps", 0) or 0) - self._rolled0)
+
+    def epoch_skipped(self) -> int:
+        step = self._current()
+        if step is None or not getattr(step, "guard", False):
+            return 0
+        try:
+            return int(step.epoch_skipped.numpy())
+        except Exception:  # noqa: BLE001
+            return 0
+
+
 # --------------------------------------------------------------------------------------------------------------
 # the callback
 # --------------------------------------------------------------------------------------------------------------
@@ -519,7 +637,8 @@ class Goodput(keras.callbacks.Callback):
     After ``fit``, :attr:`summary` holds ``wall_s`` and its parts ``productive_s``, ``input_wait_s``,
     ``compile_s``, ``checkpoint_s``, ``eval_s``, ``skipped_steps_s``, ``redone_s``, ``measure_s`` (this
     callback's own probes) and ``other_s`` (callbacks and the rest), which add up to ``wall_s``; ``goodput``
-    (= productive_s / wall_s), ``input_wait`` (fraction), ``steps``, ``samples_per_s``, ``step_time_s``,
+    (= productive_s / wall_s), ``input_wait`` (fraction), ``steps`` (train batches run), ``skipped_steps``,
+    ``rolled_back_steps``, ``productive_steps``, ``samples`` (global), ``samples_per_s``, ``step_time_s``,
     ``flops_per_step``, ``tflops_per_s`` (while stepping), ``mfu`` and ``peak_flops``. Each epoch adds
     ``goodput``, ``goodput_input_wait``, ``goodput_samples_per_s``, ``goodput_tflops_per_s`` and ``goodput_mfu``
     (those known) to the epoch logs (``History``), and with ``log_dir`` the chief writes ``goodput/...`` scalars.
@@ -605,7 +724,12 @@ class Goodput(keras.callbacks.Callback):
         self._flops: Optional[float] = None
         self._flops_tried = False
         self._peak: Optional[Tuple[float, str]] = None
-        self._counters = self._read_counters()
+        self._call_begin = 0
+        self._epoch_skipped: Optional[float] = None
+        self._epoch_batches = 0
+        self._tracker_base = 0.0
+        self._rebase_tracker = False
+        self._step_counters = _StepCounters(self.model)
         self._active = True
 
     def on_epoch_begin(self, epoch: int, logs: Optional[Dict] = None) -> None:
@@ -616,6 +740,10 @@ class Goodput(keras.callbacks.Callback):
         self._epoch_start = time.perf_counter()
         self._epoch_ledger = self._ledger.copy()
         self._epoch_samples = None
+        self._epoch_skipped = None  # NanGuard resets its per-epoch count (the step logs' ``nan_skipped``)
+        self._epoch_batches = int((self.params or {}).get("steps") or 0)  # 0: unknown length
+        self._tracker_base = 0.0  # Keras resets its loss tracker at each epoch start
+        self._rebase_tracker = False
 
     def on_train_batch_begin(self, batch: int, logs: Optional[Dict] = None) -> None:
         if not self._active:
@@ -623,6 +751,10 @@ class Goodput(keras.callbacks.Callback):
         fn = self.model.train_function
         if fn is not self._fn:
             self._new_train_function(fn)
+        if self._rebase_tracker:  # after fast-forwarded calls (a resume): ChiefCheckpoint restored the epoch's
+            self._rebase_tracker = False  # metrics, the loss tracker's count included: count from here
+            self._tracker_base = self._loss_tracker_samples() or 0.0
+        self._call_begin = int(batch)
         self._probe = self._plan_probe()
         self._take_reported()
         self._t_call = time.perf_counter()
@@ -631,7 +763,13 @@ class Goodput(keras.callbacks.Callback):
         if not self._active:
             return
         now = time.perf_counter()
-        self._record_call(now - self._t_call)
+        if self._record_call(now - self._t_call):
+            self._ledger.steps += self._batches_in_call(int(batch))
+            skipped = (logs or {}).get(SKIPPED_LOG_KEY)  # already a Python number: no device read
+            if skipped is not None:
+                self._epoch_skipped = float(skipped)
+        else:
+            self._rebase_tracker = True
         self._t_last_end = now
 
     def on_test_begin(self, logs: Optional[Dict] = None) -> None:
@@ -639,7 +777,7 @@ class Goodput(keras.callbacks.Callback):
             return
         # validation inside fit: the loss tracker still counts this epoch's training samples (evaluate resets it
         # right after this hook)
-        self._epoch_samples = self._read_samples()
+        self._epoch_samples = self._loss_tracker_samples()
         last = self._t_last_end if self._t_last_end is not None else time.perf_counter()
         self._t_test = max(last, self._epoch_start)
         # a save by a callback listed after this one, since the last batch end, is checkpoint time, not eval
@@ -657,6 +795,8 @@ class Goodput(keras.callbacks.Callback):
     def on_epoch_end(self, epoch: int, logs: Optional[Dict] = None) -> None:
         if not self._active:
             return
+        if self._epoch_skipped is None and (logs or {}).get(SKIPPED_LOG_KEY) is not None:
+            self._epoch_skipped = float(logs[SKIPPED_LOG_KEY])  # NanGuard's, for a step with no dict of logs
         self._close_epoch()
         summary = self._summarize(self._ledger - self._epoch_ledger, time.perf_counter() - self._epoch_start)
         self.epoch_summaries.append(summary)
@@ -722,20 +862,28 @@ class Goodput(keras.callbacks.Callback):
             self._ledger.redone_s += redone_s
         return checkpoint_s, redone_s
 
-    def _record_call(self, duration_s: float) -> None:
+    def _batches_in_call(self, end: int) -> int:
+        """Train batches one call ran: ``steps_per_execution`` of them, fewer at the end of an epoch of known
+        length (Keras passes the first and the last index of the call's batches)."""
+        if self._epoch_batches:
+            end = min(end, self._epoch_batches - 1)
+        return max(0, end - self._call_begin + 1)
+
+    def _record_call(self, duration_s: float) -> bool:
+        """Book one train-function call; False for a call that trained nothing (a resume's fast-forward)."""
         L = self._ledger
         checkpoint_s, redone_s = self._take_reported()
         duration_s = max(0.0, duration_s - checkpoint_s - redone_s)
         if self._clock.last_call_skipped:  # ChiefCheckpoint fast-forwarding over already-trained batches
             L.fast_forward_s += duration_s
-            return
+            return False
         if self._ema is None or duration_s > 3 * self._ema:  # only a long call can have traced
             count = _tracing_count(self._functions)
             traced, self._trace_count = count > self._trace_count, count
             if traced:
                 L.compile_s += duration_s
                 L.compile_calls += 1
-                return
+                return True
         L.step_s += duration_s
         L.step_sq_s2 += duration_s * duration_s
         L.calls += 1
@@ -745,58 +893,38 @@ class Goodput(keras.callbacks.Callback):
         else:
             self._regular_calls += 1
             self._ema = duration_s if self._ema is None else 0.9 * self._ema + 0.1 * duration_s
+        return True
 
-    def _read_counters(self) -> Dict[str, int]:
-        """Optimizer updates and NaN-skipped steps so far (host reads: at fit/epoch boundaries only)."""
-        out = {"iterations": 0, "skipped": 0}
-        optimizer = getattr(self.model, "optimizer", None)
-        try:
-            out["iterations"] = int(optimizer.iterations.numpy()) if optimizer is not None else 0
-        except Exception:  # noqa: BLE001 - an optimizer not built yet counts 0
-            pass
-        try:
-            from keras_scale.step import get_step
-
-            step = get_step(self.model, create=False)
-            if step is not None and getattr(step, "skipped_steps", None) is not None:
-                out["skipped"] = int(step.skipped_steps.numpy())
-        except Exception:  # noqa: BLE001
-            pass
-        return out
-
-    def _read_samples(self) -> Optional[float]:
-        """Training samples seen this epoch: Keras's loss tracker counts each batch's size (reset per epoch).
-        Only this worker's replicas are read (no cross-worker collective), scaled to all replicas."""
+    def _loss_tracker_samples(self) -> Optional[float]:
+        """Training samples Keras's loss tracker counted this epoch (it adds each replica's batch size; reset per
+        epoch), all replicas; ``None`` without one. Keras's own train step records every batch; the composed step
+        (NanGuard) leaves non-finite ones out, so :class:`_StepCounters` counts for it."""
         tracker = getattr(self.model, "_loss_tracker", None)
         count = getattr(tracker, "count", None)
         if count is None:
             return None
-        try:
-            variable = getattr(count, "value", count)
-            strategy = self.model.distribute_strategy
-            local = strategy.experimental_local_results(variable)
-            total = float(sum(float(v.numpy()) for v in local))
-            return total * strategy.num_replicas_in_sync / max(len(local), 1)
-        except Exception:  # noqa: BLE001
-            return None
+        return _global_sum(self.model.distribute_strategy, getattr(count, "value", count))
 
     def _close_epoch(self) -> None:
         self._take_reported()
-        counters = self._read_counters()
-        skipped = max(0, counters["skipped"] - self._counters["skipped"])
-        updates = max(0, counters["iterations"] - self._counters["iterations"])
-        self._counters = counters
-        self._ledger.steps += updates + skipped
-        self._ledger.skipped_steps += skipped
-        samples = self._epoch_samples if self._epoch_samples is not None else self._read_samples()
-        if samples is None or self._ledger.samples is None:
-            self._ledger.samples = None
-        else:
-            self._ledger.samples += samples
-        if not self._flops_tried and updates + skipped > 0:
+        L = self._ledger
+        steps = L.steps - self._epoch_ledger.steps
+        skipped = self._epoch_skipped
+        if skipped is None:  # no step logs with the count (a foreign step): the variable (one read per epoch)
+            skipped = self._step_counters.epoch_skipped()
+        L.skipped_steps += int(round(skipped))
+        L.rolled_back_steps = self._step_counters.rolled_back()
+        counted = self._step_counters.samples()
+        if counted:  # the composed step ran this fit: its own count (cumulative since the fit started)
+            L.samples = counted
+        elif L.samples is not None:
+            samples = self._epoch_samples if self._epoch_samples is not None else self._loss_tracker_samples()
+            L.samples = None if samples is None else L.samples + max(0.0, samples - self._tracker_base)
+        samples = None if L.samples is None else L.samples - (self._epoch_ledger.samples or 0.0)
+        if not self._flops_tried and steps > 0:
             self._flops_tried = True
             start = time.perf_counter()
-            self._flops = self._trace_flops(samples, updates + skipped)
+            self._flops = self._trace_flops(samples, steps)
             self._ledger.measure_s += time.perf_counter() - start
 
     def _trace_flops(self, samples: Optional[float], steps: int) -> Optional[float]:

@@ -280,6 +280,7 @@ class NanGuard(keras.callbacks.Callback):
                 f"{self.reports[-1]}")
         step = self._step
         skipped = int(step.skipped_steps.numpy())  # a restore must not rewind the incident count
+        updates_before = int(self.model.optimizer.iterations.numpy())
         source = "checkpoint"
         restored = self._checkpoint.restore_latest() if self._checkpoint is not None else None
         if restored is None:
@@ -291,6 +292,8 @@ class NanGuard(keras.callbacks.Callback):
         if scale_learning_rate(self.model.optimizer, self.lr_factor):
             step_lib.rebuild(self.model)
         step.skipped_steps.assign(skipped)
+        # the updates the restore discarded (ks.Goodput prices them as redone work)
+        step.rolled_back_steps += max(0, updates_before - int(self.model.optimizer.iterations.numpy()))
         step.halted.assign(0)
         step.consecutive_bad.assign(0)
         self._say(f"NanGuard: rolled back to the {source} at update {int(self.model.optimizer.iterations.numpy())}"
