@@ -178,6 +178,26 @@ def test_flops_per_step_match_the_analytic_count_and_mfu_uses_peak_flops():
         assert cpu_only.summary["mfu"] is None and cpu_only.summary["tflops_per_s"] > 0
 
 
+def test_flops_are_counted_once_per_model_graph_not_per_fit(monkeypatch):
+    from keras_scale.callbacks import goodput as goodput_lib
+
+    calls = []
+    real = goodput_lib.traced_flops_per_step
+    monkeypatch.setattr(goodput_lib, "traced_flops_per_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = build()
+    counts = []
+    for _ in range(3):  # a model fitted in a loop, fresh Goodput each time: one FLOPs trace (~0.1-0.2 s), not three
+        goodput = ks.Goodput(verbose=0)
+        model.fit(dataset(5), epochs=1, verbose=0, callbacks=[goodput])
+        counts.append(goodput.summary["flops_per_step"])
+    assert len(calls) == 1 and counts[0] == counts[1] == counts[2] > 0
+    model.layers[0].trainable = False  # a different graph: no gradient for the first layer's kernel
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    goodput = ks.Goodput(verbose=0)
+    model.fit(dataset(5), epochs=1, verbose=0, callbacks=[goodput])
+    assert len(calls) == 2 and goodput.summary["flops_per_step"] > 0  # recounted for the new trainable set
+
+
 def test_peak_table_lookup_by_nvml_name_and_dtype():
     assert peak_flops_for("NVIDIA A100-SXM4-80GB", "bf16")[0] == 312e12
     assert peak_flops_for("NVIDIA A10", "bf16")[0] == 125e12  # not the A100's figure

@@ -37,6 +37,7 @@ import logging
 import math
 import statistics
 import time
+import weakref
 import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -284,6 +285,9 @@ def _with_batch(spec: Any, batch: int) -> Any:
         return tf.TensorSpec([batch] + shape[1:], s.dtype)
 
     return tf.nest.map_structure(fix, spec)
+
+
+_FLOPS_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {graph key: FLOPs per step}
 
 
 def graph_float_ops(graph: Any) -> int:
@@ -942,8 +946,14 @@ class Goodput(keras.callbacks.Callback):
             batch = max(1, round(samples / steps / replicas))
         else:
             return None
+        # the count depends on the model's graph, not on the fit: a model fitted in a loop traces it once
+        key = (repr(spec), batch, replicas, tuple(id(v) for v in self.model.trainable_weights))
+        cached = _FLOPS_CACHE.setdefault(self.model, {})
+        if key in cached:
+            return cached[key]
         try:
-            return float(traced_flops_per_step(self.model, spec, batch, replicas))
+            cached[key] = float(traced_flops_per_step(self.model, spec, batch, replicas))
+            return cached[key]
         except Exception as e:  # noqa: BLE001 - a FLOP count must never stop training
             log.info("Goodput: could not count FLOPs per step (%s: %s)", type(e).__name__, e)
             return None
