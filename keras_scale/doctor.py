@@ -1142,7 +1142,8 @@ def check_cpu_per_gpu(f: Facts, min_cores_per_gpu: int = 4) -> CheckResult:
     if not cores:
         return CheckResult(name, "skip", "The CPU count could not be read.")
     per = cores / n
-    detail = f"{cores} {kind} usable ({f.host.usable_cpus} logical CPUs) for {n} GPU(s): {per:.1f} per GPU"
+    capped = f", capped by the cgroup CPU quota in {f.host.cpu_limit_from}" if f.host.cpu_limit_from else ""
+    detail = f"{cores} {kind} usable ({f.host.usable_cpus} logical CPUs{capped}) for {n} GPU(s): {per:.1f} per GPU"
     if per < min_cores_per_gpu:
         return CheckResult(name, "warn", detail + f", below the usual {min_cores_per_gpu}-6: input pipelines "
                            "(decoding, augmentation) may not keep the GPUs busy.",
@@ -1160,7 +1161,8 @@ def check_host_memory(f: Facts) -> CheckResult:
     if not f.host.ram_mb:
         return CheckResult(name, "skip", "Host memory could not be read.")
     gpu_mb = sum(g.memory_total_mb for g in f.visible_gpus)
-    detail = (f"{f.host.ram_mb / 1024:.0f} GiB RAM for {gpu_mb / 1024:.0f} GiB of GPU memory "
+    limit = f" (the cgroup memory limit in {f.host.ram_limit_from})" if f.host.ram_limit_from else ""
+    detail = (f"{f.host.ram_mb / 1024:.0f} GiB RAM{limit} for {gpu_mb / 1024:.0f} GiB of GPU memory "
               f"({len(f.visible_gpus)} GPU(s))")
     if f.host.ram_mb < gpu_mb:
         return CheckResult(name, "warn", detail + ": less RAM than GPU memory; shuffle buffers, caches, pinned "

@@ -870,3 +870,36 @@ def test_a_gpu_nvml_fails_on_costs_only_its_own_state(monkeypatch):
     facts = dr.gather_facts(nvml=fake, probe_tensorflow=False)
     assert sorted(facts.health) == [1] and facts.nvml_error is None and len(facts.samples) == 2
     assert "GPU 1 links at x4" in dr.check_pcie_link(facts).detail
+
+
+# ------------------------------------------------------------------- findings of the second break-it round
+@pytest.mark.parametrize("files,self_cgroup,mem_gib,cpus,source", [
+    # docker on a cgroup-v1 host: the container's own cgroup is mounted at each controller's root
+    ({"/sys/fs/cgroup/memory/memory.limit_in_bytes": str(16 * 2 ** 30),
+      "/sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us": "200000",
+      "/sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us": "100000"},
+     "12:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n", 16, 2, "/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+    # a Slurm job on a cgroup-v2 host, not namespaced: the limits sit in the job's cgroup, a parent is tighter
+    ({"/sys/fs/cgroup/system.slice/slurmstepd.scope/job_42/memory.max": str(16 * 2 ** 30),
+      "/sys/fs/cgroup/system.slice/slurmstepd.scope/job_42/cpu.max": "max 100000",
+      "/sys/fs/cgroup/system.slice/slurmstepd.scope/job_42/step_0/cpu.max": "300000 100000",
+      "/sys/fs/cgroup/system.slice/slurmstepd.scope/memory.max": str(64 * 2 ** 30)},
+     "0::/system.slice/slurmstepd.scope/job_42/step_0\n", 16, 3,
+     "/sys/fs/cgroup/system.slice/slurmstepd.scope/job_42/memory.max"),
+    # v1 "unlimited" and a v2 "max" are no limits
+    ({"/sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712", "/sys/fs/cgroup/cpu.max": "max 100000"},
+     "", 32, 8, None),
+])
+def test_cgroup_limits_deep_in_the_tree_and_v1_are_found(tmp_path, files, self_cgroup, mem_gib, cpus, source):
+    _fake_host_tree(tmp_path, nodes=1)  # 8 logical CPUs, 4 cores, 32 GiB
+    _write(tmp_path, "/proc/self/cgroup", self_cgroup)
+    for path, text in files.items():
+        _write(tmp_path, path, text)
+    gpus = [GpuInfo(0, "G", "GPU-0", 81920.0, "00000000:01:00.0")]
+    host = dr.gather_host_facts(root=str(tmp_path), gpus=gpus, affinity=list(range(8)), memlock_bytes=None)
+    assert host.ram_mb == mem_gib * 1024.0 and host.usable_cpus == cpus and host.ram_limit_from == source
+    f = _facts(num_gpus=1, gpus=gpus, host=host)
+    mem, cpu = dr.check_host_memory(f), dr.check_cpu_per_gpu(f)
+    if source:
+        assert mem.status == "warn" and source in mem.detail and f"{mem_gib} GiB RAM" in mem.detail
+        assert cpu.status == "warn" and "cgroup CPU quota" in cpu.detail
