@@ -339,8 +339,7 @@ def test_xla_flags(tmp_path):
     good = dr.check_xla_flags(_facts(env={"XLA_FLAGS": f"--xla_gpu_cuda_data_dir={tmp_path}"}))
     assert good.status == "ok" and str(tmp_path) in good.detail
     for env, needle in [({"XLA_FLAGS": "--xla_dump_to=/tmp/dump"}, "dumps"),
-                        ({"XLA_FLAGS": "--xla_gpu_cuda_data_dir=/nope/cuda"}, "does not exist"),
-                        ({"TF_XLA_FLAGS": "tf_xla_auto_jit=2"}, "not a --flag")]:
+                        ({"XLA_FLAGS": "--xla_gpu_cuda_data_dir=/nope/cuda"}, "does not exist")]:
         f = dr.check_xla_flags(_facts(env=env))
         assert f.status == "warn" and needle in f.detail, (env, f)
     # a quoted value with spaces is one token, as XLA reads it: no false warning
@@ -348,7 +347,7 @@ def test_xla_flags(tmp_path):
     assert quoted.status == "ok", quoted
     # not an XLA flag at all: XLA aborts
     foreign = dr.check_xla_flags(_facts(env={"XLA_FLAGS": "--tf_xla_auto_jit=2"}))
-    assert foreign.status == "error" and "Unknown flags in XLA_FLAGS" in foreign.detail
+    assert foreign.status == "error" and "Unknown flag in XLA_FLAGS" in foreign.detail
 
 
 def test_unknown_xla_flag_is_found_in_tensorflows_own_library(tmp_path):
@@ -903,3 +902,46 @@ def test_cgroup_limits_deep_in_the_tree_and_v1_are_found(tmp_path, files, self_c
     if source:
         assert mem.status == "warn" and source in mem.detail and f"{mem_gib} GiB RAM" in mem.detail
         assert cpu.status == "warn" and "cgroup CPU quota" in cpu.detail
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"TF_XLA_FLAGS": "tf_xla_auto_jit=2"}, "reads it as the name of a file"),  # no leading --: a flags file
+    ({"XLA_FLAGS": "xla_gpu_autotune_level=0"}, "reads it as the name of a file"),
+    ({"XLA_FLAGS": "-xla_gpu_autotune_level=0"}, "single dash"),
+    ({"XLA_FLAGS": "--xla_gpu_autotune_level=0 xla_hlo_profile"}, "'xla_hlo_profile' is not a --flag"),
+    ({"TF_XLA_FLAGS": "--tf_xla_auto_jit"}, "takes a value"),
+])
+def test_xla_flags_that_make_tensorflow_abort_are_errors_without_tensorflow(env, needle):
+    f = dr.check_xla_flags(_facts(tf={}, env=env))  # --no-tensorflow: no probe to say so
+    assert f.status == "error" and needle in f.detail, f
+
+
+def test_xla_flags_from_a_file_and_unknown_tf_xla_flags(tmp_path):
+    flags = tmp_path / "xla.flags"
+    flags.write_text("--xla_gpu_autotune_level=2\n")
+    assert dr.check_xla_flags(_facts(env={"XLA_FLAGS": str(flags)})).status == "ok"  # a real flags file
+    typo = dr.check_xla_flags(_facts(env={"TF_XLA_FLAGS": "--tf_xla_nonsense=1"}, tf_xla_unknown_flags=["tf_xla_nonsense"]))
+    assert typo.status == "error" and "--tf_xla_nonsense" in typo.detail and "TF_XLA_FLAGS" in typo.detail
+    lib = tmp_path / "libtensorflow_cc.so.2"
+    lib.write_bytes(b"\x7fELF\0tf_xla_auto_jit\0tf_xla_cpu_global_jit\0")
+    value = "--tf_xla_auto_jit=2 --tf_xla_auto --tf_xla_cpu_global_jit"
+    assert dr.unknown_xla_flags(value, [str(lib)], whole_word=True) == ["tf_xla_auto"]  # a prefix is not the name
+    if dr._tf_library_paths("libtensorflow_cc.so"):  # the real TensorFlow here
+        real = dr._tf_library_paths("libtensorflow_cc.so")
+        assert dr.unknown_xla_flags("--tf_xla_nonsense=1 --tf_xla_auto_jit=2", real, whole_word=True) == [
+            "tf_xla_nonsense"]
+
+
+def test_numeric_xla_flag_without_value_read_from_the_flag_descriptor(tmp_path):
+    # FieldDescriptorProto bytes as protoc embeds them: name, number 123, label optional, type (5 int32 / 8 bool)
+    lib = tmp_path / "libtensorflow_framework.so.2"
+    lib.write_bytes(b"\0\n\x16xla_gpu_autotune_level\x18{ \x01(\x05H\0\n\x0fxla_hlo_profile\x18\t \x01(\x08H\0")
+    kinds = dr.xla_flag_kinds(["xla_gpu_autotune_level", "xla_hlo_profile", "xla_nope"], [str(lib)])
+    assert kinds == {"xla_gpu_autotune_level": "integer", "xla_hlo_profile": "bool"}
+    bare = dr.check_xla_flags(_facts(tf={}, env={"XLA_FLAGS": "--xla_gpu_autotune_level --xla_hlo_profile"},
+                                     xla_flag_kinds=kinds))
+    assert bare.status == "error" and "--xla_gpu_autotune_level takes a value (integer)" in bare.detail
+    assert "--xla_hlo_profile" not in bare.detail  # a true/false flag may stand alone
+    if dr._tf_library_paths():  # the real XLA of this TensorFlow
+        real = dr.xla_flag_kinds(["xla_gpu_autotune_level", "xla_hlo_profile", "xla_dump_to"], dr._tf_library_paths())
+        assert real == {"xla_gpu_autotune_level": "integer", "xla_hlo_profile": "bool", "xla_dump_to": "string"}
