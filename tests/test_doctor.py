@@ -920,7 +920,8 @@ def test_xla_flags_from_a_file_and_unknown_tf_xla_flags(tmp_path):
     flags = tmp_path / "xla.flags"
     flags.write_text("--xla_gpu_autotune_level=2\n")
     assert dr.check_xla_flags(_facts(env={"XLA_FLAGS": str(flags)})).status == "ok"  # a real flags file
-    typo = dr.check_xla_flags(_facts(env={"TF_XLA_FLAGS": "--tf_xla_nonsense=1"}, tf_xla_unknown_flags=["tf_xla_nonsense"]))
+    typo = dr.check_xla_flags(_facts(env={"TF_XLA_FLAGS": "--tf_xla_nonsense=1"},
+                                     tf_xla_unknown_flags=["tf_xla_nonsense"]))
     assert typo.status == "error" and "--tf_xla_nonsense" in typo.detail and "TF_XLA_FLAGS" in typo.detail
     lib = tmp_path / "libtensorflow_cc.so.2"
     lib.write_bytes(b"\x7fELF\0tf_xla_auto_jit\0tf_xla_cpu_global_jit\0")
