@@ -119,10 +119,14 @@ class Facts:
     xla_flag_kinds: Dict[str, str] = field(default_factory=dict)  # XLA_FLAGS name -> "bool", "integer", "string"...
     tf_xla_unknown_flags: Optional[List[str]] = None  # TF_XLA_FLAGS names TensorFlow does not define; None: unchecked
     nccl_conf: Dict[str, Tuple[str, str]] = field(default_factory=dict)  # NCCL variable -> (value, where it is set)
+    gpu_errors: Dict[int, str] = field(default_factory=dict)  # GPU index -> why NVML cannot read it (GPU lost)
+    gpu_order_uncertain: Optional[str] = None  # why CUDA_VISIBLE_DEVICES' numbers cannot be mapped to NVML's
 
     @property
     def visible_gpus(self) -> List[Any]:
-        return [g for g in self.gpus if g.index in set(self.visible_gpu_indices)]
+        if self.gpu_order_uncertain:
+            return []  # which GPUs CUDA_VISIBLE_DEVICES selects is unknown: check none rather than the wrong ones
+        return [g for g in self.gpus if g.index in set(self.visible_gpu_indices) and g.index not in self.gpu_errors]
 
     @property
     def tf_version(self) -> Optional[str]:
@@ -155,14 +159,20 @@ _LOG_HINT = re.compile(
     re.IGNORECASE)
 
 
+# "Created device /job:localhost/replica:0/task:0/device:GPU:0 with 79078 MB memory:  -> device: 0, name: NVIDIA H100
+# 80GB HBM3, pci bus id: 0000:18:00.0, compute capability: 9.0"
+_CREATED_GPU = re.compile(r"Created device \S*device:GPU:(\d+) with .*?name: (.*?), pci bus id: ([0-9A-Fa-f:.]+)")
+
+
 class _TfProbe:
     """The TensorFlow probe as a child process: started first, collected after the other facts are gathered."""
 
     def __init__(self, timeout_s: float = 180.0) -> None:
         self.timeout_s = timeout_s
         self.started_s = time.perf_counter()
-        self.proc = subprocess.Popen([sys.executable, _PROBE_SCRIPT],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+        # TensorFlow's INFO log names each GPU's PCI bus id and the libraries it failed to load: keep it on
+        self.proc = subprocess.Popen([sys.executable, _PROBE_SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0"))
 
     def result(self) -> Dict[str, Any]:
         left = max(1.0, self.timeout_s - (time.perf_counter() - self.started_s))
@@ -183,6 +193,7 @@ def _probe_result(stdout: str, stderr: str, returncode: Optional[int],
         if line.startswith(_PROBE_MARK):
             result = json.loads(line[len(_PROBE_MARK):])
     hints = [ln.strip()[:300] for ln in stderr.splitlines() if _LOG_HINT.search(ln)]
+    created = [m.groups() for m in _CREATED_GPU.finditer(stderr)]
     finished = result is not None and result.get("stage") in ("done", "import")
     if result is None or not finished:
         stage = (result or {}).get("stage", "start-up")
@@ -193,6 +204,9 @@ def _probe_result(stdout: str, stderr: str, returncode: Optional[int],
             result = {"tensorflow": None}
         result.update(crashed=True, error=f"the TensorFlow probe {why}: {tail}")
     result["log_hints"] = hints[:12]
+    if created:
+        result["gpu_pci_bus_ids"] = {i: bus for i, _, bus in created}
+        result["gpu_names"] = {i: name for i, name, _ in created}
     return result
 
 
@@ -468,12 +482,24 @@ def gather_facts(nvml: Any = None, probe_tensorflow: bool = True, root: str = "/
             facts.driver_version = nv.driver_version()
             facts.cuda_driver_version = nv.cuda_driver_version()
             facts.gpus = nv.devices()
-            facts.visible_gpu_indices = nvml_lib.visible_gpu_indices(facts.gpus, env)
-            me = os.getpid()
+            facts.gpu_errors = dict(getattr(nv, "device_errors", None) or {})
+            order, why = nvml_lib.cuda_order(facts.gpus, env)
+            facts.visible_gpu_indices = nvml_lib.visible_gpu_indices(facts.gpus, env, order)
+            if why and _numbered_entries(env):
+                facts.gpu_order_uncertain = why
+            skip_pids = {os.getpid()} | ({probe.proc.pid} if probe is not None else set())
             for g in facts.gpus:
-                facts.processes.extend(p for p in nv.processes(g.index) if p.pid != me)
-                facts.samples[g.index] = nv.sample(g.index)
-            facts.health, facts.links = _health_and_links(nv, facts.gpus, facts.visible_gpu_indices)
+                if g.index in facts.gpu_errors:
+                    continue
+                try:  # per GPU: one GPU fallen off the bus must not cost the others their checks
+                    facts.processes.extend(p for p in nv.processes(g.index) if p.pid not in skip_pids)
+                    facts.samples[g.index] = nv.sample(g.index)
+                except Exception as e:  # noqa: BLE001
+                    facts.gpu_errors[g.index] = f"{type(e).__name__}: {e}"
+            healthy = [g for g in facts.gpus if g.index not in facts.gpu_errors]
+            pairs = [g.index for g in healthy] if facts.gpu_order_uncertain else [
+                i for i in facts.visible_gpu_indices if i not in facts.gpu_errors]
+            facts.health, facts.links = _health_and_links(nv, healthy, pairs)
         except Exception as e:  # noqa: BLE001 - NVML half-working: report it, keep going
             facts.nvml_error, facts.nvml_error_kind = f"NVML query failed: {type(e).__name__}: {e}", "other"
         finally:
@@ -498,7 +524,37 @@ def gather_facts(nvml: Any = None, probe_tensorflow: bool = True, root: str = "/
     if probe is not None:
         progress("waiting for the TensorFlow probe")
         facts.tf = probe.result()
+        _visible_from_tensorflow(facts)
     return facts
+
+
+def _numbered_entries(env: Mapping[str, str]) -> bool:
+    """``CUDA_VISIBLE_DEVICES`` selects GPUs by number (whose meaning depends on ``CUDA_DEVICE_ORDER``)."""
+    raw = env.get("CUDA_VISIBLE_DEVICES")
+    return raw is not None and any(e.strip().isdigit() for e in raw.split(","))
+
+
+def _visible_from_tensorflow(facts: Facts) -> None:
+    """Where CUDA's numbering is a guess (mixed GPU models, ``FASTEST_FIRST``), take the GPUs TensorFlow actually
+    got from the PCI bus ids it logged (or their names, when each is unique here)."""
+    if not facts.gpu_order_uncertain or not facts.tf_gpus:
+        return
+    from keras_scale.nvml import pci_key
+
+    by_bus = {pci_key(g.pci_bus_id): g.index for g in facts.gpus if pci_key(g.pci_bus_id)}
+    buses = facts.tf.get("gpu_pci_bus_ids") or {}
+    names = facts.tf.get("gpu_names") or {}
+    found = []
+    for i in range(len(facts.tf_gpus)):
+        hit = by_bus.get(pci_key(buses.get(str(i), "")))
+        if hit is None:
+            same = [g.index for g in facts.gpus if g.name == names.get(str(i))]
+            hit = same[0] if len(same) == 1 else None
+        if hit is None:
+            return  # cannot tell: keep saying so
+        found.append(hit)
+    facts.visible_gpu_indices = found
+    facts.gpu_order_uncertain = None
 
 
 # ================================================================================================== checks
@@ -628,6 +684,36 @@ def check_driver_cuda(f: Facts, minimums: Optional[Dict[str, Dict[str, str]]] = 
     return CheckResult(name, "ok", f"driver {f.driver_version} >= {toolkit_min} needed by CUDA {b['cuda_version']}")
 
 
+def _no_visible(f: Facts) -> str:
+    if f.gpu_order_uncertain:
+        return "Which GPU(s) CUDA_VISIBLE_DEVICES selects is uncertain (see gpu_visibility); not checked."
+    return "No visible GPU."
+
+
+def _mig_known(f: Facts, entry: str) -> bool:
+    """A ``MIG-<uuid>`` (or ``MIG-GPU-<uuid>/<gi>/<ci>``) entry that names an instance NVML lists here."""
+    e = entry.strip().upper()
+    if e.startswith("MIG-GPU-"):
+        return any(g.uuid.upper() == e[4:].split("/")[0] for g in f.gpus)
+    return any(m.upper().startswith(e) for g in f.gpus for m in g.mig_uuids)
+
+
+def check_gpus_responding(f: Facts) -> CheckResult:
+    """Each GPU answers NVML: one that does not (fallen off the bus: Xid 79, "GPU is lost") is reported by number,
+    and the other GPUs are still checked."""
+    name = "gpus_responding"
+    if not f.gpus:
+        return CheckResult(name, "skip", "No GPU present.")
+    if f.gpu_errors:
+        lost = "; ".join(f"GPU {i} does not answer NVML ({why})" + (" -- fallen off the bus (Xid 79?)" if re.search(
+            r"lost|fallen|off the bus|Unknown Error", why, re.IGNORECASE) else "") for i, why in sorted(f.gpu_errors.items()))
+        return CheckResult(name, "error", f"{lost}. The other {len(f.gpus) - len(f.gpu_errors)} GPU(s) were checked.",
+                           "Drain the node: `nvidia-smi` and `sudo dmesg | grep -i xid` show what happened; reset the "
+                           "GPU (`sudo nvidia-smi -r -i <index>`) or reboot; if it returns, RMA it. Meanwhile exclude it "
+                           "with CUDA_VISIBLE_DEVICES.")
+    return CheckResult(name, "ok", f"All {len(f.gpus)} GPU(s) answer NVML.")
+
+
 def check_gpu_visibility(f: Facts) -> CheckResult:
     """GPUs seen by NVML vs by TensorFlow, and why they differ."""
     name = "gpu_visibility"
@@ -638,19 +724,42 @@ def check_gpu_visibility(f: Facts) -> CheckResult:
     if n == 0 and not t:
         return CheckResult(name, "skip", "No GPU present (NVML sees none" + (", TensorFlow sees none" if t == 0 else "")
                        + "): training runs on the CPU.")
+    if n == 0:
+        if t is None:
+            return CheckResult(name, "skip", "NVML sees no GPU; TensorFlow not available to compare.")
+        fix = ("Install nvidia-ml-py and check `nvidia-smi` works for this user." if f.nvml_error_kind == "no_module"
+               else "Run `nvidia-smi`: a GPU in a bad state (Xid errors in `sudo dmesg`) makes NVML fail for all.")
+        return CheckResult(name, "warn", f"TensorFlow sees {t} GPU(s) but NVML none ({f.nvml_error or 'no devices'}).",
+                           fix)
+    tf_text = "" if t is None else f"; TensorFlow sees {t}"
+    if f.gpu_order_uncertain:
+        return CheckResult(name, "warn", f"{cvd_text} selects GPUs by number, but {f.gpu_order_uncertain}: which "
+                           f"GPU(s) it selects cannot be told without TensorFlow's view, so the per-GPU checks are "
+                           f"skipped{tf_text}.",
+                           "export CUDA_DEVICE_ORDER=PCI_BUS_ID (numbers then match nvidia-smi), or select GPUs by "
+                           "UUID (CUDA_VISIBLE_DEVICES=GPU-..., `nvidia-smi -L`); run the doctor with TensorFlow to "
+                           "see which GPU it gets.")
+    if v == 0 and cvd is not None:
+        migs = [e.strip() for e in cvd.split(",") if e.strip().upper().startswith("MIG-")]
+        if migs and (_mig_known(f, migs[0]) or t):  # TensorFlow got it, or NVML knows it but not which GPU
+            return CheckResult(name, "ok" if t else "warn", f"{cvd_text} selects MIG instance(s) that NVML could not "
+                               f"map to one GPU here{tf_text}; the per-GPU checks are skipped.",
+                               "" if t else "Compare with `nvidia-smi -L` (inside the container, if any).")
+        if migs:
+            why = f"names MIG instance {migs[0]}, which no GPU here has (a stale or mistyped UUID)"
+            fix = "List the MIG instances with `nvidia-smi -L` and use one of their MIG-<uuid> names."
+        elif cvd.strip() in ("", "-1"):
+            why = "hides every GPU"
+            fix = ("Unset CUDA_VISIBLE_DEVICES or list the GPUs to use, e.g. CUDA_VISIBLE_DEVICES=0,1 (if this job "
+                   "is meant to run on the CPU, ignore this)")
+        else:
+            why = f"matches none of the {n} GPU(s) (indices 0-{n - 1}; CUDA stops at the first entry it cannot match)"
+            fix = "List valid GPU indices or UUIDs (`nvidia-smi -L`), e.g. CUDA_VISIBLE_DEVICES=0,1"
+        return CheckResult(name, "error", f"{cvd_text} {why}: training runs on the CPU although NVML sees {n} "
+                           f"GPU(s){tf_text}.", fix)
     if t is None:
         return CheckResult(name, "skip", f"NVML sees {n} GPU(s), {v} visible ({cvd_text}); TensorFlow not available "
                        "to compare.")
-    if n == 0:
-        return CheckResult(name, "warn", f"TensorFlow sees {t} GPU(s) but NVML none ({f.nvml_error or 'no devices'}).",
-                       "Install nvidia-ml-py and check `nvidia-smi` works for this user.")
-    if v == 0 and cvd and any(e.strip().upper().startswith("MIG-") for e in cvd.split(",")):
-        return CheckResult(name, "ok" if t else "warn", f"{cvd_text} selects MIG instance(s) that NVML could not "
-                           f"map to a GPU here; TensorFlow sees {t}.", "" if t else
-                           "List MIG instances with `nvidia-smi -L` and use one of their MIG-<uuid> names.")
-    if v == 0:
-        return CheckResult(name, "warn", f"{cvd_text} hides all {n} GPU(s): TensorFlow sees {t}.",
-                       "Unset CUDA_VISIBLE_DEVICES or list the GPU indices to use, e.g. CUDA_VISIBLE_DEVICES=0,1")
     if t == 0:
         build = f.tf.get("build") or {}
         hints = f.tf.get("log_hints") or []
@@ -781,8 +890,14 @@ def check_placement(f: Facts) -> CheckResult:
             " | TensorFlow said: " + " | ".join(hints[:2]) if hints else ""),
             "See compute_capability, driver_vs_cuda, cuda_wheels, cuda_libraries and xla_flags; `nvidia-smi` for "
             "a GPU in a bad state.")
-    suffix = " (no GPU: CPU only)" if all("CPU" in d for d in good) else ""
-    return CheckResult(name, "ok", "; ".join(f"{d}: {', '.join(ops)}" for d, ops in good.items()) + " ran" + suffix)
+    ran = "; ".join(f"{d}: {', '.join(ops)}" for d, ops in good.items()) + " ran"
+    if all("CPU" in d for d in good):
+        if f.gpus:
+            return CheckResult(name, "error", f"{ran} on the CPU only, although NVML sees {len(f.gpus)} GPU(s): "
+                               "training would run on the CPU.", "See gpu_visibility (CUDA_VISIBLE_DEVICES, the "
+                               "TensorFlow build, CUDA libraries).")
+        return CheckResult(name, "ok", ran + " (no GPU: CPU only)")
+    return CheckResult(name, "ok", ran)
 
 
 def check_memory_growth(f: Facts) -> CheckResult:
@@ -979,7 +1094,7 @@ def check_compute_capability(f: Facts, minimums: Optional[Dict[str, Dict[str, st
     on the same major version; ``compute_XY`` PTX needs the driver to JIT-compile it)."""
     name = "compute_capability"
     if not f.visible_gpus:
-        return CheckResult(name, "skip", "No visible GPU.")
+        return CheckResult(name, "skip", _no_visible(f))
     if no := _no_tf(f, name):
         return no
     build = f.tf.get("build") or {}
@@ -1086,7 +1201,7 @@ def check_cuda_wheels(f: Facts) -> CheckResult:
 # --------------------------------------------------------------------------------------- GPU state (NVML)
 def _per_gpu(f: Facts, name: str) -> Optional[CheckResult]:
     if not f.visible_gpus:
-        return CheckResult(name, "skip", "No visible GPU.")
+        return CheckResult(name, "skip", _no_visible(f))
     if not f.health:
         return CheckResult(name, "skip", "NVML did not report the GPUs' state.")
     return None
@@ -1102,6 +1217,11 @@ def check_mig(f: Facts) -> CheckResult:
     if not on and not mig_entries:
         return CheckResult(name, "skip" if not f.gpus else "ok", "No GPU in MIG mode." if f.gpus else "No GPU present.")
     listing = "; ".join(f"GPU {g.index}: {len(g.mig_uuids)} MIG instance(s)" for g in on)
+    stale = [e for e in mig_entries[:1] if f.gpus and not _mig_known(f, e)]
+    if stale and not f.tf_gpus:
+        return CheckResult(name, "error", f"{listing + '; ' if listing else ''}CUDA_VISIBLE_DEVICES selects {stale[0]}, "
+                           "which no GPU here has (stale or mistyped): CUDA sees no GPU.".lstrip("; "),
+                           "Use a MIG-<uuid> from `nvidia-smi -L`.")
     if len(mig_entries) == 1:
         return CheckResult(name, "ok", f"{listing}; CUDA_VISIBLE_DEVICES selects {mig_entries[0]}.".lstrip("; "))
     why = ("CUDA_VISIBLE_DEVICES lists several MIG instances but a CUDA process uses only the first"
@@ -1217,10 +1337,15 @@ def check_gpu_topology(f: Facts) -> CheckResult:
     name = "gpu_topology"
     if len(f.visible_gpu_indices) < 2:
         return CheckResult(name, "skip", "Fewer than 2 visible GPUs.")
-    if not f.links:
+    visible = {g.index for g in f.visible_gpus}
+    links = [link for link in f.links if link.a in visible and link.b in visible]
+    if len(visible) < 2:
+        return CheckResult(name, "skip", "Fewer than 2 visible GPUs." if not f.gpu_order_uncertain else
+                           _no_visible(f))
+    if not links:
         return CheckResult(name, "skip", "NVML did not report how the GPUs are connected.")
     pairs, no_p2p = [], []
-    for link in f.links:
+    for link in links:
         how = f"NVLink x{link.nvlinks}" if link.nvlinks else f"PCIe ({link.topology or '?'})"
         pairs.append(f"{link.a}-{link.b} {how}")
         if link.p2p is False and not link.nvlinks:
@@ -1239,7 +1364,7 @@ def _host(f: Facts, name: str, needs_gpu: bool = True) -> Optional[CheckResult]:
     if f.host is None:
         return CheckResult(name, "skip", "Host facts were not gathered.")
     if needs_gpu and not f.visible_gpus:
-        return CheckResult(name, "skip", "No visible GPU.")
+        return CheckResult(name, "skip", _no_visible(f))
     return None
 
 
@@ -1463,7 +1588,7 @@ CHECKS: Tuple[Callable[[Facts], CheckResult], ...] = (
     check_python, check_tensorflow, check_keras, check_versions, check_tf_build, check_nvidia_driver,
     check_driver_cuda, check_compute_capability, check_cuda_wheels, check_library_conflicts, check_cuda_libraries,
     # the GPUs
-    check_gpu_visibility, check_mig, check_gpu_processes, check_gpu_memory_errors, check_gpu_modes,
+    check_gpus_responding, check_gpu_visibility, check_mig, check_gpu_processes, check_gpu_memory_errors, check_gpu_modes,
     check_pcie_link, check_power_limit, check_throttling, check_gpu_topology, check_placement,
     # the host that feeds them
     check_cpu_per_gpu, check_host_memory, check_numa, check_storage, check_shm, check_memlock,

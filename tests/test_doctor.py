@@ -181,7 +181,7 @@ def test_visibility_matches():
 def test_visibility_cuda_visible_devices_hides_all():
     f = dr.check_gpu_visibility(_facts(num_gpus=2, tf=_tf_with_gpus(0), visible_gpu_indices=[],
                                        env={"CUDA_VISIBLE_DEVICES": ""}))
-    assert f.status == "warn" and "CUDA_VISIBLE_DEVICES=''" in f.detail
+    assert f.status == "error" and "CUDA_VISIBLE_DEVICES=''" in f.detail and "hides every GPU" in f.detail
 
 
 def test_visibility_mig_instance_is_not_hiding_all_gpus():
