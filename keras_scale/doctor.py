@@ -705,12 +705,15 @@ def check_gpus_responding(f: Facts) -> CheckResult:
     if not f.gpus:
         return CheckResult(name, "skip", "No GPU present.")
     if f.gpu_errors:
-        lost = "; ".join(f"GPU {i} does not answer NVML ({why})" + (" -- fallen off the bus (Xid 79?)" if re.search(
-            r"lost|fallen|off the bus|Unknown Error", why, re.IGNORECASE) else "") for i, why in sorted(f.gpu_errors.items()))
-        return CheckResult(name, "error", f"{lost}. The other {len(f.gpus) - len(f.gpu_errors)} GPU(s) were checked.",
+        lost = []
+        for i, why in sorted(f.gpu_errors.items()):
+            gone = re.search(r"lost|fallen|off the bus|Unknown Error", why, re.IGNORECASE)
+            lost.append(f"GPU {i} does not answer NVML ({why})" + (": fallen off the bus (Xid 79?)" if gone else ""))
+        return CheckResult(name, "error", f"{'; '.join(lost)}. The other {len(f.gpus) - len(f.gpu_errors)} GPU(s) "
+                           "were checked.",
                            "Drain the node: `nvidia-smi` and `sudo dmesg | grep -i xid` show what happened; reset the "
-                           "GPU (`sudo nvidia-smi -r -i <index>`) or reboot; if it returns, RMA it. Meanwhile exclude it "
-                           "with CUDA_VISIBLE_DEVICES.")
+                           "GPU (`sudo nvidia-smi -r -i <index>`) or reboot; if it returns, RMA it. Meanwhile "
+                           "exclude it with CUDA_VISIBLE_DEVICES.")
     return CheckResult(name, "ok", f"All {len(f.gpus)} GPU(s) answer NVML.")
 
 
@@ -785,9 +788,13 @@ def check_gpu_processes(f: Facts) -> CheckResult:
     name = "gpu_processes"
     if not f.gpus:
         return CheckResult(name, "skip", "No GPU present.")
-    if not f.processes:
-        return CheckResult(name, "ok", "No other process holds GPU memory.")
-    what, fix = leftover_processes_message(f.processes, f.visible_gpu_indices)
+    visible = set(f.visible_gpu_indices)
+    procs = f.processes if f.gpu_order_uncertain else [p for p in f.processes if p.gpu_index in visible]
+    hidden = len({p.pid for p in f.processes} - {p.pid for p in procs})
+    if not procs:
+        return CheckResult(name, "ok", "No other process holds memory on the visible GPU(s)" + (
+            f" ({hidden} process(es) use GPUs hidden by CUDA_VISIBLE_DEVICES)." if hidden else "."))
+    what, fix = leftover_processes_message(procs, f.visible_gpu_indices)
     return CheckResult(name, "warn", f"Processes already hold GPU memory: {what}.", fix + ".")
 
 
@@ -1219,8 +1226,9 @@ def check_mig(f: Facts) -> CheckResult:
     listing = "; ".join(f"GPU {g.index}: {len(g.mig_uuids)} MIG instance(s)" for g in on)
     stale = [e for e in mig_entries[:1] if f.gpus and not _mig_known(f, e)]
     if stale and not f.tf_gpus:
-        return CheckResult(name, "error", f"{listing + '; ' if listing else ''}CUDA_VISIBLE_DEVICES selects {stale[0]}, "
-                           "which no GPU here has (stale or mistyped): CUDA sees no GPU.".lstrip("; "),
+        head = f"{listing}; " if listing else ""
+        return CheckResult(name, "error", f"{head}CUDA_VISIBLE_DEVICES selects {stale[0]}, which no GPU here has "
+                           "(stale or mistyped): CUDA sees no GPU.",
                            "Use a MIG-<uuid> from `nvidia-smi -L`.")
     if len(mig_entries) == 1:
         return CheckResult(name, "ok", f"{listing}; CUDA_VISIBLE_DEVICES selects {mig_entries[0]}.".lstrip("; "))
@@ -1588,8 +1596,8 @@ CHECKS: Tuple[Callable[[Facts], CheckResult], ...] = (
     check_python, check_tensorflow, check_keras, check_versions, check_tf_build, check_nvidia_driver,
     check_driver_cuda, check_compute_capability, check_cuda_wheels, check_library_conflicts, check_cuda_libraries,
     # the GPUs
-    check_gpus_responding, check_gpu_visibility, check_mig, check_gpu_processes, check_gpu_memory_errors, check_gpu_modes,
-    check_pcie_link, check_power_limit, check_throttling, check_gpu_topology, check_placement,
+    check_gpus_responding, check_gpu_visibility, check_mig, check_gpu_processes, check_gpu_memory_errors,
+    check_gpu_modes, check_pcie_link, check_power_limit, check_throttling, check_gpu_topology, check_placement,
     # the host that feeds them
     check_cpu_per_gpu, check_host_memory, check_numa, check_storage, check_shm, check_memlock,
     # environment variables

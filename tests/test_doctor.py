@@ -946,3 +946,124 @@ def test_numeric_xla_flag_without_value_read_from_the_flag_descriptor(tmp_path):
     if dr._tf_library_paths():  # the real XLA of this TensorFlow
         real = dr.xla_flag_kinds(["xla_gpu_autotune_level", "xla_hlo_profile", "xla_dump_to"], dr._tf_library_paths())
         assert real == {"xla_gpu_autotune_level": "integer", "xla_hlo_profile": "bool", "xla_dump_to": "string"}
+
+
+def _gather(monkeypatch, fake, env, tf=None):
+    """The real gathering on a fake NVML with ``env`` as the environment; ``tf``: a probe result to add."""
+    for k in list(os.environ):
+        if k.startswith(("CUDA_", "NCCL_", "XLA_", "TF_")):
+            monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    facts = dr.gather_facts(nvml=fake, probe_tensorflow=False)
+    if tf is not None:
+        facts.tf = tf
+        dr._visible_from_tensorflow(facts)
+    return facts, {c.name: c for c in dr.run_checks(facts)}
+
+
+@pytest.mark.parametrize("cvd", ["", "-1", "8", "MIG-0c0ffee0-dead-beef-0000-000000000000"])
+def test_cuda_visible_devices_hiding_every_gpu_is_an_error(monkeypatch, cvd):
+    fake = FakeNvml.with_gpus(8)
+    facts, by = _gather(monkeypatch, fake, {"CUDA_VISIBLE_DEVICES": cvd}, tf=_tf_with_gpus(0))
+    assert facts.visible_gpu_indices == []
+    assert by["gpu_visibility"].status == "error", by["gpu_visibility"]
+    assert by["placement"].status == "error" and "CPU only" in by["placement"].detail  # not "ok"
+    assert dr.exit_code(dr.report(facts)) == 1
+    if cvd.startswith("MIG-"):
+        assert by["mig"].status == "error" and "no GPU here has" in by["mig"].detail
+        assert "no GPU here has" in by["gpu_visibility"].detail
+    # without TensorFlow (--no-tensorflow) the same verdict
+    facts.tf = {}
+    assert dr.check_gpu_visibility(facts).status == "error"
+
+
+def test_a_lost_gpu_is_named_and_the_others_are_still_checked(monkeypatch):
+    fake = FakeNvml.with_gpus(4, lost=[3], health={1: dict(pcie_width=4)})
+    facts, by = _gather(monkeypatch, fake, {}, tf=_tf_with_gpus(3))
+    assert facts.nvml_error is None and sorted(facts.health) == [0, 1, 2] and 3 in facts.gpu_errors
+    lost = by["gpus_responding"]
+    assert lost.status == "error" and "GPU 3 does not answer NVML" in lost.detail and "Xid 79" in lost.detail
+    assert "other 3 GPU(s)" in lost.detail and "dmesg" in lost.fix
+    assert by["nvidia_driver"].status == "ok" and "nvidia-ml-py" not in by["gpu_visibility"].fix
+    assert "GPU 1 links at x4" in by["pcie_link"].detail  # the healthy GPUs keep their checks
+    # a sample that fails for one GPU (not at devices()) costs only that GPU too
+    fake = FakeNvml.with_gpus(2, health={0: dict(pcie_width=8)})
+    fake._fail = {1}
+    facts, by = _gather(monkeypatch, fake, {})
+    assert facts.nvml_error is None and list(facts.gpu_errors) == [1] and by["gpus_responding"].status == "error"
+    assert by["pcie_link"].status == "warn" and "GPU 0 links at x8" in by["pcie_link"].detail
+
+
+def test_nvml_failing_as_a_whole_does_not_advise_installing_nvidia_ml_py():
+    f = _facts(num_gpus=0, tf=_tf_with_gpus(2), nvml_error="NVML query failed: GPU is lost", nvml_error_kind="other")
+    vis = dr.check_gpu_visibility(f)
+    assert vis.status == "warn" and "nvidia-ml-py" not in vis.fix and "nvidia-smi" in vis.fix
+    f = _facts(num_gpus=0, tf=_tf_with_gpus(2), nvml_error="no pynvml", nvml_error_kind="no_module")
+    assert "nvidia-ml-py" in dr.check_gpu_visibility(f).fix
+
+
+def _mixed_box():
+    # NVML numbers by PCI bus: 0 = a GTX 1650 (7.5), 1 = an RTX 5090 (12.0, not supported by the wheel)
+    return FakeNvml([GpuInfo(0, "NVIDIA GeForce GTX 1650", "GPU-aaaa", 4096.0, "00000000:17:00.0"),
+                     GpuInfo(1, "NVIDIA GeForce RTX 5090", "GPU-bbbb", 32768.0, "00000000:65:00.0")],
+                    health={0: dict(compute_capability=(7, 5)), 1: dict(compute_capability=(12, 0))})
+
+
+def test_cuda_device_order_pci_bus_id_maps_numbers_like_nvidia_smi(monkeypatch):
+    facts, by = _gather(monkeypatch, _mixed_box(), {"CUDA_VISIBLE_DEVICES": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
+    assert facts.visible_gpu_indices == [1] and facts.gpu_order_uncertain is None
+
+
+def test_cuda_default_order_on_a_mixed_box_is_not_guessed(monkeypatch):
+    tf = dict(_tf_with_gpus(1), build=dict(cuda_version="12.5.1", cudnn_version="9", is_cuda_build=True,
+                                           cuda_compute_capabilities=["sm_60", "sm_70", "sm_80", "sm_89", "compute_90"]))
+    # no TensorFlow view: CUDA's FASTEST_FIRST makes "0" the RTX 5090, not NVML's GPU 0 -> say it is uncertain
+    facts, by = _gather(monkeypatch, _mixed_box(), {"CUDA_VISIBLE_DEVICES": "0"})
+    assert facts.gpu_order_uncertain and by["gpu_visibility"].status == "warn"
+    assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in by["gpu_visibility"].fix
+    assert by["compute_capability"].status == "skip" and "uncertain" in by["compute_capability"].detail
+    # TensorFlow logged the PCI bus id of the GPU it got: the RTX 5090, which the wheel cannot run
+    tf_log = dr._probe_result(dr._PROBE_MARK + json.dumps(dict(tf, stage="done")) + "\n",
+                              "I0000 gpu_device.cc:2020] Created device /job:localhost/replica:0/task:0/device:GPU:0 "
+                              "with 31000 MB memory:  -> device: 0, name: NVIDIA GeForce RTX 5090, pci bus id: "
+                              "0000:65:00.0, compute capability: 12.0\n", 0)
+    assert tf_log["gpu_pci_bus_ids"] == {"0": "0000:65:00.0"}
+    facts, by = _gather(monkeypatch, _mixed_box(), {"CUDA_VISIBLE_DEVICES": "0"}, tf=tf_log)
+    assert facts.visible_gpu_indices == [1] and facts.gpu_order_uncertain is None
+    assert by["compute_capability"].status == "error" and "RTX 5090" in by["compute_capability"].detail
+    # one model only: CUDA's order is the PCI order, nothing uncertain
+    facts, _ = _gather(monkeypatch, FakeNvml.with_gpus(2), {"CUDA_VISIBLE_DEVICES": "1"})
+    assert facts.visible_gpu_indices == [1] and facts.gpu_order_uncertain is None
+
+
+def test_gpu_processes_ignore_hidden_gpus_and_the_doctors_own_probe(monkeypatch):
+    procs = {0: [GpuProcess(0, 31337, "python alice_train.py", 70000.0)],
+             2: [GpuProcess(2, 4242, "python old_run.py", 1000.0)]}
+    facts, by = _gather(monkeypatch, FakeNvml.with_gpus(4, processes=procs), {"CUDA_VISIBLE_DEVICES": "2,3"})
+    p = by["gpu_processes"]
+    assert p.status == "warn" and "4242" in p.detail and "31337" not in p.detail and "alice" not in p.fix
+    facts, by = _gather(monkeypatch, FakeNvml.with_gpus(4, processes={0: procs[0]}), {"CUDA_VISIBLE_DEVICES": "2,3"})
+    assert by["gpu_processes"].status == "ok"  # another user's job on a GPU this job does not use
+
+
+def test_the_doctors_own_probe_child_is_not_a_leftover_process(tmp_path, monkeypatch):
+    """The TensorFlow probe (a child process) holds GPU memory while NVML is read: it is not someone else's job."""
+    probe = tmp_path / "probe.py"  # stands in for _tf_probe.py: holds "GPU memory" a moment, then reports
+    probe.write_text(f"import json, time\ntime.sleep(1.0)\nprint({dr._PROBE_MARK!r} + json.dumps({json.dumps(TF_OK)!r}"
+                     f" and dict(json.loads({json.dumps(TF_OK)!r}), stage='done')))\n")
+    monkeypatch.setattr(dr, "_PROBE_SCRIPT", str(probe))
+
+    class ProbeOnGpu(FakeNvml):
+        def processes(self, index):  # NVML lists this process's children as GPU users (the probe)
+            children = []
+            for task in os.listdir(f"/proc/{os.getpid()}/task"):
+                text = open(f"/proc/{os.getpid()}/task/{task}/children").read()
+                children += [int(p) for p in text.split()]
+            return [GpuProcess(index, pid, "python _tf_probe.py", 500.0) for pid in children]
+
+    fake = ProbeOnGpu.with_gpus(2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    facts = dr.gather_facts(nvml=fake, probe_tensorflow=True)
+    assert facts.tf.get("stage") == "done"
+    assert dr.check_gpu_processes(facts).status == "ok", dr.check_gpu_processes(facts)
