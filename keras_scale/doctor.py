@@ -1782,7 +1782,15 @@ def cli(argv: Sequence[str]) -> int:
     rep = doctor(probe_tensorflow=not args.no_tensorflow, paths=args.path,
                  progress=(lambda msg: None) if args.quiet else progress)
     progress.done()
-    print(json.dumps(rep, indent=2) if args.json else format_report(rep))
+    try:
+        print(json.dumps(rep, indent=2) if args.json else format_report(rep))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `keras-scale doctor | head`: the reader has what it wanted; no traceback
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # so the flush at exit does not raise again
+        except (OSError, ValueError, AttributeError):
+            pass
     return exit_code(rep, strict=args.strict)
 
 
