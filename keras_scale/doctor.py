@@ -120,6 +120,7 @@ class Facts:
     tf_xla_unknown_flags: Optional[List[str]] = None  # TF_XLA_FLAGS names TensorFlow does not define; None: unchecked
     nccl_conf: Dict[str, Tuple[str, str]] = field(default_factory=dict)  # NCCL variable -> (value, where it is set)
     gpu_errors: Dict[int, str] = field(default_factory=dict)  # GPU index -> why NVML cannot read it (GPU lost)
+    tf_wheel_floors: Dict[str, str] = field(default_factory=dict)  # NVIDIA wheel -> lowest version TensorFlow takes
     gpu_order_uncertain: Optional[str] = None  # why CUDA_VISIBLE_DEVICES' numbers cannot be mapped to NVML's
 
     @property
@@ -509,6 +510,7 @@ def gather_facts(nvml: Any = None, probe_tensorflow: bool = True, root: str = "/
     facts.host = gather_host_facts(root=root, paths=paths, gpus=facts.gpus)
     progress("reading packages, libraries and settings")
     facts.pip_nvidia_packages = _pip_nvidia_packages()
+    facts.tf_wheel_floors = _tf_wheel_floors()
     facts.ld_cuda_dirs = _ld_cuda_dirs(env)
     facts.conda_cuda_packages = _conda_cuda_packages(env, list(facts.ld_cuda_dirs))
     facts.net_interfaces = _net_interfaces()
@@ -1110,8 +1112,10 @@ def check_compute_capability(f: Facts, minimums: Optional[Dict[str, Dict[str, st
         return CheckResult(name, "skip", "The TensorFlow wheel does not report its CUDA architectures.")
     wheel = ", ".join(str(a) for a in build.get("cuda_compute_capabilities") or [])
     table = minimums or load_driver_minimums()
-    need = _toolkit_minimum(table, str(build.get("cuda_version") or ""))
-    errors, jit, native = [], [], []
+    need = _ptx_driver_minimum(table, str(build.get("cuda_version") or ""))
+    errors, jit, native, fixes = [], [], [], {}
+    newest = max(sass + ptx)
+    oldest = min(sass + ptx)
     for g in f.visible_gpus:
         cc = getattr(f.health.get(g.index), "compute_capability", None)
         if cc is None:
@@ -1121,30 +1125,45 @@ def check_compute_capability(f: Facts, minimums: Optional[Dict[str, Dict[str, st
             native.append(label)
         elif cc[0] >= 10 and not any(a[0] >= 10 for a in sass + ptx):
             errors.append(f"{label}: Blackwell is not supported by this wheel (its newest kernels are for "
-                          f"{max(sass + ptx)[0]}.{max(sass + ptx)[1]}; TensorFlow issues report 'PTX version ... does "
-                          "not support sm_100/sm_120')")
+                          f"{newest[0]}.{newest[1]}; TensorFlow issues report 'PTX version ... does not support "
+                          "sm_100/sm_120'); no driver changes that")
+            fixes["arch"] = (f"No driver helps for compute capability {cc[0]}.{cc[1]}: use a TensorFlow build with "
+                             f"kernels for sm_{cc[0]}{cc[1]} (NVIDIA's NGC TensorFlow container, or TensorFlow built "
+                             f"from source with TF_CUDA_COMPUTE_CAPABILITIES={cc[0]}.{cc[1]}), or a GPU this wheel "
+                             f"supports ({oldest[0]}.{oldest[1]} to {newest[0]}.{newest[1]})")
         elif any(p <= cc for p in ptx):
             if need and f.driver_version and _ver(f.driver_version) < _ver(need):
                 errors.append(f"{label}: runs only on PTX JIT-compiled by the driver, and driver "
                               f"{f.driver_version} cannot compile CUDA {build.get('cuda_version')} PTX "
                               f"(needs >= {need}):"
                               " the first kernel fails (CUDA_ERROR_UNSUPPORTED_PTX_VERSION)")
+                fixes["driver"] = f"Upgrade the NVIDIA driver to >= {need} (it then JIT-compiles the wheel's PTX)"
             else:
                 jit.append(label)
         else:
-            errors.append(f"{label}: older than every kernel in the wheel; TensorFlow skips this GPU")
+            errors.append(f"{label}: older than every kernel in the wheel (it starts at {oldest[0]}.{oldest[1]}); "
+                          "TensorFlow skips this GPU, and no driver changes that")
+            fixes["old"] = (f"No driver helps for compute capability {cc[0]}.{cc[1]}: use a GPU of compute capability "
+                            f">= {oldest[0]}.{oldest[1]}, or TensorFlow {f.tf_version} built from source with "
+                            f"TF_CUDA_COMPUTE_CAPABILITIES={cc[0]}.{cc[1]} (if its CUDA still supports it)")
     detail_tail = f" Wheel kernels: {wheel}."
     if errors:
-        driver = f"Upgrade the NVIDIA driver to >= {need} (PTX JIT), or u" if need else "U"
-        return CheckResult(name, "error", "; ".join(errors) + "." + detail_tail,
-                           f"{driver}se a TensorFlow build with kernels for these GPUs (e.g. NVIDIA's NGC TensorFlow "
-                           "container for Blackwell).")
+        return CheckResult(name, "error", "; ".join(errors) + "." + detail_tail, "; ".join(fixes.values()) + ".")
     if not native and not jit:
         return CheckResult(name, "skip", "NVML does not report the compute capability of the visible GPUs.")
     detail = "; ".join(filter(None, [f"native kernels: {', '.join(native)}" if native else "",
                                      f"PTX JIT by the driver: {', '.join(jit)}" if jit else ""])) + "." + detail_tail
     return CheckResult(name, "ok", detail, "The first run JIT-compiles PTX (minutes); keep the cache: export "
                        "CUDA_CACHE_MAXSIZE=4294967296" if jit else "")
+
+
+def _ptx_driver_minimum(table: Dict[str, Dict[str, str]], cuda_version: str) -> Optional[str]:
+    """The oldest driver that JIT-compiles the PTX of a CUDA version: PTX ISA versions follow CUDA's major.minor
+    (CUDA 12.5 GA and 12.5 Update 1 both emit PTX ISA 8.5, per the PTX ISA release history), so the GA driver of
+    that minor release (555.42.02 for 12.5.1) is enough."""
+    want = _ver(cuda_version)[:2]
+    same = sorted((row for k, row in table["toolkit"].items() if _ver(k)[:2] == want), key=_ver)
+    return same[0] if same else _toolkit_minimum(table, cuda_version)
 
 
 def _toolkit_minimum(table: Dict[str, Dict[str, str]], cuda_version: str) -> Optional[str]:
@@ -1158,31 +1177,48 @@ def _toolkit_minimum(table: Dict[str, Dict[str, str]], cuda_version: str) -> Opt
 
 
 _CUDA_WHEELS = {"nvidia-cuda-runtime": "CUDA runtime", "nvidia-cublas": "cuBLAS", "nvidia-cuda-nvcc": "ptxas (nvcc)",
-                "nvidia-cuda-nvrtc": "NVRTC"}
+                "nvidia-cuda-nvrtc": "NVRTC", "nvidia-nvjitlink": "nvJitLink"}
+
+
+def _tf_wheel_floors() -> Dict[str, str]:
+    """``{"nvidia-cuda-nvcc-cu12": "12.5.82", ...}``: the lowest NVIDIA wheel versions the installed TensorFlow
+    accepts (its ``Requires-Dist``, extra ``and-cuda``), read without importing it."""
+    for dist in _TF_DISTS:
+        try:
+            reqs = importlib.metadata.requires(dist) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        out = {}
+        for req in reqs:
+            m = _REQ.match(req)
+            floor = re.search(r">=\s*([0-9][0-9A-Za-z.]*)", (m.group(2) or "") if m else "")
+            if m and floor and m.group(1).lower().startswith("nvidia-"):
+                out[m.group(1).lower()] = floor.group(1)
+        return out
+    return {}
 
 
 def check_cuda_wheels(f: Facts) -> CheckResult:
     """The pip CUDA wheels ``tensorflow[and-cuda]`` installed (newest ``nvidia-*-cu12`` by default) against the
-    driver: a newer CUDA major needs a newer driver; a newer minor runs through minor version compatibility."""
+    driver: a newer CUDA major needs a newer driver; a newer minor runs through minor version compatibility. The
+    pins it suggests never go below what the installed TensorFlow requires."""
     name = "cuda_wheels"
-    wheels = {}
+    wheels = []
     for spec in f.pip_nvidia_packages:
         dist, _, version = spec.partition("==")
         base = re.sub(r"-cu\d+$", "", dist)
-        if base in _CUDA_WHEELS:
-            wheels[base] = (dist, version)
+        if base in _CUDA_WHEELS and len(_ver(version)) >= 2:
+            wheels.append((base, dist, version))
     if not wheels:
         return CheckResult(name, "skip", "No pip CUDA wheels (CUDA comes from the system or conda, or no GPU stack).")
-    listed = ", ".join(f"{d}=={v}" for d, v in wheels.values())
+    listed = ", ".join(f"{d}=={v}" for _, d, v in wheels)
     if not f.cuda_driver_version:
         return CheckResult(name, "skip", f"{listed}; no NVIDIA driver to compare with.")
     drv = f.cuda_driver_version
-    errors, warns = [], []
-    for base, (dist, version) in wheels.items():
+    errors, warns, pins, newest = [], [], [], (0, 0)
+    for base, dist, version in wheels:
         cuda = _ver(version)[:2]
-        if len(cuda) < 2:
-            continue
-        what = f"{_CUDA_WHEELS[base]} {version} (CUDA {cuda[0]}.{cuda[1]})"
+        what = f"{_CUDA_WHEELS[base]} {dist}=={version} (CUDA {cuda[0]}.{cuda[1]})"
         if cuda[0] > drv[0]:
             errors.append(f"{what} needs a CUDA {cuda[0]} driver; driver {f.driver_version} supports CUDA up to "
                           f"{drv[0]}.{drv[1]}")
@@ -1191,17 +1227,33 @@ def check_cuda_wheels(f: Facts) -> CheckResult:
                 ": XLA warns that the driver is older than the PTX compiler and compiles serially, and PTX it "
                 "emits may not load (CUDA_ERROR_UNSUPPORTED_PTX_VERSION)" if base == "nvidia-cuda-nvcc" else
                 ": runs through CUDA minor version compatibility only"))
+        else:
+            continue
+        newest = max(newest, cuda)
+        floor = f.tf_wheel_floors.get(dist)
+        if floor and _ver(floor)[:2] > drv:
+            pins.append(f"'{dist}=={floor}'")  # TensorFlow needs at least this: the closest to the driver it takes
+        elif floor is None and cuda[0] > drv[0]:
+            continue  # not TensorFlow's: nothing to pin it to; upgrade the driver or remove it
+        else:
+            pins.append(f"'{dist}=={drv[0]}.{drv[1]}.*'")
     build = (f.tf.get("build") or {}).get("cuda_version")
-    if build and "nvidia-cuda-runtime" in wheels and _ver(wheels["nvidia-cuda-runtime"][1])[:1] != _ver(build)[:1]:
-        errors.append(f"the CUDA runtime wheel {wheels['nvidia-cuda-runtime'][1]} is not CUDA {_ver(build)[0]}, which "
-                      f"TensorFlow {f.tf_version} was built for")
-    fix = (f"Upgrade the NVIDIA driver to one supporting CUDA {max(_ver(v)[:2] for _, v in wheels.values())[0]}."
-           f"{max(_ver(v)[:2] for _, v in wheels.values())[1]}, or pin the wheels to the driver's CUDA, e.g. "
-           f"pip install 'nvidia-cuda-nvcc-cu{drv[0]}=={drv[0]}.{drv[1]}.*'")
+    runtimes = [v for b, d, v in wheels if b == "nvidia-cuda-runtime" and d in f.tf_wheel_floors] or [
+        v for b, _, v in wheels if b == "nvidia-cuda-runtime"]
+    if build and runtimes and all(_ver(v)[:1] != _ver(build)[:1] for v in runtimes):
+        errors.append(f"the CUDA runtime wheel {runtimes[0]} is not CUDA {_ver(build)[0]}, which TensorFlow "
+                      f"{f.tf_version} was built for")
+    floors_above = [p for p in pins if "*" not in p]
+    fix = f"Upgrade the NVIDIA driver to one supporting CUDA {newest[0]}.{newest[1]}"
+    if pins:
+        fix += ", or pin the wheels: pip install " + " ".join(pins)
+        if floors_above:
+            fix += (f" (the lowest versions this TensorFlow accepts; they still need minor version compatibility "
+                    f"with the driver's CUDA {drv[0]}.{drv[1]})")
     if errors:
-        return CheckResult(name, "error", "; ".join(errors + warns) + ".", fix)
+        return CheckResult(name, "error", "; ".join(errors + warns) + ".", fix + ".")
     if warns:
-        return CheckResult(name, "warn", "; ".join(warns) + ".", fix)
+        return CheckResult(name, "warn", "; ".join(warns) + ".", fix + ".")
     return CheckResult(name, "ok", f"{listed}: all within the driver's CUDA {drv[0]}.{drv[1]}.")
 
 

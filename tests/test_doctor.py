@@ -607,6 +607,8 @@ TF_221_ARCHS = ["sm_60", "sm_70", "sm_80", "sm_89", "compute_90"]
     ((8, 6), "555.42.06", "ok", "native kernels"),  # sm_80 binaries run on 8.6
     ((9, 0), "555.42.06", "ok", "PTX JIT"),  # Hopper: compute_90 PTX, driver can compile CUDA 12.5.1 PTX
     ((9, 0), "535.104.05", "error", "UNSUPPORTED_PTX_VERSION"),  # R535 cannot compile 12.5 PTX
+    ((9, 0), "550.54.15", "error", "UNSUPPORTED_PTX_VERSION"),  # R550 (CUDA 12.4) cannot either
+    ((9, 0), "555.42.02", "ok", "PTX JIT"),  # 12.5 GA's driver: 12.5 and 12.5.1 both emit PTX ISA 8.5
     ((12, 0), "575.51.03", "error", "Blackwell"),
     ((10, 0), "575.51.03", "error", "Blackwell"),
     ((5, 2), "555.42.06", "error", "older than every kernel"),
@@ -619,7 +621,10 @@ def test_compute_capability_against_the_wheels_kernels(cc, driver, status, needl
     assert f.status == status and needle in f.detail, f
     assert "sm_89, compute_90" in f.detail
     if status == "error" and cc == (9, 0):
-        assert "555.42.06" in f.fix
+        assert "Upgrade the NVIDIA driver to >= 555.42.02" in f.fix and "No driver helps" not in f.fix
+    elif status == "error":  # the wheel has no kernels for it: a driver upgrade is no fix
+        assert "No driver helps" in f.fix and "Upgrade the NVIDIA driver" not in f.fix, f.fix
+        assert f"TF_CUDA_COMPUTE_CAPABILITIES={cc[0]}.{cc[1]}" in f.fix
 
 
 def test_compute_capability_skips_without_gpu_tf_or_arch_list():
@@ -1067,3 +1072,22 @@ def test_the_doctors_own_probe_child_is_not_a_leftover_process(tmp_path, monkeyp
     facts = dr.gather_facts(nvml=fake, probe_tensorflow=True)
     assert facts.tf.get("stage") == "done"
     assert dr.check_gpu_processes(facts).status == "ok", dr.check_gpu_processes(facts)
+
+
+def test_cuda_wheel_pins_never_go_below_what_tensorflow_requires():
+    newest = ["nvidia-cublas-cu12==12.9.1.4", "nvidia-cuda-nvcc-cu12==12.9.86", "nvidia-cuda-runtime-cu12==12.9.79",
+              "nvidia-nvjitlink-cu12==12.9.86", "nvidia-cuda-runtime==13.0.96"]
+    floors = {"nvidia-cublas-cu12": "12.5.3.2", "nvidia-cuda-nvcc-cu12": "12.5.82",
+              "nvidia-cuda-runtime-cu12": "12.5.82", "nvidia-nvjitlink-cu12": "12.5.82"}
+    f = dr.check_cuda_wheels(_facts(num_gpus=1, pip_nvidia_packages=newest, cuda_driver_version=(12, 4),
+                                    driver_version="550.54.15", tf_wheel_floors=floors))
+    assert f.status == "error" and "nvidia-cuda-runtime==13.0.96" in f.detail  # the un-suffixed CUDA 13 wheel
+    for dist, floor in floors.items():  # every wheel it warns about, pinned to TensorFlow's floor, not to 12.4
+        assert f"'{dist}=={floor}'" in f.fix, f.fix
+    assert "12.4.*" not in f.fix
+    # a driver between TensorFlow's floor and the wheels: pin to the driver's CUDA
+    g = dr.check_cuda_wheels(_facts(num_gpus=1, pip_nvidia_packages=newest[:4], cuda_driver_version=(12, 6),
+                                    driver_version="560.35.03", tf_wheel_floors=floors))
+    assert g.status == "warn" and "'nvidia-cuda-nvcc-cu12==12.6.*'" in g.fix and "nvJitLink" in g.detail
+    if dr._tf_wheel_floors():  # this TensorFlow's own metadata
+        assert dr._ver(dr._tf_wheel_floors()["nvidia-cuda-nvcc-cu12"]) >= (12, 5)
