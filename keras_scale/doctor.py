@@ -594,9 +594,19 @@ def check_tensorflow(f: Facts) -> CheckResult:
         return CheckResult("tensorflow", "warn", "TensorFlow is not installed; the NVML checks still ran, the "
                        "TensorFlow checks are skipped.", "pip install 'tensorflow[and-cuda]' (Linux with GPUs) or "
                        "pip install tensorflow")
+    if _flags_kill_tensorflow(f):
+        return CheckResult("tensorflow", "error", f"TensorFlow aborts at start-up on its flags, not a broken install "
+                           f"(see xla_flags): {err}", "Correct or unset TF_XLA_FLAGS / XLA_FLAGS as the xla_flags "
+                           "check says; TensorFlow itself is fine.")
     return CheckResult("tensorflow", "error", f"TensorFlow fails to import: {err}",
                    "Reinstall it in a clean virtualenv: pip install 'tensorflow[and-cuda]'; see the cuda_libraries "
                    "check for library problems.")
+
+
+def _flags_kill_tensorflow(f: Facts) -> bool:
+    """TF_XLA_FLAGS / XLA_FLAGS hold something TensorFlow aborts on (so a crash is theirs, not the install's)."""
+    hints = [h for h in f.tf.get("log_hints") or [] if "Unknown flag" in h or "to read flags" in h]
+    return bool(hints or _xla_flag_errors(f))
 
 
 def check_keras(f: Facts) -> CheckResult:
@@ -860,6 +870,9 @@ def check_cuda_libraries(f: Facts) -> CheckResult:
         return CheckResult(name, "error", "TensorFlow could not load CUDA libraries: " + " | ".join(missing[:3]),
                        "pip install 'tensorflow[and-cuda]' (CUDA, cuDNN as pip wheels), or install the CUDA/cuDNN "
                        "versions of the tf_build check and put them on LD_LIBRARY_PATH.")
+    if f.tf.get("crashed") and _flags_kill_tensorflow(f):
+        return CheckResult(name, "skip", "TensorFlow aborted on TF_XLA_FLAGS / XLA_FLAGS before loading its CUDA "
+                           "libraries (see xla_flags); not a library problem.")
     if f.tf.get("crashed") and not f.tf_version:
         return CheckResult(name, "error", f"TensorFlow crashed while starting: {f.tf.get('error')}",
                        "Reinstall 'tensorflow[and-cuda]' in a clean virtualenv; check library_conflicts.")

@@ -1091,3 +1091,17 @@ def test_cuda_wheel_pins_never_go_below_what_tensorflow_requires():
     assert g.status == "warn" and "'nvidia-cuda-nvcc-cu12==12.6.*'" in g.fix and "nvJitLink" in g.detail
     if dr._tf_wheel_floors():  # this TensorFlow's own metadata
         assert dr._ver(dr._tf_wheel_floors()["nvidia-cuda-nvcc-cu12"]) >= (12, 5)
+
+
+def test_a_tf_xla_flags_typo_is_blamed_on_the_flag_not_the_install():
+    crashed = {"tensorflow": None, "crashed": True, "error": "the TensorFlow probe exited with code 1 at: start-up",
+               "log_hints": ["F0000 parse_flags_from_env.cc:234] Unknown flag in TF_XLA_FLAGS: --tf_xla_nonsense=1"]}
+    f = _facts(num_gpus=1, tf=crashed, env={"TF_XLA_FLAGS": "--tf_xla_nonsense=1"})
+    by = {c.name: c for c in dr.run_checks(f)}
+    assert by["xla_flags"].status == "error" and "--tf_xla_nonsense" in by["xla_flags"].detail
+    assert by["tensorflow"].status == "error" and "xla_flags" in by["tensorflow"].detail
+    assert "einstall" not in by["tensorflow"].fix and "TF_XLA_FLAGS" in by["tensorflow"].fix
+    assert by["cuda_libraries"].status != "error" and "einstall" not in by["cuda_libraries"].fix
+    # the same crash without a flag to blame: the install is the suspect
+    plain = {c.name: c for c in dr.run_checks(_facts(num_gpus=1, tf=dict(crashed, log_hints=[])))}
+    assert "einstall" in plain["tensorflow"].fix and plain["cuda_libraries"].status == "error"
