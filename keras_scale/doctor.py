@@ -939,9 +939,16 @@ def check_memory_growth(f: Facts) -> CheckResult:
                            "GPU memory; its pool grows to the peak in use and keeps it, so nvidia-smi shows the peak, "
                            "not a full GPU, and out-of-memory reports come from CUDA rather than TensorFlow's BFC "
                            "allocator.")
+    if allocator in ("cuda_malloc", "memory_guard"):
+        return CheckResult(name, "warn", f"TF_GPU_ALLOCATOR={allocator}: a debugging allocator ("
+                           + ("plain cudaMalloc/cudaFree per tensor, no pooling" if allocator == "cuda_malloc" else
+                              "guard bytes around every allocation to catch out-of-bounds writes")
+                           + "): correct but much slower than the default BFC allocator.",
+                           "unset TF_GPU_ALLOCATOR after debugging (or use cuda_malloc_async)")
     if allocator:
         return CheckResult(name, "warn", f"TF_GPU_ALLOCATOR={allocator!r} is not a value TensorFlow knows "
-                           "('cuda_malloc_async' is the one alternative to the default).",
+                           "('cuda_malloc_async', or 'cuda_malloc' / 'memory_guard' for debugging); TensorFlow "
+                           "falls back to its default allocator.",
                            "unset TF_GPU_ALLOCATOR, or export TF_GPU_ALLOCATOR=cuda_malloc_async")
     if raw == "true" or (growth and all(growth.values())):
         return CheckResult(name, "ok", "Memory growth on: TensorFlow allocates GPU memory as needed; nvidia-smi shows "
@@ -1034,9 +1041,13 @@ def check_nccl_env(f: Facts) -> CheckResult:
     def shown(var: str) -> str:
         return f"{var}={nccl[var]}" + (f" (from {where[var]})" if var in where else "")
 
-    problems = []
+    problems, notes = [], []
+    no_ib = f.host is not None and not f.host.infiniband
     for var, what in _NCCL_SLOW.items():
         if nccl.get(var, "0").strip() not in ("", "0"):
+            if var == "NCCL_IB_DISABLE" and no_ib:
+                notes.append(f"{shown(var)} changes nothing here (no InfiniBand device)")
+                continue
             problems.append(f"{shown(var)} turns off {what}: all-reduce gets slower")
     for var, what in (("NCCL_P2P_LEVEL", "GPU peer-to-peer"), ("NCCL_NET_GDR_LEVEL", "GPUDirect RDMA")):
         if nccl.get(var, "").strip().upper() in ("LOC", "0"):
@@ -1056,7 +1067,7 @@ def check_nccl_env(f: Facts) -> CheckResult:
         return CheckResult(name, "warn", "; ".join(problems) + ".", "Unset these unless you are debugging a hang "
                            "(environment variables override the nccl.conf files); NCCL_DEBUG=INFO shows which "
                            "transports NCCL picked.")
-    return CheckResult(name, "ok", listed or "No NCCL_* variables set.",
+    return CheckResult(name, "ok", (listed or "No NCCL_* variables set.") + "".join(f"; {n}" for n in notes),
                        "" if "NCCL_DEBUG" in nccl else
                        "When debugging multi-GPU hangs or slowness: export NCCL_DEBUG=INFO")
 
@@ -1510,7 +1521,11 @@ def check_storage(f: Facts) -> CheckResult:
     if no := _host(f, name, needs_gpu=False):
         return no
     notes, shown = [], []
+    missing = []
     for s in f.host.storage:
+        if s["kind"] == "missing":
+            missing.append(f"{s['path']!r} does not exist" if s["path"] else "an empty --path was given")
+            continue
         shown.append(f"{s['path']}: {s['kind']} ({s['fstype'] or '?'} on {s['device'] or '?'})")
         if s["kind"] == "hdd":
             notes.append(f"{s['path']} is on a spinning disk: random reads starve the GPU")
@@ -1520,9 +1535,14 @@ def check_storage(f: Facts) -> CheckResult:
         elif s["kind"] == "container":
             notes.append(f"{s['path']} is in the container's overlay layer: slow writes, and checkpoints vanish "
                          "with the container")
+    rest = f" Others: {'; '.join(shown)}." if shown else ""
+    if missing:
+        return CheckResult(name, "warn", "; ".join(missing + notes) + "." + rest, "Check the spelling of the path (or "
+                           "mount it): training would fail reading data or writing checkpoints there.")
     if notes:
-        return CheckResult(name, "warn", "; ".join(notes) + ".", "Stage data on local NVMe (or read it as large "
-                           "sharded TFRecords with `.cache()`/`.prefetch()`); write checkpoints to a mounted volume.")
+        return CheckResult(name, "warn", "; ".join(notes) + "." + rest, "Stage data on local NVMe (or read it as "
+                           "large sharded TFRecords with `.cache()`/`.prefetch()`); write checkpoints to a mounted "
+                           "volume.")
     return CheckResult(name, "ok", "; ".join(shown) + ".")
 
 

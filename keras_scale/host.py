@@ -78,7 +78,10 @@ _NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs
 
 def _storage_of(path: str, root: str, mounts: List[Tuple[str, str, str, str]]) -> Dict[str, Any]:
     """The mount holding ``path`` and what it is: ``nvme``, ``ssd``, ``hdd``, ``virtual`` (a VM's virtio/Xen disk,
-    whose rotational flag means nothing), ``network``, ``memory``, ``container`` (overlay) or ``unknown``."""
+    whose rotational flag means nothing), ``network``, ``memory``, ``container`` (overlay), ``missing`` (no such path)
+    or ``unknown``."""
+    if not path or not os.path.exists(os.path.join(root, path.lstrip("/")) if os.path.isabs(path) else path):
+        return {"path": path, "mount": None, "fstype": None, "device": None, "kind": "missing"}
     real = os.path.realpath(path)
     best = max((m for m in mounts if real == m[1] or real.startswith(m[1].rstrip("/") + "/")),
                key=lambda m: len(m[1]), default=None)

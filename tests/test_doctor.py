@@ -332,6 +332,9 @@ def test_memory_growth():
     assert asy.status == "ok" and "pool grows to the peak" in asy.detail and not asy.fix
     typo = dr.check_memory_growth(_facts(num_gpus=1, env={"TF_GPU_ALLOCATOR": "cuda_malloc_asnyc"}))
     assert typo.status == "warn" and "cuda_malloc_asnyc" in typo.detail
+    for debug in ("cuda_malloc", "memory_guard"):  # TensorFlow's debugging allocators: known, but slow
+        d = dr.check_memory_growth(_facts(num_gpus=1, env={"TF_GPU_ALLOCATOR": debug}))
+        assert "not a value TensorFlow knows" not in d.detail and "debugging allocator" in d.detail, d
 
 
 def test_xla_flags(tmp_path):
@@ -740,6 +743,8 @@ def _fake_host_tree(root, shm_size="65536k", rotational="1", cpus=8, nodes=2):
         "server:/export /nfs nfs4 rw,vers=4.2 0 0",
         "/dev/vda1 /vm ext4 rw 0 0"]) + "\n")
     _write(root, "/sys/class/block/vda/queue/rotational", "1")  # virtio says 1 whatever backs it
+    for d in ("data/train", "scratch", "nfs/x", "etc", "vm/d"):  # the data/checkpoint paths exist in the tree
+        (root / d).mkdir(parents=True, exist_ok=True)
 
 
 def test_gather_host_facts_from_a_fabricated_tree(tmp_path):
@@ -1105,3 +1110,24 @@ def test_a_tf_xla_flags_typo_is_blamed_on_the_flag_not_the_install():
     # the same crash without a flag to blame: the install is the suspect
     plain = {c.name: c for c in dr.run_checks(_facts(num_gpus=1, tf=dict(crashed, log_hints=[])))}
     assert "einstall" in plain["tensorflow"].fix and plain["cuda_libraries"].status == "error"
+
+
+def test_storage_of_a_path_that_does_not_exist_is_said_and_other_paths_keep_their_kind(tmp_path):
+    _fake_host_tree(tmp_path)
+    host = dr.gather_host_facts(root=str(tmp_path), paths=["/dtaa/imagenet", "", "/scratch", "/data/train"],
+                                affinity=[0], memlock_bytes=None)
+    assert [s["kind"] for s in host.storage] == ["missing", "missing", "nvme", "hdd"]
+    f = dr.check_storage(_facts(host=host))
+    assert f.status == "warn" and "'/dtaa/imagenet' does not exist" in f.detail and "empty --path" in f.detail
+    assert "/data/train is on a spinning disk" in f.detail and "/scratch: nvme" in f.detail  # others still told
+    assert "spelling" in f.fix
+
+
+def test_nccl_ib_disable_without_infiniband_is_no_warning(tmp_path):
+    host = dr.HostFacts(infiniband=[])
+    f = dr.check_nccl_env(_facts(env={"NCCL_IB_DISABLE": "1"}, host=host,
+                                 nccl_conf={"NCCL_IB_DISABLE": ("1", "environment")}))
+    assert f.status == "ok" and "no InfiniBand" in f.detail
+    ib = dr.check_nccl_env(_facts(env={"NCCL_IB_DISABLE": "1"}, host=dr.HostFacts(infiniband=["mlx5_0"]),
+                                  nccl_conf={"NCCL_IB_DISABLE": ("1", "environment")}))
+    assert ib.status == "warn" and "InfiniBand" in ib.detail
