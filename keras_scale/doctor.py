@@ -1481,16 +1481,33 @@ def check_host_memory(f: Facts) -> CheckResult:
         return no
     if not f.host.ram_mb:
         return CheckResult(name, "skip", "Host memory could not be read.")
-    gpu_mb = sum(g.memory_total_mb for g in f.visible_gpus)
+    gpu_mb, slices = 0.0, []
+    for g in f.visible_gpus:
+        mb = _mig_slice_mb(f, g)
+        gpu_mb += g.memory_total_mb if mb is None else mb
+        if mb is not None:
+            slices.append(f"GPU {g.index}: a {mb / 1024:.0f} GiB MIG instance")
     limit = f" (the cgroup memory limit in {f.host.ram_limit_from})" if f.host.ram_limit_from else ""
     detail = (f"{f.host.ram_mb / 1024:.0f} GiB RAM{limit} for {gpu_mb / 1024:.0f} GiB of GPU memory "
-              f"({len(f.visible_gpus)} GPU(s))")
+              f"({len(f.visible_gpus)} GPU(s){': ' + ', '.join(slices) if slices else ''})")
     if f.host.ram_mb < gpu_mb:
         return CheckResult(name, "warn", detail + ": less RAM than GPU memory; shuffle buffers, caches, pinned "
                            "transfer buffers and checkpoint saves can exhaust it.",
                            "Give the job more memory (container/Slurm limit), shrink shuffle/cache buffers; "
                            "HostMemoryWatch tracks it during training.")
     return CheckResult(name, "ok", detail + ".")
+
+
+def _mig_slice_mb(f: Facts, g: Any) -> Optional[float]:
+    """The memory of the MIG instance of GPU ``g`` that ``CUDA_VISIBLE_DEVICES`` selects (None: not a MIG
+    instance, or its size not reported): a process sees that slice, not the whole GPU."""
+    for entry in (f.env.get("CUDA_VISIBLE_DEVICES") or "").split(","):
+        e = entry.strip().upper()
+        if e.startswith("MIG-") and not e.startswith("MIG-GPU-"):
+            for uuid, mb in zip(g.mig_uuids, getattr(g, "mig_memory_mb", ()) or ()):
+                if uuid.upper().startswith(e) and mb:
+                    return mb
+    return None
 
 
 def check_numa(f: Facts) -> CheckResult:

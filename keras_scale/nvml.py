@@ -86,6 +86,7 @@ class GpuInfo:
     memory_total_mb: float
     pci_bus_id: str = ""
     mig_uuids: Tuple[str, ...] = ()  # the MIG instances' UUIDs ("MIG-..."), when MIG mode is on
+    mig_memory_mb: Tuple[Optional[float], ...] = ()  # each MIG instance's memory, in the order of mig_uuids
 
 
 @dataclass(frozen=True)
@@ -270,27 +271,31 @@ class Nvml:
         h = self._handle(i)
         mem = self._try(self._nv.nvmlDeviceGetMemoryInfo, h)
         pci = self._try(self._nv.nvmlDeviceGetPciInfo, h)
+        migs = self._migs(h)
         return GpuInfo(
             index=i,
             name=_text(self._nv.nvmlDeviceGetName(h)),
             uuid=_text(self._try(self._nv.nvmlDeviceGetUUID, h) or ""),
             memory_total_mb=float(mem.total) / _MIB if mem is not None else 0.0,
             pci_bus_id=_text(getattr(pci, "busId", "") or "") if pci is not None else "",
-            mig_uuids=self._mig_uuids(h),
+            mig_uuids=tuple(u for u, _ in migs),
+            mig_memory_mb=tuple(m for _, m in migs),
         )
 
-    def _mig_uuids(self, h: Any) -> Tuple[str, ...]:
+    def _migs(self, h: Any) -> List[Tuple[str, Optional[float]]]:
+        """``(uuid, memory MiB)`` of each MIG instance of the GPU ``h`` (none when MIG mode is off)."""
         nv = self._nv
         mode = self._try(getattr(nv, "nvmlDeviceGetMigMode", None), h)
         if not mode or not mode[0]:
-            return ()
+            return []
         out = []
         for i in range(int(self._try(nv.nvmlDeviceGetMaxMigDeviceCount, h) or 0)):
             mig = self._try(nv.nvmlDeviceGetMigDeviceHandleByIndex, h, i)
             uuid = self._try(nv.nvmlDeviceGetUUID, mig) if mig is not None else None
             if uuid:
-                out.append(_text(uuid))
-        return tuple(out)
+                mem = self._try(nv.nvmlDeviceGetMemoryInfo, mig)
+                out.append((_text(uuid), None if mem is None else float(mem.total) / _MIB))
+        return out
 
     # ---------------------------------------------------------------------------------------------- readings
     def sample(self, index: int) -> GpuSample:

@@ -1131,3 +1131,41 @@ def test_nccl_ib_disable_without_infiniband_is_no_warning(tmp_path):
     ib = dr.check_nccl_env(_facts(env={"NCCL_IB_DISABLE": "1"}, host=dr.HostFacts(infiniband=["mlx5_0"]),
                                   nccl_conf={"NCCL_IB_DISABLE": ("1", "environment")}))
     assert ib.status == "warn" and "InfiniBand" in ib.detail
+
+
+def test_host_memory_counts_the_mig_slice_not_the_whole_gpu():
+    gpus = [GpuInfo(0, "NVIDIA A100-SXM4-80GB", "GPU-aaaa", 81920.0, mig_uuids=("MIG-1111", "MIG-2222"),
+                    mig_memory_mb=(9856.0, 40192.0))]
+    env = {"CUDA_VISIBLE_DEVICES": "MIG-1111"}
+    host = dr.HostFacts(ram_mb=24 * 1024.0, physical_cores=8, usable_cpus=8)
+    f = dr.check_host_memory(_facts(num_gpus=1, gpus=gpus, env=env, host=host))
+    assert f.status == "ok" and "24 GiB RAM for 10 GiB of GPU memory" in f.detail and "MIG instance" in f.detail
+    whole = dr.check_host_memory(_facts(num_gpus=1, gpus=gpus, host=host))  # no MIG instance named: whole GPU
+    assert whole.status == "warn" and "80 GiB of GPU memory" in whole.detail
+
+
+def test_nvml_reads_each_mig_instances_memory():
+    from keras_scale.nvml import Nvml
+    from tests.fakes.fake_nvml import FakePynvml
+
+    gpus = Nvml(FakePynvml(num_gpus=1, mig_uuids=["MIG-aaaa-1111"])).devices()
+    assert gpus[0].mig_uuids == ("MIG-aaaa-1111",) and gpus[0].mig_memory_mb == (80 * 1024.0,)
+
+
+def test_nvml_devices_keeps_the_other_gpus_when_one_is_lost():
+    from keras_scale.nvml import Nvml
+    from tests.fakes.fake_nvml import FakePynvml
+
+    class OneLost(FakePynvml):
+        class NVMLError_GpuIsLost(FakePynvml.NVMLError):
+            pass
+
+        def nvmlDeviceGetName(self, h):
+            if h[1] == 1:
+                raise self.NVMLError_GpuIsLost("GPU is lost")
+            return super().nvmlDeviceGetName(h)
+
+    nv = Nvml(OneLost(num_gpus=3))
+    gpus = nv.devices()
+    assert [g.index for g in gpus] == [0, 1, 2] and gpus[1].name == "unknown" and gpus[2].name == "NVIDIA Fake H100"
+    assert list(nv.device_errors) == [1] and "GPU is lost" in nv.device_errors[1]
