@@ -682,7 +682,7 @@ def check_driver_cuda(f: Facts, minimums: Optional[Dict[str, Dict[str, str]]] = 
         return CheckResult(name, "error", f"Driver {f.driver_version} supports CUDA up to {cuda_max[0]}.{cuda_max[1]}, "
                        f"but TensorFlow {f.tf_version} was built for CUDA {b['cuda_version']}: no GPU will work.",
                        f"Upgrade the NVIDIA driver to >= {toolkit_min or compat_min}.")
-    # the x.0 toolkit's own driver can predate the minor-compatibility floor (11.0 GA: 450.36.06 < 450.80.02)
+    # the x.0 toolkit's own driver can predate the minor-compatibility floor (11.0 GA: 450.51.05 < 450.80.02)
     floor = min((m for m in (compat_min, toolkit_min) if m), key=_ver)
     if drv < _ver(floor):
         return CheckResult(name, "error", f"Driver {f.driver_version} is too old for CUDA {b['cuda_version']} "
@@ -1339,6 +1339,10 @@ def check_gpu_memory_errors(f: Facts) -> CheckResult:
         return CheckResult(name, "error", "; ".join(errors + warns) + ".", fix)
     if warns:
         return CheckResult(name, "warn", "; ".join(warns) + ".", fix)
+    read = [f.health[g.index] for g in f.visible_gpus if g.index in f.health]
+    if not any(h.ecc_uncorrected_volatile is not None or h.pages_pending is not None for h in read):
+        return CheckResult(name, "ok", "ECC not reported by NVML (a GPU without ECC, or ECC turned off): no memory "
+                           "error counts to check.")
     return CheckResult(name, "ok", "No uncorrectable ECC errors, nothing pending.")
 
 
@@ -1352,8 +1356,12 @@ def check_gpu_modes(f: Facts) -> CheckResult:
     exclusive = [g.index for g in f.visible_gpus
                  if getattr(f.health.get(g.index), "compute_mode", "") in ("Exclusive_Process", "Exclusive_Thread")]
     no_persist = [g.index for g in f.visible_gpus if getattr(f.health.get(g.index), "persistence_mode", None) is False]
+    unknown_persist = [g.index for g in f.visible_gpus
+                       if getattr(f.health.get(g.index), "persistence_mode", None) is None]
+    unknown_mode = [g.index for g in f.visible_gpus if getattr(f.health.get(g.index), "compute_mode", None) is None]
     note = (f"Persistence mode off on GPU(s) {no_persist}: the driver sets each GPU up again for every new process "
-            "(slower start)." if no_persist else "Persistence mode on.")
+            "(slower start)." if no_persist else "Persistence mode not reported." if unknown_persist
+            else "Persistence mode on.")
     persist_fix = "sudo nvidia-smi -pm 1 (or enable the nvidia-persistenced service)" if no_persist else ""
     if prohibited:
         return CheckResult(name, "error", f"GPU(s) {prohibited} in compute mode Prohibited: no CUDA process can use "
@@ -1364,7 +1372,11 @@ def check_gpu_modes(f: Facts) -> CheckResult:
                            "the same GPU (a second worker, an evaluation job, this doctor's smoke test) fails with "
                            f"'all CUDA-capable devices are busy or unavailable'. {note}",
                            "One process per GPU (CUDA_VISIBLE_DEVICES), or sudo nvidia-smi -c DEFAULT -i <index>")
-    return CheckResult(name, "ok", f"Compute mode Default. {note}", persist_fix)
+    if len(unknown_mode) == len(f.visible_gpus):
+        return CheckResult(name, "ok", f"Compute mode not reported by NVML (vGPU or restricted container). {note}",
+                           persist_fix)
+    mode = "Default" + (f" (not reported for GPU(s) {unknown_mode})" if unknown_mode else "")
+    return CheckResult(name, "ok", f"Compute mode {mode}. {note}", persist_fix)
 
 
 def check_pcie_link(f: Facts) -> CheckResult:
@@ -1788,7 +1800,7 @@ def format_report(rep: Dict[str, Any], width: Optional[int] = None) -> str:
     Example:
         >>> print(format_report(doctor(probe_tensorflow=False), width=100))  # doctest: +SKIP
     """
-    width = max(60, width or shutil.get_terminal_size((100, 24)).columns)
+    width = max(40, width or shutil.get_terminal_size((100, 24)).columns)
     lines = ["keras-scale doctor", ""]
     head = (f"python {rep['python']}   tensorflow {_version_text(rep, 'tensorflow')}   "
             f"keras {_version_text(rep, 'keras')}")
@@ -1804,20 +1816,25 @@ def format_report(rep: Dict[str, Any], width: Optional[int] = None) -> str:
         lines.extend("  " + ln for ln in textwrap.wrap(text, width - 2, subsequent_indent="  "))
     lines.append("")
     name_w = max(len(c["name"]) for c in rep["checks"]) + 2
-    detail_w = max(30, width - 10 - name_w)
-    lines.append(f"  {'status':<6}  {'check':<{name_w}}detail")
-    lines.append(f"  {'-' * 6}  {'-' * (name_w - 2)}  {'-' * min(detail_w, 60)}")
-    pad = " " * (10 + name_w)
+    narrow = width - 10 - name_w < 30  # no room for a detail column: details go under each check, indented
+    detail_w = width - 6 if narrow else width - 10 - name_w
+    pad = " " * (6 if narrow else 10 + name_w)
+    lines.append((f"  {'status':<6}  {'check':<{name_w}}" + ("" if narrow else "detail")).rstrip())
+    lines.append(f"  {'-' * 6}  {'-' * (name_w - 2)}" + ("" if narrow else f"  {'-' * min(detail_w, 60)}"))
     for c in rep["checks"]:
         body = textwrap.wrap(c["detail"], detail_w, break_on_hyphens=False) or [""]
-        lines.append(f"  {_MARK[c['status']]:<6}  {c['name']:<{name_w}}{body[0]}")
-        lines.extend(pad + b for b in body[1:])
+        if narrow:
+            lines.append(f"  {_MARK[c['status']]:<6}  {c['name']}")
+            lines.extend(pad + b for b in body)
+        else:
+            lines.append(f"  {_MARK[c['status']]:<6}  {c['name']:<{name_w}}{body[0]}")
+            lines.extend(pad + b for b in body[1:])
         if c["fix"]:
             lines.extend(pad + b for b in textwrap.wrap("fix: " + c["fix"], detail_w, break_on_hyphens=False))
     counts = {s: sum(1 for c in rep["checks"] if c["status"] == s) for s in STATUSES}
     lines.append("")
-    lines.append(f"  {counts['error']} error(s), {counts['warn']} warning(s), {counts['ok']} ok, "
-                 f"{counts['skip']} skipped")
+    summary = f"{counts['error']} error(s), {counts['warn']} warning(s), {counts['ok']} ok, {counts['skip']} skipped"
+    lines.extend("  " + ln for ln in textwrap.wrap(summary, width - 2))
     return "\n".join(lines)
 
 

@@ -1169,3 +1169,25 @@ def test_nvml_devices_keeps_the_other_gpus_when_one_is_lost():
     gpus = nv.devices()
     assert [g.index for g in gpus] == [0, 1, 2] and gpus[1].name == "unknown" and gpus[2].name == "NVIDIA Fake H100"
     assert list(nv.device_errors) == [1] and "GPU is lost" in nv.device_errors[1]
+
+
+@pytest.mark.parametrize("columns", [40, 52, 72, 120])
+def test_text_table_fits_narrow_terminals(monkeypatch, capsys, columns):
+    monkeypatch.setenv("COLUMNS", str(columns))
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")  # a warning with a fix, wrapped too
+    dr.cli(["--no-tensorflow", "-q"])
+    out = capsys.readouterr().out
+    assert max(len(ln) for ln in out.splitlines()) <= columns, out
+    assert "nccl_env" in out and "fix:" in out
+
+
+def test_readings_nvml_does_not_report_are_not_stated_as_facts():
+    blank = _health(compute_mode=None, persistence_mode=None, ecc_uncorrected_volatile=None, pages_pending=None,
+                    row_remap_failed=None)
+    f = _facts(num_gpus=1, health={0: blank})
+    modes, ecc = dr.check_gpu_modes(f), dr.check_gpu_memory_errors(f)
+    assert "Default" not in modes.detail and "Persistence mode on" not in modes.detail
+    assert "not reported" in modes.detail and "ECC not reported" in ecc.detail and "No uncorrectable" not in ecc.detail
+    known = _facts(num_gpus=1, health={0: _health()})
+    assert "Compute mode Default. Persistence mode on." in dr.check_gpu_modes(known).detail
+    assert "No uncorrectable ECC errors" in dr.check_gpu_memory_errors(known).detail
