@@ -1191,3 +1191,23 @@ def test_readings_nvml_does_not_report_are_not_stated_as_facts():
     known = _facts(num_gpus=1, health={0: _health()})
     assert "Compute mode Default. Persistence mode on." in dr.check_gpu_modes(known).detail
     assert "No uncorrectable ECC errors" in dr.check_gpu_memory_errors(known).detail
+
+
+def test_docs_name_every_check_and_only_real_ones():
+    """docs/doctor.md's table lists each check once; the troubleshooting table names only checks that exist."""
+    import re
+
+    names = [c.__name__.replace("check_", "") for c in dr.CHECKS]
+    names = [{"driver_cuda": "driver_vs_cuda"}.get(n, n) for n in names]
+    got = {r.name for r in dr.run_checks(_facts(), dr.CHECKS)}
+    assert got == set(names)
+    doc = open(os.path.join(REPO_ROOT, "docs", "doctor.md")).read()
+    rows = re.findall(r"^\| `([a-z_0-9]+)` \|", doc, re.MULTILINE)
+    assert sorted(rows) == sorted(got), set(rows) ^ got
+    trouble = open(os.path.join(REPO_ROOT, "docs", "troubleshooting.md")).read()
+    for row in trouble.splitlines():
+        if row.startswith("| **"):
+            assert row.count(" | ") == 2, row[:80]  # symptom | what diagnoses it | what it tells you
+    doctor_part = " ".join(re.findall(r"`keras-scale doctor[^`]*`: (.*?)(?:;\s*`keras_scale\.|\s\|)", trouble))
+    mentioned = set(re.findall(r"`([a-z_]+)`(?= \()", doctor_part))  # "`gpu_processes` (what it finds)"
+    assert mentioned and mentioned <= got, mentioned - got
