@@ -139,6 +139,8 @@ def test_driver_vs_cuda(driver, cuda_max, wheel, status):
     assert finding.status == status, finding
     if status != "ok":
         assert "Upgrade the NVIDIA driver to >=" in finding.fix
+    if driver == "555.42.02":  # 12.5 GA's driver: same PTX ISA as 12.5.1, so no "PTX JIT can fail" scare
+        assert "same PTX ISA" in finding.detail and "UNSUPPORTED_PTX" not in finding.detail
 
 
 def test_every_driver_row_cites_its_source_and_the_corrected_rows():
