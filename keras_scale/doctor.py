@@ -1448,9 +1448,11 @@ def check_gpu_topology(f: Facts) -> CheckResult:
         return CheckResult(name, "skip", "NVML did not report how the GPUs are connected.")
     pairs, no_p2p = [], []
     for link in links:
-        how = f"NVLink x{link.nvlinks}" if link.nvlinks else f"PCIe ({link.topology or '?'})"
+        via_switch = not link.nvlinks and getattr(link, "nvlink_p2p", None)
+        how = (f"NVLink x{link.nvlinks}" if link.nvlinks else "NVLink (through NVSwitch)" if via_switch
+               else f"PCIe ({link.topology or '?'})")
         pairs.append(f"{link.a}-{link.b} {how}")
-        if link.p2p is False and not link.nvlinks:
+        if link.p2p is False and not link.nvlinks and not via_switch:
             no_p2p.append(f"{link.a}-{link.b}")
     detail = "; ".join(pairs)
     if no_p2p:

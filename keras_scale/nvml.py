@@ -217,6 +217,7 @@ class GpuLink:
     p2p: Optional[bool] = None
     nvlinks: int = 0
     topology: Optional[str] = None
+    nvlink_p2p: Optional[bool] = None  # peer-to-peer over NVLink, direct or through NVSwitch (DGX/HGX boards)
 
 
 class Nvml:
@@ -384,8 +385,12 @@ class Nvml:
             remote = self._try(nv.nvmlDeviceGetNvLinkRemotePciInfo, ha, link)
             if remote is not None and bus_b and _text(getattr(remote, "busId", "")).lower() == bus_b:
                 nvlinks += 1
+        # On NVSwitch systems every NVLink ends at a switch, not at GPU b: ask NVML whether P2P over NVLink works
+        over_nvlink = self._try(getattr(nv, "nvmlDeviceGetP2PStatus", None), ha, hb,
+                                getattr(nv, "NVML_P2P_CAPS_INDEX_NVLINK", 2))
         return GpuLink(a, b, p2p=None if p2p is None else int(p2p) == 0, nvlinks=nvlinks,
-                       topology=None if level is None else TOPOLOGY_LEVELS.get(int(level), str(level)))
+                       topology=None if level is None else TOPOLOGY_LEVELS.get(int(level), str(level)),
+                       nvlink_p2p=None if over_nvlink is None else int(over_nvlink) == 0)
 
     def processes(self, index: int) -> List[GpuProcess]:
         """Processes holding memory on GPU ``index`` (compute and graphics), largest first."""

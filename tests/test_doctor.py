@@ -1213,3 +1213,17 @@ def test_docs_name_every_check_and_only_real_ones():
     doctor_part = " ".join(re.findall(r"`keras-scale doctor[^`]*`: (.*?)(?:;\s*`keras_scale\.|\s\|)", trouble))
     mentioned = set(re.findall(r"`([a-z_]+)`(?= \()", doctor_part))  # "`gpu_processes` (what it finds)"
     assert mentioned and mentioned <= got, mentioned - got
+
+
+def test_gpus_joined_through_nvswitch_are_not_called_pcie():
+    """On DGX/HGX boards every NVLink ends at an NVSwitch, so no link names the other GPU; NVML's P2P-over-NVLink
+    status tells that they are NVLink-connected."""
+    from keras_scale.nvml import Nvml
+    from tests.fakes.fake_nvml import FakePynvml
+
+    link = Nvml(FakePynvml(num_gpus=2, nvswitch=True)).link(0, 1)
+    assert link.nvlinks == 0 and link.nvlink_p2p is True
+    f = dr.check_gpu_topology(_facts(num_gpus=2, links=[link]))
+    assert f.status == "ok" and "0-1 NVLink (through NVSwitch)" in f.detail and "PCIe" not in f.detail
+    plain = Nvml(FakePynvml(num_gpus=2)).link(0, 1)  # a PCIe box without P2P
+    assert plain.nvlink_p2p is False and dr.check_gpu_topology(_facts(num_gpus=2, links=[plain])).status == "warn"

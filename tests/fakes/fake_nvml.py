@@ -155,6 +155,7 @@ class FakePynvml:
     NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
     NVML_VOLATILE_ECC = 0
     NVML_P2P_CAPS_INDEX_READ = 0
+    NVML_P2P_CAPS_INDEX_NVLINK = 2
     NVML_NVLINK_MAX_LINKS = 36
 
     class NVMLError(Exception):
@@ -165,11 +166,12 @@ class FakePynvml:
 
     def __init__(self, unsupported: Sequence[str] = (), throttle_bits: int = 0,
                  procs: Sequence[Tuple[int, int]] = ((4242, 3 * 1024 ** 3),), num_gpus: int = 1,
-                 mig_uuids: Sequence[str] = (), nvlinks_to_gpu1: int = 0) -> None:
+                 mig_uuids: Sequence[str] = (), nvlinks_to_gpu1: int = 0, nvswitch: bool = False) -> None:
         self.unsupported = set(unsupported)
         self.num_gpus = num_gpus
         self.mig_uuids = list(mig_uuids)
         self.nvlinks_to_gpu1 = nvlinks_to_gpu1
+        self.nvswitch = nvswitch  # NVLinks end at an NVSwitch: P2P over NVLink works, no link names GPU 1
         self.throttle_bits = throttle_bits
         self.procs = list(procs)
         self.shutdown_calls = 0
@@ -258,6 +260,8 @@ class FakePynvml:
         return ("mig", h[1], i)
 
     def nvmlDeviceGetP2PStatus(self, h1, h2, index):
+        if index == self.NVML_P2P_CAPS_INDEX_NVLINK:
+            return 0 if self.nvlinks_to_gpu1 or self.nvswitch else 4
         return 0 if self.nvlinks_to_gpu1 else 4  # 4: NVML_P2P_STATUS_CHIPSET_NOT_SUPPORTED
 
     def nvmlDeviceGetTopologyCommonAncestor(self, h1, h2):
