@@ -648,6 +648,10 @@ def check_nvidia_driver(f: Facts) -> CheckResult:
         if f.nvml_error_kind == "no_module":
             return CheckResult("nvidia_driver", "warn", f"Cannot check the GPUs: {f.nvml_error}.",
                            "pip install nvidia-ml-py")
+        if re.search(r"GpuIsLost|GPU is lost|fallen off the bus", f.nvml_error, re.IGNORECASE):
+            return CheckResult("nvidia_driver", "error", f"NVML fails because a GPU is lost (fallen off the bus, Xid "
+                               f"79): {f.nvml_error}.", "Drain the node: `sudo dmesg | grep -i xid` shows which GPU; "
+                               "reset it (`sudo nvidia-smi -r -i <index>`) or reboot; no driver reinstall needed.")
         return CheckResult("nvidia_driver", "error", f"The NVIDIA driver is installed but not usable: {f.nvml_error}.",
                        "Run `nvidia-smi`; reboot after a driver update, or reinstall the driver.")
     if not f.gpus:

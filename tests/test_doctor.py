@@ -1011,6 +1011,9 @@ def test_nvml_failing_as_a_whole_does_not_advise_installing_nvidia_ml_py():
     f = _facts(num_gpus=0, tf=_tf_with_gpus(2), nvml_error="NVML query failed: GPU is lost", nvml_error_kind="other")
     vis = dr.check_gpu_visibility(f)
     assert vis.status == "warn" and "nvidia-ml-py" not in vis.fix and "nvidia-smi" in vis.fix
+    drv = dr.check_nvidia_driver(_facts(num_gpus=0, nvml_error="NVML query failed: NVMLError_GpuIsLost: GPU is lost",
+                                        nvml_error_kind="other"))
+    assert drv.status == "error" and "Xid 79" in drv.detail and "reinstall" not in drv.fix.replace("no driver re", "")
     f = _facts(num_gpus=0, tf=_tf_with_gpus(2), nvml_error="no pynvml", nvml_error_kind="no_module")
     assert "nvidia-ml-py" in dr.check_gpu_visibility(f).fix
 
