@@ -694,9 +694,9 @@ def check_driver_cuda(f: Facts, minimums: Optional[Dict[str, Dict[str, str]]] = 
                        f"Upgrade the NVIDIA driver to >= {toolkit_min or floor}.")
     same_minor = _ptx_driver_minimum(table, key)
     if toolkit_min and same_minor and _ver(same_minor) <= drv < _ver(toolkit_min):
-        return CheckResult(name, "warn", f"Driver {f.driver_version} is of the same CUDA {wheel[0]}.{wheel[1]} release "
-                           f"as TensorFlow's CUDA {key}, which shipped with {toolkit_min}: same PTX ISA, so kernels and "
-                           "PTX JIT work; the newer driver's fixes are missing.",
+        return CheckResult(name, "warn", f"Driver {f.driver_version} is of the same CUDA {wheel[0]}.{wheel[1]} "
+                           f"release as TensorFlow's CUDA {key}, which shipped with {toolkit_min}: same PTX ISA, so "
+                           "kernels and PTX JIT work; the newer driver's fixes are missing.",
                            f"Upgrade the NVIDIA driver to >= {toolkit_min} when convenient.")
     if toolkit_min and drv < _ver(toolkit_min):
         return CheckResult(name, "warn", f"Driver {f.driver_version} runs CUDA {b['cuda_version']} only through minor "

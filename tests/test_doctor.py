@@ -1032,7 +1032,7 @@ def test_cuda_device_order_pci_bus_id_maps_numbers_like_nvidia_smi(monkeypatch):
 
 def test_cuda_default_order_on_a_mixed_box_is_not_guessed(monkeypatch):
     tf = dict(_tf_with_gpus(1), build=dict(cuda_version="12.5.1", cudnn_version="9", is_cuda_build=True,
-                                           cuda_compute_capabilities=["sm_60", "sm_70", "sm_80", "sm_89", "compute_90"]))
+                                           cuda_compute_capabilities=TF_221_ARCHS))
     # no TensorFlow view: CUDA's FASTEST_FIRST makes "0" the RTX 5090, not NVML's GPU 0 -> say it is uncertain
     facts, by = _gather(monkeypatch, _mixed_box(), {"CUDA_VISIBLE_DEVICES": "0"})
     assert facts.gpu_order_uncertain and by["gpu_visibility"].status == "warn"
