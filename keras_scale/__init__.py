@@ -12,8 +12,9 @@ installed, that includes the Keras-serializable classes (``AccumulatingModel``, 
 
 Two cases import only the TensorFlow-free part (``doctor``, ``launch_local_workers``, ``is_chief``,
 ``choose_strategy``, ...): a machine without TensorFlow or Keras, and the ``keras-scale`` command line, whose entry
-module :mod:`keras_scale_cli` is imported before this package (so ``keras-scale version`` and every ``--help`` start
-without TensorFlow, and ``keras-scale doctor`` survives a TensorFlow that crashes or hangs at import). There,
+module :mod:`keras_scale_cli` is imported before this package, or ``python -m keras_scale`` (so ``keras-scale version``
+and every ``--help`` start without TensorFlow, and ``keras-scale doctor`` survives a TensorFlow that crashes or hangs
+at import). There,
 asking for another name raises an error that says why; a command that needs one imports its module directly.
 """
 from __future__ import annotations
@@ -32,7 +33,23 @@ from keras_scale.profiling import profile_summary  # noqa: E402
 
 _TENSORFLOW_INSTALLED = (_importlib_util.find_spec("tensorflow") is not None
                          and _importlib_util.find_spec("keras") is not None)
-_COMMAND_LINE = "keras_scale_cli" in _sys.modules
+
+
+def _run_as_python_m() -> bool:
+    """``python -m keras_scale ...``: Python imports this package while it looks for ``keras_scale.__main__``
+    (``sys.argv[0]`` is then ``"-m"``), before the command runs; treat it as the command line too."""
+    argv = list(getattr(_sys, "orig_argv", []))
+    if _sys.argv[:1] != ["-m"]:
+        return False
+    for i, arg in enumerate(argv):
+        if arg == "-m":
+            return argv[i + 1:i + 2] == ["keras_scale"]
+        if arg.startswith("-m"):
+            return arg == "-mkeras_scale"
+    return False
+
+
+_COMMAND_LINE = "keras_scale_cli" in _sys.modules or _run_as_python_m()
 
 if _TENSORFLOW_INSTALLED and not _COMMAND_LINE:
     # ---- TensorFlow and Keras: imported here, so Keras knows the serializable classes -------------------------

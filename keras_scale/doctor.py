@@ -116,11 +116,18 @@ class Facts:
     installed: Dict[str, str] = field(default_factory=dict)  # distribution -> version (importlib.metadata)
     requirements: Optional[List[str]] = None  # importlib.metadata.requires("keras-scale"); None: not installed
     xla_unknown_flags: Optional[List[str]] = None  # XLA_FLAGS names TensorFlow's XLA does not define; None: unchecked
+    xla_flag_kinds: Dict[str, str] = field(default_factory=dict)  # XLA_FLAGS name -> "bool", "integer", "string"...
+    tf_xla_unknown_flags: Optional[List[str]] = None  # TF_XLA_FLAGS names TensorFlow does not define; None: unchecked
     nccl_conf: Dict[str, Tuple[str, str]] = field(default_factory=dict)  # NCCL variable -> (value, where it is set)
+    gpu_errors: Dict[int, str] = field(default_factory=dict)  # GPU index -> why NVML cannot read it (GPU lost)
+    tf_wheel_floors: Dict[str, str] = field(default_factory=dict)  # NVIDIA wheel -> lowest version TensorFlow takes
+    gpu_order_uncertain: Optional[str] = None  # why CUDA_VISIBLE_DEVICES' numbers cannot be mapped to NVML's
 
     @property
     def visible_gpus(self) -> List[Any]:
-        return [g for g in self.gpus if g.index in set(self.visible_gpu_indices)]
+        if self.gpu_order_uncertain:
+            return []  # which GPUs CUDA_VISIBLE_DEVICES selects is unknown: check none rather than the wrong ones
+        return [g for g in self.gpus if g.index in set(self.visible_gpu_indices) and g.index not in self.gpu_errors]
 
     @property
     def tf_version(self) -> Optional[str]:
@@ -149,7 +156,13 @@ def load_driver_minimums(path: str = _DATA_FILE) -> Dict[str, Dict[str, str]]:
 _LOG_HINT = re.compile(
     r"Could not load dynamic library|Cannot dlopen|Could not find cuda drivers|failed call to cuInit|"
     r"Loaded runtime CuDNN library|cuDNN.*version|Could not find TensorRT|libcu\w+\.so|Unknown flags? in|"
-    r"PTX version|UNSUPPORTED_PTX|older than the PTX compiler|no kernel image", re.IGNORECASE)
+    r"PTX version|UNSUPPORTED_PTX|older than the PTX compiler|no kernel image|to read flags for environment",
+    re.IGNORECASE)
+
+
+# "Created device /job:localhost/replica:0/task:0/device:GPU:0 with 79078 MB memory:  -> device: 0, name: NVIDIA H100
+# 80GB HBM3, pci bus id: 0000:18:00.0, compute capability: 9.0"
+_CREATED_GPU = re.compile(r"Created device \S*device:GPU:(\d+) with .*?name: (.*?), pci bus id: ([0-9A-Fa-f:.]+)")
 
 
 class _TfProbe:
@@ -158,8 +171,9 @@ class _TfProbe:
     def __init__(self, timeout_s: float = 180.0) -> None:
         self.timeout_s = timeout_s
         self.started_s = time.perf_counter()
-        self.proc = subprocess.Popen([sys.executable, _PROBE_SCRIPT],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+        # TensorFlow's INFO log names each GPU's PCI bus id and the libraries it failed to load: keep it on
+        self.proc = subprocess.Popen([sys.executable, _PROBE_SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0"))
 
     def result(self) -> Dict[str, Any]:
         left = max(1.0, self.timeout_s - (time.perf_counter() - self.started_s))
@@ -180,6 +194,7 @@ def _probe_result(stdout: str, stderr: str, returncode: Optional[int],
         if line.startswith(_PROBE_MARK):
             result = json.loads(line[len(_PROBE_MARK):])
     hints = [ln.strip()[:300] for ln in stderr.splitlines() if _LOG_HINT.search(ln)]
+    created = [m.groups() for m in _CREATED_GPU.finditer(stderr)]
     finished = result is not None and result.get("stage") in ("done", "import")
     if result is None or not finished:
         stage = (result or {}).get("stage", "start-up")
@@ -190,6 +205,9 @@ def _probe_result(stdout: str, stderr: str, returncode: Optional[int],
             result = {"tensorflow": None}
         result.update(crashed=True, error=f"the TensorFlow probe {why}: {tail}")
     result["log_hints"] = hints[:12]
+    if created:
+        result["gpu_pci_bus_ids"] = {i: bus for i, _, bus in created}
+        result["gpu_names"] = {i: name for i, name, _ in created}
     return result
 
 
@@ -247,8 +265,10 @@ def _net_interfaces() -> Optional[List[str]]:
         return None
 
 
-def _tf_library_paths() -> List[str]:
-    """TensorFlow's shared libraries that define the XLA flags, found without importing TensorFlow."""
+def _tf_library_paths(prefix: str = "libtensorflow_framework.so") -> List[str]:
+    """TensorFlow's shared library whose name starts with ``prefix``, found without importing TensorFlow:
+    ``libtensorflow_framework.so`` defines the XLA flags (``XLA_FLAGS``), ``libtensorflow_cc.so`` TensorFlow's own
+    (``TF_XLA_FLAGS``)."""
     try:
         spec = importlib.util.find_spec("tensorflow")
     except (ImportError, ValueError):
@@ -257,22 +277,43 @@ def _tf_library_paths() -> List[str]:
         return []
     out = []
     for d in spec.submodule_search_locations:
-        out.extend(os.path.join(d, f) for f in sorted(os.listdir(d)) if f.startswith("libtensorflow_framework.so"))
+        try:
+            out.extend(os.path.join(d, f) for f in sorted(os.listdir(d)) if f.startswith(prefix))
+        except OSError:
+            continue
     return out[:1]
+
+
+def _xla_tokens(value: str) -> Tuple[List[str], Optional[str]]:
+    """The tokens of an ``XLA_FLAGS``/``TF_XLA_FLAGS`` value as XLA reads them, and what is wrong with the value as
+    a whole. XLA treats a value that does not start with ``-`` as the name of a file holding the flags (and aborts
+    with "Could not open file" when there is none); quotes group a value with spaces."""
+    value = value.strip()
+    problem = None
+    if value and not value.startswith("-"):
+        if os.path.isfile(value):
+            try:
+                with open(value) as f:
+                    value = f.read().strip()
+            except OSError as e:
+                return [], f"{value!r} is read as a flags file, which cannot be read ({e})"
+        else:
+            return [], (f"{value!r} does not start with '--', so XLA reads it as the name of a file holding the "
+                        "flags; there is no such file, and XLA aborts ('Could not open file ... to read flags')")
+    try:
+        return shlex.split(value), problem
+    except ValueError as e:
+        return value.split(), f"cannot be parsed ({e}): unbalanced quotes"
 
 
 def _xla_flag_names(value: str) -> List[str]:
     """Flag names in an ``XLA_FLAGS`` value, tokenised as XLA does (quotes group a value with spaces)."""
-    try:
-        tokens = shlex.split(value)
-    except ValueError:
-        tokens = value.split()
-    return [t[2:].split("=", 1)[0] for t in tokens if t.startswith("--")]
+    return [t[2:].split("=", 1)[0] for t in _xla_tokens(value)[0] if t.startswith("--")]
 
 
-def unknown_xla_flags(value: str, libraries: Sequence[str]) -> Optional[List[str]]:
-    """Names in ``XLA_FLAGS`` that the XLA inside ``libraries`` does not define (XLA aborts on them at its first
-    compile); None when no library could be read.
+def unknown_xla_flags(value: str, libraries: Sequence[str], whole_word: bool = False) -> Optional[List[str]]:
+    """Names in ``XLA_FLAGS`` (or ``TF_XLA_FLAGS``) that the TensorFlow ``libraries`` do not define (XLA aborts
+    on them); None when no library could be read. ``whole_word`` looks for the name as a whole C string.
 
     Example:
         >>> unknown_xla_flags("--xla_gpu_autotune_level=2", [])  # no library to look in
@@ -281,10 +322,70 @@ def unknown_xla_flags(value: str, libraries: Sequence[str]) -> Optional[List[str
     for path in libraries:
         try:
             with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                return [n for n in names if m.find(n.encode() + b"\0") < 0]
+                return [n for n in names if m.find((b"\0" if whole_word else b"") + n.encode() + b"\0") < 0]
         except (OSError, ValueError):
             continue
     return None
+
+
+# TF_XLA_FLAGS that take a value (tensorflow/compiler/jit/flags.cc; the rest are true/false): given alone, TensorFlow
+# aborts ("Unknown flag in TF_XLA_FLAGS: --tf_xla_auto_jit", checked with TF 2.21).
+_TF_XLA_VALUE_FLAGS = {"tf_xla_auto_jit", "tf_xla_min_cluster_size", "tf_xla_max_cluster_size",
+                       "tf_xla_clustering_fuel", "tf_xla_ops_to_cluster", "tf_xla_cluster_exclude_ops",
+                       "tf_xla_persistent_cache_directory", "tf_xla_persistent_cache_device_types",
+                       "tf_xla_persistent_cache_prefix"}
+
+# google.protobuf FieldDescriptorProto.Type -> what a flag of that field takes
+_PROTO_KINDS = {8: "bool", 1: "float", 2: "float", 3: "integer", 4: "integer", 5: "integer", 13: "integer",
+                17: "integer", 18: "integer", 9: "string", 12: "string", 14: "enum", 11: "message"}
+
+
+def _varint(m: Any, i: int) -> Tuple[int, int]:
+    value, shift = 0, 0
+    while i < len(m):
+        b = m[i]
+        value |= (b & 0x7F) << shift
+        i += 1
+        if not b & 0x80:
+            break
+        shift += 7
+    return value, i
+
+
+def xla_flag_kinds(names: Sequence[str], libraries: Sequence[str]) -> Dict[str, str]:
+    """What each XLA flag takes (``"bool"``, ``"integer"``, ``"float"``, ``"string"``, ``"enum"``), read from the
+    ``DebugOptions`` protocol-buffer descriptor inside TensorFlow's XLA (each flag is a field of it). Only a
+    ``bool`` flag may be given without ``=value``; XLA aborts on ``--xla_gpu_autotune_level`` alone. Names not
+    found are left out.
+
+    Example:
+        >>> xla_flag_kinds(["xla_gpu_autotune_level"], [])
+        {}
+    """
+    out: Dict[str, str] = {}
+    for path in libraries:
+        try:
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                for name in names:
+                    raw = name.encode()
+                    if not raw or len(raw) > 127:
+                        continue
+                    # FieldDescriptorProto: name (1, bytes), number (3, varint), label (4), type (5)
+                    at = m.find(b"\n" + bytes([len(raw)]) + raw + b"\x18")
+                    if at < 0:
+                        continue
+                    _, i = _varint(m, at + len(raw) + 3)
+                    if m[i:i + 1] != b" ":
+                        continue
+                    _, i = _varint(m, i + 1)
+                    if m[i:i + 1] != b"(":
+                        continue
+                    kind, _ = _varint(m, i + 1)
+                    out[name] = _PROTO_KINDS.get(kind, "other")
+            return out
+        except (OSError, ValueError):
+            continue
+    return out
 
 
 def _read_nccl_conf(env: Mapping[str, str], root: str = "/") -> Dict[str, Tuple[str, str]]:
@@ -382,12 +483,24 @@ def gather_facts(nvml: Any = None, probe_tensorflow: bool = True, root: str = "/
             facts.driver_version = nv.driver_version()
             facts.cuda_driver_version = nv.cuda_driver_version()
             facts.gpus = nv.devices()
-            facts.visible_gpu_indices = nvml_lib.visible_gpu_indices(facts.gpus, env)
-            me = os.getpid()
+            facts.gpu_errors = dict(getattr(nv, "device_errors", None) or {})
+            order, why = nvml_lib.cuda_order(facts.gpus, env)
+            facts.visible_gpu_indices = nvml_lib.visible_gpu_indices(facts.gpus, env, order)
+            if why and _numbered_entries(env):
+                facts.gpu_order_uncertain = why
+            skip_pids = {os.getpid()} | ({probe.proc.pid} if probe is not None else set())
             for g in facts.gpus:
-                facts.processes.extend(p for p in nv.processes(g.index) if p.pid != me)
-                facts.samples[g.index] = nv.sample(g.index)
-            facts.health, facts.links = _health_and_links(nv, facts.gpus, facts.visible_gpu_indices)
+                if g.index in facts.gpu_errors:
+                    continue
+                try:  # per GPU: one GPU fallen off the bus must not cost the others their checks
+                    facts.processes.extend(p for p in nv.processes(g.index) if p.pid not in skip_pids)
+                    facts.samples[g.index] = nv.sample(g.index)
+                except Exception as e:  # noqa: BLE001
+                    facts.gpu_errors[g.index] = f"{type(e).__name__}: {e}"
+            healthy = [g for g in facts.gpus if g.index not in facts.gpu_errors]
+            pairs = [g.index for g in healthy] if facts.gpu_order_uncertain else [
+                i for i in facts.visible_gpu_indices if i not in facts.gpu_errors]
+            facts.health, facts.links = _health_and_links(nv, healthy, pairs)
         except Exception as e:  # noqa: BLE001 - NVML half-working: report it, keep going
             facts.nvml_error, facts.nvml_error_kind = f"NVML query failed: {type(e).__name__}: {e}", "other"
         finally:
@@ -397,6 +510,7 @@ def gather_facts(nvml: Any = None, probe_tensorflow: bool = True, root: str = "/
     facts.host = gather_host_facts(root=root, paths=paths, gpus=facts.gpus)
     progress("reading packages, libraries and settings")
     facts.pip_nvidia_packages = _pip_nvidia_packages()
+    facts.tf_wheel_floors = _tf_wheel_floors()
     facts.ld_cuda_dirs = _ld_cuda_dirs(env)
     facts.conda_cuda_packages = _conda_cuda_packages(env, list(facts.ld_cuda_dirs))
     facts.net_interfaces = _net_interfaces()
@@ -405,10 +519,44 @@ def gather_facts(nvml: Any = None, probe_tensorflow: bool = True, root: str = "/
     facts.nccl_conf = _read_nccl_conf(env, root)
     if env.get("XLA_FLAGS", "").strip():
         facts.xla_unknown_flags = unknown_xla_flags(env["XLA_FLAGS"], _tf_library_paths())
+        facts.xla_flag_kinds = xla_flag_kinds(_xla_flag_names(env["XLA_FLAGS"]), _tf_library_paths())
+    if env.get("TF_XLA_FLAGS", "").strip():
+        facts.tf_xla_unknown_flags = unknown_xla_flags(env["TF_XLA_FLAGS"], _tf_library_paths("libtensorflow_cc.so"),
+                                                       whole_word=True)
     if probe is not None:
         progress("waiting for the TensorFlow probe")
         facts.tf = probe.result()
+        _visible_from_tensorflow(facts)
     return facts
+
+
+def _numbered_entries(env: Mapping[str, str]) -> bool:
+    """``CUDA_VISIBLE_DEVICES`` selects GPUs by number (whose meaning depends on ``CUDA_DEVICE_ORDER``)."""
+    raw = env.get("CUDA_VISIBLE_DEVICES")
+    return raw is not None and any(e.strip().isdigit() for e in raw.split(","))
+
+
+def _visible_from_tensorflow(facts: Facts) -> None:
+    """Where CUDA's numbering is a guess (mixed GPU models, ``FASTEST_FIRST``), take the GPUs TensorFlow actually
+    got from the PCI bus ids it logged (or their names, when each is unique here)."""
+    if not facts.gpu_order_uncertain or not facts.tf_gpus:
+        return
+    from keras_scale.nvml import pci_key
+
+    by_bus = {pci_key(g.pci_bus_id): g.index for g in facts.gpus if pci_key(g.pci_bus_id)}
+    buses = facts.tf.get("gpu_pci_bus_ids") or {}
+    names = facts.tf.get("gpu_names") or {}
+    found = []
+    for i in range(len(facts.tf_gpus)):
+        hit = by_bus.get(pci_key(buses.get(str(i), "")))
+        if hit is None:
+            same = [g.index for g in facts.gpus if g.name == names.get(str(i))]
+            hit = same[0] if len(same) == 1 else None
+        if hit is None:
+            return  # cannot tell: keep saying so
+        found.append(hit)
+    facts.visible_gpu_indices = found
+    facts.gpu_order_uncertain = None
 
 
 # ================================================================================================== checks
@@ -446,9 +594,19 @@ def check_tensorflow(f: Facts) -> CheckResult:
         return CheckResult("tensorflow", "warn", "TensorFlow is not installed; the NVML checks still ran, the "
                        "TensorFlow checks are skipped.", "pip install 'tensorflow[and-cuda]' (Linux with GPUs) or "
                        "pip install tensorflow")
+    if _flags_kill_tensorflow(f):
+        return CheckResult("tensorflow", "error", f"TensorFlow aborts at start-up on its flags, not a broken install "
+                           f"(see xla_flags): {err}", "Correct or unset TF_XLA_FLAGS / XLA_FLAGS as the xla_flags "
+                           "check says; TensorFlow itself is fine.")
     return CheckResult("tensorflow", "error", f"TensorFlow fails to import: {err}",
                    "Reinstall it in a clean virtualenv: pip install 'tensorflow[and-cuda]'; see the cuda_libraries "
                    "check for library problems.")
+
+
+def _flags_kill_tensorflow(f: Facts) -> bool:
+    """TF_XLA_FLAGS / XLA_FLAGS hold something TensorFlow aborts on (so a crash is theirs, not the install's)."""
+    hints = [h for h in f.tf.get("log_hints") or [] if "Unknown flag" in h or "to read flags" in h]
+    return bool(hints or _xla_flag_errors(f))
 
 
 def check_keras(f: Facts) -> CheckResult:
@@ -490,6 +648,10 @@ def check_nvidia_driver(f: Facts) -> CheckResult:
         if f.nvml_error_kind == "no_module":
             return CheckResult("nvidia_driver", "warn", f"Cannot check the GPUs: {f.nvml_error}.",
                            "pip install nvidia-ml-py")
+        if re.search(r"GpuIsLost|GPU is lost|fallen off the bus", f.nvml_error, re.IGNORECASE):
+            return CheckResult("nvidia_driver", "error", f"NVML fails because a GPU is lost (fallen off the bus, Xid "
+                               f"79): {f.nvml_error}.", "Drain the node: `sudo dmesg | grep -i xid` shows which GPU; "
+                               "reset it (`sudo nvidia-smi -r -i <index>`) or reboot; no driver reinstall needed.")
         return CheckResult("nvidia_driver", "error", f"The NVIDIA driver is installed but not usable: {f.nvml_error}.",
                        "Run `nvidia-smi`; reboot after a driver update, or reinstall the driver.")
     if not f.gpus:
@@ -524,18 +686,57 @@ def check_driver_cuda(f: Facts, minimums: Optional[Dict[str, Dict[str, str]]] = 
         return CheckResult(name, "error", f"Driver {f.driver_version} supports CUDA up to {cuda_max[0]}.{cuda_max[1]}, "
                        f"but TensorFlow {f.tf_version} was built for CUDA {b['cuda_version']}: no GPU will work.",
                        f"Upgrade the NVIDIA driver to >= {toolkit_min or compat_min}.")
-    # the x.0 toolkit's own driver can predate the minor-compatibility floor (11.0 GA: 450.36.06 < 450.80.02)
+    # the x.0 toolkit's own driver can predate the minor-compatibility floor (11.0 GA: 450.51.05 < 450.80.02)
     floor = min((m for m in (compat_min, toolkit_min) if m), key=_ver)
     if drv < _ver(floor):
         return CheckResult(name, "error", f"Driver {f.driver_version} is too old for CUDA {b['cuda_version']} "
                        f"(TensorFlow {f.tf_version}): CUDA {wheel[0]}.x needs >= {floor}.",
                        f"Upgrade the NVIDIA driver to >= {toolkit_min or floor}.")
+    same_minor = _ptx_driver_minimum(table, key)
+    if toolkit_min and same_minor and _ver(same_minor) <= drv < _ver(toolkit_min):
+        return CheckResult(name, "warn", f"Driver {f.driver_version} is of the same CUDA {wheel[0]}.{wheel[1]} "
+                           f"release as TensorFlow's CUDA {key}, which shipped with {toolkit_min}: same PTX ISA, so "
+                           "kernels and PTX JIT work; the newer driver's fixes are missing.",
+                           f"Upgrade the NVIDIA driver to >= {toolkit_min} when convenient.")
     if toolkit_min and drv < _ver(toolkit_min):
         return CheckResult(name, "warn", f"Driver {f.driver_version} runs CUDA {b['cuda_version']} only through minor "
                        f"version compatibility (CUDA {key} shipped with {toolkit_min}): PTX JIT for newer GPUs and "
                        "some XLA kernels can fail (CUDA_ERROR_UNSUPPORTED_PTX_VERSION).",
                        f"Upgrade the NVIDIA driver to >= {toolkit_min}.")
     return CheckResult(name, "ok", f"driver {f.driver_version} >= {toolkit_min} needed by CUDA {b['cuda_version']}")
+
+
+def _no_visible(f: Facts) -> str:
+    if f.gpu_order_uncertain:
+        return "Which GPU(s) CUDA_VISIBLE_DEVICES selects is uncertain (see gpu_visibility); not checked."
+    return "No visible GPU."
+
+
+def _mig_known(f: Facts, entry: str) -> bool:
+    """A ``MIG-<uuid>`` (or ``MIG-GPU-<uuid>/<gi>/<ci>``) entry that names an instance NVML lists here."""
+    e = entry.strip().upper()
+    if e.startswith("MIG-GPU-"):
+        return any(g.uuid.upper() == e[4:].split("/")[0] for g in f.gpus)
+    return any(m.upper().startswith(e) for g in f.gpus for m in g.mig_uuids)
+
+
+def check_gpus_responding(f: Facts) -> CheckResult:
+    """Each GPU answers NVML: one that does not (fallen off the bus: Xid 79, "GPU is lost") is reported by number,
+    and the other GPUs are still checked."""
+    name = "gpus_responding"
+    if not f.gpus:
+        return CheckResult(name, "skip", "No GPU present.")
+    if f.gpu_errors:
+        lost = []
+        for i, why in sorted(f.gpu_errors.items()):
+            gone = re.search(r"lost|fallen|off the bus|Unknown Error", why, re.IGNORECASE)
+            lost.append(f"GPU {i} does not answer NVML ({why})" + (": fallen off the bus (Xid 79?)" if gone else ""))
+        return CheckResult(name, "error", f"{'; '.join(lost)}. The other {len(f.gpus) - len(f.gpu_errors)} GPU(s) "
+                           "were checked.",
+                           "Drain the node: `nvidia-smi` and `sudo dmesg | grep -i xid` show what happened; reset the "
+                           "GPU (`sudo nvidia-smi -r -i <index>`) or reboot; if it returns, RMA it. Meanwhile "
+                           "exclude it with CUDA_VISIBLE_DEVICES.")
+    return CheckResult(name, "ok", f"All {len(f.gpus)} GPU(s) answer NVML.")
 
 
 def check_gpu_visibility(f: Facts) -> CheckResult:
@@ -548,19 +749,42 @@ def check_gpu_visibility(f: Facts) -> CheckResult:
     if n == 0 and not t:
         return CheckResult(name, "skip", "No GPU present (NVML sees none" + (", TensorFlow sees none" if t == 0 else "")
                        + "): training runs on the CPU.")
+    if n == 0:
+        if t is None:
+            return CheckResult(name, "skip", "NVML sees no GPU; TensorFlow not available to compare.")
+        fix = ("Install nvidia-ml-py and check `nvidia-smi` works for this user." if f.nvml_error_kind == "no_module"
+               else "Run `nvidia-smi`: a GPU in a bad state (Xid errors in `sudo dmesg`) makes NVML fail for all.")
+        return CheckResult(name, "warn", f"TensorFlow sees {t} GPU(s) but NVML none ({f.nvml_error or 'no devices'}).",
+                           fix)
+    tf_text = "" if t is None else f"; TensorFlow sees {t}"
+    if f.gpu_order_uncertain:
+        return CheckResult(name, "warn", f"{cvd_text} selects GPUs by number, but {f.gpu_order_uncertain}: which "
+                           f"GPU(s) it selects cannot be told without TensorFlow's view, so the per-GPU checks are "
+                           f"skipped{tf_text}.",
+                           "export CUDA_DEVICE_ORDER=PCI_BUS_ID (numbers then match nvidia-smi), or select GPUs by "
+                           "UUID (CUDA_VISIBLE_DEVICES=GPU-..., `nvidia-smi -L`); run the doctor with TensorFlow to "
+                           "see which GPU it gets.")
+    if v == 0 and cvd is not None:
+        migs = [e.strip() for e in cvd.split(",") if e.strip().upper().startswith("MIG-")]
+        if migs and (_mig_known(f, migs[0]) or t):  # TensorFlow got it, or NVML knows it but not which GPU
+            return CheckResult(name, "ok" if t else "warn", f"{cvd_text} selects MIG instance(s) that NVML could not "
+                               f"map to one GPU here{tf_text}; the per-GPU checks are skipped.",
+                               "" if t else "Compare with `nvidia-smi -L` (inside the container, if any).")
+        if migs:
+            why = f"names MIG instance {migs[0]}, which no GPU here has (a stale or mistyped UUID)"
+            fix = "List the MIG instances with `nvidia-smi -L` and use one of their MIG-<uuid> names."
+        elif cvd.strip() in ("", "-1"):
+            why = "hides every GPU"
+            fix = ("Unset CUDA_VISIBLE_DEVICES or list the GPUs to use, e.g. CUDA_VISIBLE_DEVICES=0,1 (if this job "
+                   "is meant to run on the CPU, ignore this)")
+        else:
+            why = f"matches none of the {n} GPU(s) (indices 0-{n - 1}; CUDA stops at the first entry it cannot match)"
+            fix = "List valid GPU indices or UUIDs (`nvidia-smi -L`), e.g. CUDA_VISIBLE_DEVICES=0,1"
+        return CheckResult(name, "error", f"{cvd_text} {why}: training runs on the CPU although NVML sees {n} "
+                           f"GPU(s){tf_text}.", fix)
     if t is None:
         return CheckResult(name, "skip", f"NVML sees {n} GPU(s), {v} visible ({cvd_text}); TensorFlow not available "
                        "to compare.")
-    if n == 0:
-        return CheckResult(name, "warn", f"TensorFlow sees {t} GPU(s) but NVML none ({f.nvml_error or 'no devices'}).",
-                       "Install nvidia-ml-py and check `nvidia-smi` works for this user.")
-    if v == 0 and cvd and any(e.strip().upper().startswith("MIG-") for e in cvd.split(",")):
-        return CheckResult(name, "ok" if t else "warn", f"{cvd_text} selects MIG instance(s) that NVML could not "
-                           f"map to a GPU here; TensorFlow sees {t}.", "" if t else
-                           "List MIG instances with `nvidia-smi -L` and use one of their MIG-<uuid> names.")
-    if v == 0:
-        return CheckResult(name, "warn", f"{cvd_text} hides all {n} GPU(s): TensorFlow sees {t}.",
-                       "Unset CUDA_VISIBLE_DEVICES or list the GPU indices to use, e.g. CUDA_VISIBLE_DEVICES=0,1")
     if t == 0:
         build = f.tf.get("build") or {}
         hints = f.tf.get("log_hints") or []
@@ -586,9 +810,13 @@ def check_gpu_processes(f: Facts) -> CheckResult:
     name = "gpu_processes"
     if not f.gpus:
         return CheckResult(name, "skip", "No GPU present.")
-    if not f.processes:
-        return CheckResult(name, "ok", "No other process holds GPU memory.")
-    what, fix = leftover_processes_message(f.processes, f.visible_gpu_indices)
+    visible = set(f.visible_gpu_indices)
+    procs = f.processes if f.gpu_order_uncertain else [p for p in f.processes if p.gpu_index in visible]
+    hidden = len({p.pid for p in f.processes} - {p.pid for p in procs})
+    if not procs:
+        return CheckResult(name, "ok", "No other process holds memory on the visible GPU(s)" + (
+            f" ({hidden} process(es) use GPUs hidden by CUDA_VISIBLE_DEVICES)." if hidden else "."))
+    what, fix = leftover_processes_message(procs, f.visible_gpu_indices)
     return CheckResult(name, "warn", f"Processes already hold GPU memory: {what}.", fix + ".")
 
 
@@ -652,6 +880,9 @@ def check_cuda_libraries(f: Facts) -> CheckResult:
         return CheckResult(name, "error", "TensorFlow could not load CUDA libraries: " + " | ".join(missing[:3]),
                        "pip install 'tensorflow[and-cuda]' (CUDA, cuDNN as pip wheels), or install the CUDA/cuDNN "
                        "versions of the tf_build check and put them on LD_LIBRARY_PATH.")
+    if f.tf.get("crashed") and _flags_kill_tensorflow(f):
+        return CheckResult(name, "skip", "TensorFlow aborted on TF_XLA_FLAGS / XLA_FLAGS before loading its CUDA "
+                           "libraries (see xla_flags); not a library problem.")
     if f.tf.get("crashed") and not f.tf_version:
         return CheckResult(name, "error", f"TensorFlow crashed while starting: {f.tf.get('error')}",
                        "Reinstall 'tensorflow[and-cuda]' in a clean virtualenv; check library_conflicts.")
@@ -691,8 +922,14 @@ def check_placement(f: Facts) -> CheckResult:
             " | TensorFlow said: " + " | ".join(hints[:2]) if hints else ""),
             "See compute_capability, driver_vs_cuda, cuda_wheels, cuda_libraries and xla_flags; `nvidia-smi` for "
             "a GPU in a bad state.")
-    suffix = " (no GPU: CPU only)" if all("CPU" in d for d in good) else ""
-    return CheckResult(name, "ok", "; ".join(f"{d}: {', '.join(ops)}" for d, ops in good.items()) + " ran" + suffix)
+    ran = "; ".join(f"{d}: {', '.join(ops)}" for d, ops in good.items()) + " ran"
+    if all("CPU" in d for d in good):
+        if f.gpus:
+            return CheckResult(name, "error", f"{ran} on the CPU only, although NVML sees {len(f.gpus)} GPU(s): "
+                               "training would run on the CPU.", "See gpu_visibility (CUDA_VISIBLE_DEVICES, the "
+                               "TensorFlow build, CUDA libraries).")
+        return CheckResult(name, "ok", ran + " (no GPU: CPU only)")
+    return CheckResult(name, "ok", ran)
 
 
 def check_memory_growth(f: Facts) -> CheckResult:
@@ -712,9 +949,16 @@ def check_memory_growth(f: Facts) -> CheckResult:
                            "GPU memory; its pool grows to the peak in use and keeps it, so nvidia-smi shows the peak, "
                            "not a full GPU, and out-of-memory reports come from CUDA rather than TensorFlow's BFC "
                            "allocator.")
+    if allocator in ("cuda_malloc", "memory_guard"):
+        return CheckResult(name, "warn", f"TF_GPU_ALLOCATOR={allocator}: a debugging allocator ("
+                           + ("plain cudaMalloc/cudaFree per tensor, no pooling" if allocator == "cuda_malloc" else
+                              "guard bytes around every allocation to catch out-of-bounds writes")
+                           + "): correct but much slower than the default BFC allocator.",
+                           "unset TF_GPU_ALLOCATOR after debugging (or use cuda_malloc_async)")
     if allocator:
         return CheckResult(name, "warn", f"TF_GPU_ALLOCATOR={allocator!r} is not a value TensorFlow knows "
-                           "('cuda_malloc_async' is the one alternative to the default).",
+                           "('cuda_malloc_async', or 'cuda_malloc' / 'memory_guard' for debugging); TensorFlow "
+                           "falls back to its default allocator.",
                            "unset TF_GPU_ALLOCATOR, or export TF_GPU_ALLOCATOR=cuda_malloc_async")
     if raw == "true" or (growth and all(growth.values())):
         return CheckResult(name, "ok", "Memory growth on: TensorFlow allocates GPU memory as needed; nvidia-smi shows "
@@ -724,40 +968,62 @@ def check_memory_growth(f: Facts) -> CheckResult:
                    "To share GPUs or see real use: export TF_FORCE_GPU_ALLOW_GROWTH=true")
 
 
+def _xla_flag_errors(f: Facts) -> List[str]:
+    """What in TF_XLA_FLAGS / XLA_FLAGS makes TensorFlow abort (each parsed by XLA's flag parser, which dies on
+    anything it does not know)."""
+    errors = []
+    for var in ("TF_XLA_FLAGS", "XLA_FLAGS"):
+        value = f.env.get(var, "").strip()
+        if not value:
+            continue
+        tokens, problem = _xla_tokens(value)
+        if problem:
+            errors.append(f"{var}: {problem}")
+        for tok in tokens:
+            name, has_value = tok[2:].split("=", 1)[0], "=" in tok
+            if not tok.startswith("--"):
+                errors.append(f"{var}: {tok!r} is not a --flag" + (" (single dash)" if tok.startswith("-") else "")
+                              + f"; the parser aborts ('Unknown flag in {var}')")
+            elif var == "XLA_FLAGS" and not name.startswith("xla_"):
+                errors.append(f"XLA_FLAGS: {tok} is not an XLA flag (they start with --xla_); XLA aborts with "
+                              "'Unknown flag in XLA_FLAGS'")
+            elif var == "XLA_FLAGS" and not has_value and f.xla_flag_kinds.get(name, "bool") != "bool":
+                errors.append(f"XLA_FLAGS: {tok} takes a value ({f.xla_flag_kinds[name]}): only true/false flags may "
+                              f"be given alone; XLA aborts with 'Unknown flag in XLA_FLAGS: {tok}'")
+            elif var == "TF_XLA_FLAGS" and not has_value and name in _TF_XLA_VALUE_FLAGS:
+                errors.append(f"TF_XLA_FLAGS: {tok} takes a value (e.g. {tok}=...): TensorFlow aborts with 'Unknown "
+                              f"flag in TF_XLA_FLAGS: {tok}'")
+    unknown = [n for n in f.xla_unknown_flags or [] if n.startswith("xla_")]
+    if unknown:
+        errors.append(f"XLA_FLAGS: {', '.join('--' + n for n in unknown)} not defined by this TensorFlow's XLA: it "
+                      "aborts at the first compile ('Unknown flag in XLA_FLAGS')")
+    if f.tf_xla_unknown_flags:
+        errors.append(f"TF_XLA_FLAGS: {', '.join('--' + n for n in f.tf_xla_unknown_flags)} not defined by this "
+                      "TensorFlow: it aborts at its first op ('Unknown flag in TF_XLA_FLAGS')")
+    return errors
+
+
 def check_xla_flags(f: Facts) -> CheckResult:
-    """TF_XLA_FLAGS / XLA_FLAGS: flags XLA does not know (it aborts), dumps left on, a CUDA data dir that does not
-    exist. Values are tokenised as XLA does: quotes group a value with spaces."""
+    """TF_XLA_FLAGS / XLA_FLAGS: flags XLA does not know, a value that is not ``--flags`` (XLA reads it as a file
+    name), a numeric flag without its value (all abort), dumps left on, a CUDA data dir that does not exist.
+    Values are tokenised as XLA does: quotes group a value with spaces."""
     name = "xla_flags"
-    errors, problems, shown = [], [], []
+    errors, problems, shown = _xla_flag_errors(f), [], []
     for var in ("TF_XLA_FLAGS", "XLA_FLAGS"):
         value = f.env.get(var, "").strip()
         if not value:
             continue
         shown.append(f"{var}={value!r}")
-        try:
-            tokens = shlex.split(value)
-        except ValueError as e:
-            errors.append(f"{var}: cannot be parsed ({e}): unbalanced quotes")
-            continue
-        for tok in tokens:
-            if not tok.startswith("--"):
-                problems.append(f"{var}: {tok!r} is not a --flag (XLA aborts on unknown or malformed flags)")
-            elif var == "XLA_FLAGS" and not tok.startswith("--xla_"):
-                errors.append(f"XLA_FLAGS: {tok} is not an XLA flag (they start with --xla_); XLA aborts with "
-                              "'Unknown flags in XLA_FLAGS'")
-            elif tok.startswith("--xla_dump_to"):
+        for tok in _xla_tokens(value)[0]:
+            if tok.startswith("--xla_dump_to"):
                 problems.append(f"{var}: {tok} dumps every compiled module (slow, fills the disk)")
             elif tok.startswith("--xla_gpu_cuda_data_dir="):
                 path = tok.split("=", 1)[1]
                 if not os.path.isdir(path):
                     problems.append(f"{var}: --xla_gpu_cuda_data_dir={path} does not exist (XLA cannot find "
                                     "ptxas/libdevice)")
-    unknown = [n for n in f.xla_unknown_flags or [] if n.startswith("xla_")]
-    if unknown:
-        errors.append(f"XLA_FLAGS: {', '.join('--' + n for n in unknown)} not defined by this TensorFlow's XLA: it "
-                      "aborts at the first compile ('Unknown flags in XLA_FLAGS')")
-    hints = [h for h in f.tf.get("log_hints") or [] if "Unknown flag" in h]
-    if hints:
+    hints = [h for h in f.tf.get("log_hints") or [] if "Unknown flag" in h or "to read flags" in h]
+    if hints and not errors:
         errors.append("TensorFlow said: " + hints[0])
     if errors:
         return CheckResult(name, "error", "; ".join(errors + problems), "Remove or correct those flags (the "
@@ -785,9 +1051,13 @@ def check_nccl_env(f: Facts) -> CheckResult:
     def shown(var: str) -> str:
         return f"{var}={nccl[var]}" + (f" (from {where[var]})" if var in where else "")
 
-    problems = []
+    problems, notes = [], []
+    no_ib = f.host is not None and not f.host.infiniband
     for var, what in _NCCL_SLOW.items():
         if nccl.get(var, "0").strip() not in ("", "0"):
+            if var == "NCCL_IB_DISABLE" and no_ib:
+                notes.append(f"{shown(var)} changes nothing here (no InfiniBand device)")
+                continue
             problems.append(f"{shown(var)} turns off {what}: all-reduce gets slower")
     for var, what in (("NCCL_P2P_LEVEL", "GPU peer-to-peer"), ("NCCL_NET_GDR_LEVEL", "GPUDirect RDMA")):
         if nccl.get(var, "").strip().upper() in ("LOC", "0"):
@@ -807,7 +1077,7 @@ def check_nccl_env(f: Facts) -> CheckResult:
         return CheckResult(name, "warn", "; ".join(problems) + ".", "Unset these unless you are debugging a hang "
                            "(environment variables override the nccl.conf files); NCCL_DEBUG=INFO shows which "
                            "transports NCCL picked.")
-    return CheckResult(name, "ok", listed or "No NCCL_* variables set.",
+    return CheckResult(name, "ok", (listed or "No NCCL_* variables set.") + "".join(f"; {n}" for n in notes),
                        "" if "NCCL_DEBUG" in nccl else
                        "When debugging multi-GPU hangs or slowness: export NCCL_DEBUG=INFO")
 
@@ -867,7 +1137,7 @@ def check_compute_capability(f: Facts, minimums: Optional[Dict[str, Dict[str, st
     on the same major version; ``compute_XY`` PTX needs the driver to JIT-compile it)."""
     name = "compute_capability"
     if not f.visible_gpus:
-        return CheckResult(name, "skip", "No visible GPU.")
+        return CheckResult(name, "skip", _no_visible(f))
     if no := _no_tf(f, name):
         return no
     build = f.tf.get("build") or {}
@@ -876,8 +1146,10 @@ def check_compute_capability(f: Facts, minimums: Optional[Dict[str, Dict[str, st
         return CheckResult(name, "skip", "The TensorFlow wheel does not report its CUDA architectures.")
     wheel = ", ".join(str(a) for a in build.get("cuda_compute_capabilities") or [])
     table = minimums or load_driver_minimums()
-    need = _toolkit_minimum(table, str(build.get("cuda_version") or ""))
-    errors, jit, native = [], [], []
+    need = _ptx_driver_minimum(table, str(build.get("cuda_version") or ""))
+    errors, jit, native, fixes = [], [], [], {}
+    newest = max(sass + ptx)
+    oldest = min(sass + ptx)
     for g in f.visible_gpus:
         cc = getattr(f.health.get(g.index), "compute_capability", None)
         if cc is None:
@@ -887,30 +1159,45 @@ def check_compute_capability(f: Facts, minimums: Optional[Dict[str, Dict[str, st
             native.append(label)
         elif cc[0] >= 10 and not any(a[0] >= 10 for a in sass + ptx):
             errors.append(f"{label}: Blackwell is not supported by this wheel (its newest kernels are for "
-                          f"{max(sass + ptx)[0]}.{max(sass + ptx)[1]}; TensorFlow issues report 'PTX version ... does "
-                          "not support sm_100/sm_120')")
+                          f"{newest[0]}.{newest[1]}; TensorFlow issues report 'PTX version ... does not support "
+                          "sm_100/sm_120'); no driver changes that")
+            fixes["arch"] = (f"No driver helps for compute capability {cc[0]}.{cc[1]}: use a TensorFlow build with "
+                             f"kernels for sm_{cc[0]}{cc[1]} (NVIDIA's NGC TensorFlow container, or TensorFlow built "
+                             f"from source with TF_CUDA_COMPUTE_CAPABILITIES={cc[0]}.{cc[1]}), or a GPU this wheel "
+                             f"supports ({oldest[0]}.{oldest[1]} to {newest[0]}.{newest[1]})")
         elif any(p <= cc for p in ptx):
             if need and f.driver_version and _ver(f.driver_version) < _ver(need):
                 errors.append(f"{label}: runs only on PTX JIT-compiled by the driver, and driver "
                               f"{f.driver_version} cannot compile CUDA {build.get('cuda_version')} PTX "
                               f"(needs >= {need}):"
                               " the first kernel fails (CUDA_ERROR_UNSUPPORTED_PTX_VERSION)")
+                fixes["driver"] = f"Upgrade the NVIDIA driver to >= {need} (it then JIT-compiles the wheel's PTX)"
             else:
                 jit.append(label)
         else:
-            errors.append(f"{label}: older than every kernel in the wheel; TensorFlow skips this GPU")
+            errors.append(f"{label}: older than every kernel in the wheel (it starts at {oldest[0]}.{oldest[1]}); "
+                          "TensorFlow skips this GPU, and no driver changes that")
+            fixes["old"] = (f"No driver helps for compute capability {cc[0]}.{cc[1]}: use a GPU of compute capability "
+                            f">= {oldest[0]}.{oldest[1]}, or TensorFlow {f.tf_version} built from source with "
+                            f"TF_CUDA_COMPUTE_CAPABILITIES={cc[0]}.{cc[1]} (if its CUDA still supports it)")
     detail_tail = f" Wheel kernels: {wheel}."
     if errors:
-        driver = f"Upgrade the NVIDIA driver to >= {need} (PTX JIT), or u" if need else "U"
-        return CheckResult(name, "error", "; ".join(errors) + "." + detail_tail,
-                           f"{driver}se a TensorFlow build with kernels for these GPUs (e.g. NVIDIA's NGC TensorFlow "
-                           "container for Blackwell).")
+        return CheckResult(name, "error", "; ".join(errors) + "." + detail_tail, "; ".join(fixes.values()) + ".")
     if not native and not jit:
         return CheckResult(name, "skip", "NVML does not report the compute capability of the visible GPUs.")
     detail = "; ".join(filter(None, [f"native kernels: {', '.join(native)}" if native else "",
                                      f"PTX JIT by the driver: {', '.join(jit)}" if jit else ""])) + "." + detail_tail
     return CheckResult(name, "ok", detail, "The first run JIT-compiles PTX (minutes); keep the cache: export "
                        "CUDA_CACHE_MAXSIZE=4294967296" if jit else "")
+
+
+def _ptx_driver_minimum(table: Dict[str, Dict[str, str]], cuda_version: str) -> Optional[str]:
+    """The oldest driver that JIT-compiles the PTX of a CUDA version: PTX ISA versions follow CUDA's major.minor
+    (CUDA 12.5 GA and 12.5 Update 1 both emit PTX ISA 8.5, per the PTX ISA release history), so the GA driver of
+    that minor release (555.42.02 for 12.5.1) is enough."""
+    want = _ver(cuda_version)[:2]
+    same = sorted((row for k, row in table["toolkit"].items() if _ver(k)[:2] == want), key=_ver)
+    return same[0] if same else _toolkit_minimum(table, cuda_version)
 
 
 def _toolkit_minimum(table: Dict[str, Dict[str, str]], cuda_version: str) -> Optional[str]:
@@ -924,31 +1211,48 @@ def _toolkit_minimum(table: Dict[str, Dict[str, str]], cuda_version: str) -> Opt
 
 
 _CUDA_WHEELS = {"nvidia-cuda-runtime": "CUDA runtime", "nvidia-cublas": "cuBLAS", "nvidia-cuda-nvcc": "ptxas (nvcc)",
-                "nvidia-cuda-nvrtc": "NVRTC"}
+                "nvidia-cuda-nvrtc": "NVRTC", "nvidia-nvjitlink": "nvJitLink"}
+
+
+def _tf_wheel_floors() -> Dict[str, str]:
+    """``{"nvidia-cuda-nvcc-cu12": "12.5.82", ...}``: the lowest NVIDIA wheel versions the installed TensorFlow
+    accepts (its ``Requires-Dist``, extra ``and-cuda``), read without importing it."""
+    for dist in _TF_DISTS:
+        try:
+            reqs = importlib.metadata.requires(dist) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        out = {}
+        for req in reqs:
+            m = _REQ.match(req)
+            floor = re.search(r">=\s*([0-9][0-9A-Za-z.]*)", (m.group(2) or "") if m else "")
+            if m and floor and m.group(1).lower().startswith("nvidia-"):
+                out[m.group(1).lower()] = floor.group(1)
+        return out
+    return {}
 
 
 def check_cuda_wheels(f: Facts) -> CheckResult:
     """The pip CUDA wheels ``tensorflow[and-cuda]`` installed (newest ``nvidia-*-cu12`` by default) against the
-    driver: a newer CUDA major needs a newer driver; a newer minor runs through minor version compatibility."""
+    driver: a newer CUDA major needs a newer driver; a newer minor runs through minor version compatibility. The
+    pins it suggests never go below what the installed TensorFlow requires."""
     name = "cuda_wheels"
-    wheels = {}
+    wheels = []
     for spec in f.pip_nvidia_packages:
         dist, _, version = spec.partition("==")
         base = re.sub(r"-cu\d+$", "", dist)
-        if base in _CUDA_WHEELS:
-            wheels[base] = (dist, version)
+        if base in _CUDA_WHEELS and len(_ver(version)) >= 2:
+            wheels.append((base, dist, version))
     if not wheels:
         return CheckResult(name, "skip", "No pip CUDA wheels (CUDA comes from the system or conda, or no GPU stack).")
-    listed = ", ".join(f"{d}=={v}" for d, v in wheels.values())
+    listed = ", ".join(f"{d}=={v}" for _, d, v in wheels)
     if not f.cuda_driver_version:
         return CheckResult(name, "skip", f"{listed}; no NVIDIA driver to compare with.")
     drv = f.cuda_driver_version
-    errors, warns = [], []
-    for base, (dist, version) in wheels.items():
+    errors, warns, pins, newest = [], [], [], (0, 0)
+    for base, dist, version in wheels:
         cuda = _ver(version)[:2]
-        if len(cuda) < 2:
-            continue
-        what = f"{_CUDA_WHEELS[base]} {version} (CUDA {cuda[0]}.{cuda[1]})"
+        what = f"{_CUDA_WHEELS[base]} {dist}=={version} (CUDA {cuda[0]}.{cuda[1]})"
         if cuda[0] > drv[0]:
             errors.append(f"{what} needs a CUDA {cuda[0]} driver; driver {f.driver_version} supports CUDA up to "
                           f"{drv[0]}.{drv[1]}")
@@ -957,24 +1261,40 @@ def check_cuda_wheels(f: Facts) -> CheckResult:
                 ": XLA warns that the driver is older than the PTX compiler and compiles serially, and PTX it "
                 "emits may not load (CUDA_ERROR_UNSUPPORTED_PTX_VERSION)" if base == "nvidia-cuda-nvcc" else
                 ": runs through CUDA minor version compatibility only"))
+        else:
+            continue
+        newest = max(newest, cuda)
+        floor = f.tf_wheel_floors.get(dist)
+        if floor and _ver(floor)[:2] > drv:
+            pins.append(f"'{dist}=={floor}'")  # TensorFlow needs at least this: the closest to the driver it takes
+        elif floor is None and cuda[0] > drv[0]:
+            continue  # not TensorFlow's: nothing to pin it to; upgrade the driver or remove it
+        else:
+            pins.append(f"'{dist}=={drv[0]}.{drv[1]}.*'")
     build = (f.tf.get("build") or {}).get("cuda_version")
-    if build and "nvidia-cuda-runtime" in wheels and _ver(wheels["nvidia-cuda-runtime"][1])[:1] != _ver(build)[:1]:
-        errors.append(f"the CUDA runtime wheel {wheels['nvidia-cuda-runtime'][1]} is not CUDA {_ver(build)[0]}, which "
-                      f"TensorFlow {f.tf_version} was built for")
-    fix = (f"Upgrade the NVIDIA driver to one supporting CUDA {max(_ver(v)[:2] for _, v in wheels.values())[0]}."
-           f"{max(_ver(v)[:2] for _, v in wheels.values())[1]}, or pin the wheels to the driver's CUDA, e.g. "
-           f"pip install 'nvidia-cuda-nvcc-cu{drv[0]}=={drv[0]}.{drv[1]}.*'")
+    runtimes = [v for b, d, v in wheels if b == "nvidia-cuda-runtime" and d in f.tf_wheel_floors] or [
+        v for b, _, v in wheels if b == "nvidia-cuda-runtime"]
+    if build and runtimes and all(_ver(v)[:1] != _ver(build)[:1] for v in runtimes):
+        errors.append(f"the CUDA runtime wheel {runtimes[0]} is not CUDA {_ver(build)[0]}, which TensorFlow "
+                      f"{f.tf_version} was built for")
+    floors_above = [p for p in pins if "*" not in p]
+    fix = f"Upgrade the NVIDIA driver to one supporting CUDA {newest[0]}.{newest[1]}"
+    if pins:
+        fix += ", or pin the wheels: pip install " + " ".join(pins)
+        if floors_above:
+            fix += (f" (the lowest versions this TensorFlow accepts; they still need minor version compatibility "
+                    f"with the driver's CUDA {drv[0]}.{drv[1]})")
     if errors:
-        return CheckResult(name, "error", "; ".join(errors + warns) + ".", fix)
+        return CheckResult(name, "error", "; ".join(errors + warns) + ".", fix + ".")
     if warns:
-        return CheckResult(name, "warn", "; ".join(warns) + ".", fix)
+        return CheckResult(name, "warn", "; ".join(warns) + ".", fix + ".")
     return CheckResult(name, "ok", f"{listed}: all within the driver's CUDA {drv[0]}.{drv[1]}.")
 
 
 # --------------------------------------------------------------------------------------- GPU state (NVML)
 def _per_gpu(f: Facts, name: str) -> Optional[CheckResult]:
     if not f.visible_gpus:
-        return CheckResult(name, "skip", "No visible GPU.")
+        return CheckResult(name, "skip", _no_visible(f))
     if not f.health:
         return CheckResult(name, "skip", "NVML did not report the GPUs' state.")
     return None
@@ -990,6 +1310,12 @@ def check_mig(f: Facts) -> CheckResult:
     if not on and not mig_entries:
         return CheckResult(name, "skip" if not f.gpus else "ok", "No GPU in MIG mode." if f.gpus else "No GPU present.")
     listing = "; ".join(f"GPU {g.index}: {len(g.mig_uuids)} MIG instance(s)" for g in on)
+    stale = [e for e in mig_entries[:1] if f.gpus and not _mig_known(f, e)]
+    if stale and not f.tf_gpus:
+        head = f"{listing}; " if listing else ""
+        return CheckResult(name, "error", f"{head}CUDA_VISIBLE_DEVICES selects {stale[0]}, which no GPU here has "
+                           "(stale or mistyped): CUDA sees no GPU.",
+                           "Use a MIG-<uuid> from `nvidia-smi -L`.")
     if len(mig_entries) == 1:
         return CheckResult(name, "ok", f"{listing}; CUDA_VISIBLE_DEVICES selects {mig_entries[0]}.".lstrip("; "))
     why = ("CUDA_VISIBLE_DEVICES lists several MIG instances but a CUDA process uses only the first"
@@ -1023,6 +1349,10 @@ def check_gpu_memory_errors(f: Facts) -> CheckResult:
         return CheckResult(name, "error", "; ".join(errors + warns) + ".", fix)
     if warns:
         return CheckResult(name, "warn", "; ".join(warns) + ".", fix)
+    read = [f.health[g.index] for g in f.visible_gpus if g.index in f.health]
+    if not any(h.ecc_uncorrected_volatile is not None or h.pages_pending is not None for h in read):
+        return CheckResult(name, "ok", "ECC not reported by NVML (a GPU without ECC, or ECC turned off): no memory "
+                           "error counts to check.")
     return CheckResult(name, "ok", "No uncorrectable ECC errors, nothing pending.")
 
 
@@ -1036,8 +1366,12 @@ def check_gpu_modes(f: Facts) -> CheckResult:
     exclusive = [g.index for g in f.visible_gpus
                  if getattr(f.health.get(g.index), "compute_mode", "") in ("Exclusive_Process", "Exclusive_Thread")]
     no_persist = [g.index for g in f.visible_gpus if getattr(f.health.get(g.index), "persistence_mode", None) is False]
+    unknown_persist = [g.index for g in f.visible_gpus
+                       if getattr(f.health.get(g.index), "persistence_mode", None) is None]
+    unknown_mode = [g.index for g in f.visible_gpus if getattr(f.health.get(g.index), "compute_mode", None) is None]
     note = (f"Persistence mode off on GPU(s) {no_persist}: the driver sets each GPU up again for every new process "
-            "(slower start)." if no_persist else "Persistence mode on.")
+            "(slower start)." if no_persist else "Persistence mode not reported." if unknown_persist
+            else "Persistence mode on.")
     persist_fix = "sudo nvidia-smi -pm 1 (or enable the nvidia-persistenced service)" if no_persist else ""
     if prohibited:
         return CheckResult(name, "error", f"GPU(s) {prohibited} in compute mode Prohibited: no CUDA process can use "
@@ -1048,7 +1382,11 @@ def check_gpu_modes(f: Facts) -> CheckResult:
                            "the same GPU (a second worker, an evaluation job, this doctor's smoke test) fails with "
                            f"'all CUDA-capable devices are busy or unavailable'. {note}",
                            "One process per GPU (CUDA_VISIBLE_DEVICES), or sudo nvidia-smi -c DEFAULT -i <index>")
-    return CheckResult(name, "ok", f"Compute mode Default. {note}", persist_fix)
+    if len(unknown_mode) == len(f.visible_gpus):
+        return CheckResult(name, "ok", f"Compute mode not reported by NVML (vGPU or restricted container). {note}",
+                           persist_fix)
+    mode = "Default" + (f" (not reported for GPU(s) {unknown_mode})" if unknown_mode else "")
+    return CheckResult(name, "ok", f"Compute mode {mode}. {note}", persist_fix)
 
 
 def check_pcie_link(f: Facts) -> CheckResult:
@@ -1105,13 +1443,20 @@ def check_gpu_topology(f: Facts) -> CheckResult:
     name = "gpu_topology"
     if len(f.visible_gpu_indices) < 2:
         return CheckResult(name, "skip", "Fewer than 2 visible GPUs.")
-    if not f.links:
+    visible = {g.index for g in f.visible_gpus}
+    links = [link for link in f.links if link.a in visible and link.b in visible]
+    if len(visible) < 2:
+        return CheckResult(name, "skip", "Fewer than 2 visible GPUs." if not f.gpu_order_uncertain else
+                           _no_visible(f))
+    if not links:
         return CheckResult(name, "skip", "NVML did not report how the GPUs are connected.")
     pairs, no_p2p = [], []
-    for link in f.links:
-        how = f"NVLink x{link.nvlinks}" if link.nvlinks else f"PCIe ({link.topology or '?'})"
+    for link in links:
+        via_switch = not link.nvlinks and getattr(link, "nvlink_p2p", None)
+        how = (f"NVLink x{link.nvlinks}" if link.nvlinks else "NVLink (through NVSwitch)" if via_switch
+               else f"PCIe ({link.topology or '?'})")
         pairs.append(f"{link.a}-{link.b} {how}")
-        if link.p2p is False and not link.nvlinks:
+        if link.p2p is False and not link.nvlinks and not via_switch:
             no_p2p.append(f"{link.a}-{link.b}")
     detail = "; ".join(pairs)
     if no_p2p:
@@ -1127,7 +1472,7 @@ def _host(f: Facts, name: str, needs_gpu: bool = True) -> Optional[CheckResult]:
     if f.host is None:
         return CheckResult(name, "skip", "Host facts were not gathered.")
     if needs_gpu and not f.visible_gpus:
-        return CheckResult(name, "skip", "No visible GPU.")
+        return CheckResult(name, "skip", _no_visible(f))
     return None
 
 
@@ -1142,7 +1487,8 @@ def check_cpu_per_gpu(f: Facts, min_cores_per_gpu: int = 4) -> CheckResult:
     if not cores:
         return CheckResult(name, "skip", "The CPU count could not be read.")
     per = cores / n
-    detail = f"{cores} {kind} usable ({f.host.usable_cpus} logical CPUs) for {n} GPU(s): {per:.1f} per GPU"
+    capped = f", capped by the cgroup CPU quota in {f.host.cpu_limit_from}" if f.host.cpu_limit_from else ""
+    detail = f"{cores} {kind} usable ({f.host.usable_cpus} logical CPUs{capped}) for {n} GPU(s): {per:.1f} per GPU"
     if per < min_cores_per_gpu:
         return CheckResult(name, "warn", detail + f", below the usual {min_cores_per_gpu}-6: input pipelines "
                            "(decoding, augmentation) may not keep the GPUs busy.",
@@ -1159,15 +1505,33 @@ def check_host_memory(f: Facts) -> CheckResult:
         return no
     if not f.host.ram_mb:
         return CheckResult(name, "skip", "Host memory could not be read.")
-    gpu_mb = sum(g.memory_total_mb for g in f.visible_gpus)
-    detail = (f"{f.host.ram_mb / 1024:.0f} GiB RAM for {gpu_mb / 1024:.0f} GiB of GPU memory "
-              f"({len(f.visible_gpus)} GPU(s))")
+    gpu_mb, slices = 0.0, []
+    for g in f.visible_gpus:
+        mb = _mig_slice_mb(f, g)
+        gpu_mb += g.memory_total_mb if mb is None else mb
+        if mb is not None:
+            slices.append(f"GPU {g.index}: a {mb / 1024:.0f} GiB MIG instance")
+    limit = f" (the cgroup memory limit in {f.host.ram_limit_from})" if f.host.ram_limit_from else ""
+    detail = (f"{f.host.ram_mb / 1024:.0f} GiB RAM{limit} for {gpu_mb / 1024:.0f} GiB of GPU memory "
+              f"({len(f.visible_gpus)} GPU(s){': ' + ', '.join(slices) if slices else ''})")
     if f.host.ram_mb < gpu_mb:
         return CheckResult(name, "warn", detail + ": less RAM than GPU memory; shuffle buffers, caches, pinned "
                            "transfer buffers and checkpoint saves can exhaust it.",
                            "Give the job more memory (container/Slurm limit), shrink shuffle/cache buffers; "
                            "HostMemoryWatch tracks it during training.")
     return CheckResult(name, "ok", detail + ".")
+
+
+def _mig_slice_mb(f: Facts, g: Any) -> Optional[float]:
+    """The memory of the MIG instance of GPU ``g`` that ``CUDA_VISIBLE_DEVICES`` selects (None: not a MIG
+    instance, or its size not reported): a process sees that slice, not the whole GPU."""
+    for entry in (f.env.get("CUDA_VISIBLE_DEVICES") or "").split(","):
+        e = entry.strip().upper()
+        if e.startswith("MIG-") and not e.startswith("MIG-GPU-"):
+            for uuid, mb in zip(g.mig_uuids, getattr(g, "mig_memory_mb", ()) or ()):
+                if uuid.upper().startswith(e) and mb:
+                    return mb
+    return None
 
 
 def check_numa(f: Facts) -> CheckResult:
@@ -1198,7 +1562,11 @@ def check_storage(f: Facts) -> CheckResult:
     if no := _host(f, name, needs_gpu=False):
         return no
     notes, shown = [], []
+    missing = []
     for s in f.host.storage:
+        if s["kind"] == "missing":
+            missing.append(f"{s['path']!r} does not exist" if s["path"] else "an empty --path was given")
+            continue
         shown.append(f"{s['path']}: {s['kind']} ({s['fstype'] or '?'} on {s['device'] or '?'})")
         if s["kind"] == "hdd":
             notes.append(f"{s['path']} is on a spinning disk: random reads starve the GPU")
@@ -1208,9 +1576,14 @@ def check_storage(f: Facts) -> CheckResult:
         elif s["kind"] == "container":
             notes.append(f"{s['path']} is in the container's overlay layer: slow writes, and checkpoints vanish "
                          "with the container")
+    rest = f" Others: {'; '.join(shown)}." if shown else ""
+    if missing:
+        return CheckResult(name, "warn", "; ".join(missing + notes) + "." + rest, "Check the spelling of the path (or "
+                           "mount it): training would fail reading data or writing checkpoints there.")
     if notes:
-        return CheckResult(name, "warn", "; ".join(notes) + ".", "Stage data on local NVMe (or read it as large "
-                           "sharded TFRecords with `.cache()`/`.prefetch()`); write checkpoints to a mounted volume.")
+        return CheckResult(name, "warn", "; ".join(notes) + "." + rest, "Stage data on local NVMe (or read it as "
+                           "large sharded TFRecords with `.cache()`/`.prefetch()`); write checkpoints to a mounted "
+                           "volume.")
     return CheckResult(name, "ok", "; ".join(shown) + ".")
 
 
@@ -1349,8 +1722,8 @@ CHECKS: Tuple[Callable[[Facts], CheckResult], ...] = (
     check_python, check_tensorflow, check_keras, check_versions, check_tf_build, check_nvidia_driver,
     check_driver_cuda, check_compute_capability, check_cuda_wheels, check_library_conflicts, check_cuda_libraries,
     # the GPUs
-    check_gpu_visibility, check_mig, check_gpu_processes, check_gpu_memory_errors, check_gpu_modes,
-    check_pcie_link, check_power_limit, check_throttling, check_gpu_topology, check_placement,
+    check_gpus_responding, check_gpu_visibility, check_mig, check_gpu_processes, check_gpu_memory_errors,
+    check_gpu_modes, check_pcie_link, check_power_limit, check_throttling, check_gpu_topology, check_placement,
     # the host that feeds them
     check_cpu_per_gpu, check_host_memory, check_numa, check_storage, check_shm, check_memlock,
     # environment variables
@@ -1439,7 +1812,7 @@ def format_report(rep: Dict[str, Any], width: Optional[int] = None) -> str:
     Example:
         print(format_report(doctor(probe_tensorflow=False), width=100))
     """
-    width = max(60, width or shutil.get_terminal_size((100, 24)).columns)
+    width = max(40, width or shutil.get_terminal_size((100, 24)).columns)
     lines = ["keras-scale doctor", ""]
     head = (f"python {rep['python']}   tensorflow {_version_text(rep, 'tensorflow')}   "
             f"keras {_version_text(rep, 'keras')}")
@@ -1455,20 +1828,25 @@ def format_report(rep: Dict[str, Any], width: Optional[int] = None) -> str:
         lines.extend("  " + ln for ln in textwrap.wrap(text, width - 2, subsequent_indent="  "))
     lines.append("")
     name_w = max(len(c["name"]) for c in rep["checks"]) + 2
-    detail_w = max(30, width - 10 - name_w)
-    lines.append(f"  {'status':<6}  {'check':<{name_w}}detail")
-    lines.append(f"  {'-' * 6}  {'-' * (name_w - 2)}  {'-' * min(detail_w, 60)}")
-    pad = " " * (10 + name_w)
+    narrow = width - 10 - name_w < 30  # no room for a detail column: details go under each check, indented
+    detail_w = width - 6 if narrow else width - 10 - name_w
+    pad = " " * (6 if narrow else 10 + name_w)
+    lines.append((f"  {'status':<6}  {'check':<{name_w}}" + ("" if narrow else "detail")).rstrip())
+    lines.append(f"  {'-' * 6}  {'-' * (name_w - 2)}" + ("" if narrow else f"  {'-' * min(detail_w, 60)}"))
     for c in rep["checks"]:
         body = textwrap.wrap(c["detail"], detail_w, break_on_hyphens=False) or [""]
-        lines.append(f"  {_MARK[c['status']]:<6}  {c['name']:<{name_w}}{body[0]}")
-        lines.extend(pad + b for b in body[1:])
+        if narrow:
+            lines.append(f"  {_MARK[c['status']]:<6}  {c['name']}")
+            lines.extend(pad + b for b in body)
+        else:
+            lines.append(f"  {_MARK[c['status']]:<6}  {c['name']:<{name_w}}{body[0]}")
+            lines.extend(pad + b for b in body[1:])
         if c["fix"]:
             lines.extend(pad + b for b in textwrap.wrap("fix: " + c["fix"], detail_w, break_on_hyphens=False))
     counts = {s: sum(1 for c in rep["checks"] if c["status"] == s) for s in STATUSES}
     lines.append("")
-    lines.append(f"  {counts['error']} error(s), {counts['warn']} warning(s), {counts['ok']} ok, "
-                 f"{counts['skip']} skipped")
+    summary = f"{counts['error']} error(s), {counts['warn']} warning(s), {counts['ok']} ok, {counts['skip']} skipped"
+    lines.extend("  " + ln for ln in textwrap.wrap(summary, width - 2))
     return "\n".join(lines)
 
 
@@ -1535,7 +1913,15 @@ def cli(argv: Sequence[str]) -> int:
     rep = doctor(probe_tensorflow=not args.no_tensorflow, paths=args.path,
                  progress=(lambda msg: None) if args.quiet else progress)
     progress.done()
-    print(json.dumps(rep, indent=2) if args.json else format_report(rep))
+    try:
+        print(json.dumps(rep, indent=2) if args.json else format_report(rep))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `keras-scale doctor | head`: the reader has what it wanted; no traceback
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # so the flush at exit does not raise again
+        except (OSError, ValueError, AttributeError):
+            pass
     return exit_code(rep, strict=args.strict)
 
 

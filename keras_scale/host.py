@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["HostFacts", "gather_host_facts", "read_text"]
+__all__ = ["HostFacts", "CgroupLimits", "cgroup_limits", "gather_host_facts", "read_text"]
 
 
 @dataclass
@@ -35,6 +35,8 @@ class HostFacts:
     physical_cores: Optional[int] = None  # physical cores this process may run on (affinity and cgroup quota)
     usable_cpus: Optional[int] = None  # logical CPUs this process may run on
     ram_mb: Optional[float] = None  # MemTotal, or the cgroup memory limit when lower
+    ram_limit_from: Optional[str] = None  # the cgroup file whose limit ram_mb is (None: MemTotal)
+    cpu_limit_from: Optional[str] = None  # the cgroup file whose CPU quota caps the usable CPUs (None: no quota)
     gpu_numa_nodes: Dict[int, int] = field(default_factory=dict)  # GPU index -> NUMA node (-1: none reported)
     affinity_nodes: Optional[List[int]] = None  # NUMA nodes whose CPUs this process may use
     storage: List[Dict[str, Any]] = field(default_factory=list)  # {"path", "mount", "fstype", "device", "kind"}
@@ -76,7 +78,10 @@ _NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs
 
 def _storage_of(path: str, root: str, mounts: List[Tuple[str, str, str, str]]) -> Dict[str, Any]:
     """The mount holding ``path`` and what it is: ``nvme``, ``ssd``, ``hdd``, ``virtual`` (a VM's virtio/Xen disk,
-    whose rotational flag means nothing), ``network``, ``memory``, ``container`` (overlay) or ``unknown``."""
+    whose rotational flag means nothing), ``network``, ``memory``, ``container`` (overlay), ``missing`` (no such path)
+    or ``unknown``."""
+    if not path or not os.path.exists(os.path.join(root, path.lstrip("/")) if os.path.isabs(path) else path):
+        return {"path": path, "mount": None, "fstype": None, "device": None, "kind": "missing"}
     real = os.path.realpath(path)
     best = max((m for m in mounts if real == m[1] or real.startswith(m[1].rstrip("/") + "/")),
                key=lambda m: len(m[1]), default=None)
@@ -112,6 +117,86 @@ def _storage_of(path: str, root: str, mounts: List[Tuple[str, str, str, str]]) -
     return info
 
 
+@dataclass
+class CgroupLimits:
+    """The tightest cgroup limits on this process: ``memory_bytes`` and ``cpus`` (a CPU quota, e.g. 2.5), with the
+    file each came from; None where no limit is set.
+
+    Example:
+        >>> CgroupLimits(memory_bytes=2 ** 34, memory_from="/sys/fs/cgroup/memory.max").memory_bytes
+        17179869184
+    """
+
+    memory_bytes: Optional[int] = None
+    memory_from: Optional[str] = None
+    cpus: Optional[float] = None
+    cpu_from: Optional[str] = None
+
+
+_UNLIMITED_BYTES = 2 ** 60  # cgroup v1 writes "unlimited" as 9223372036854771712
+
+
+def _cgroup_paths(root: str) -> Dict[str, str]:
+    """``/proc/self/cgroup`` as ``{"": v2 path, "memory": v1 path, "cpu": v1 path, ...}``."""
+    out: Dict[str, str] = {}
+    for line in (read_text(root, "proc/self/cgroup") or "").splitlines():
+        parts = line.strip().split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        for c in controllers.split(",") if controllers else [""]:
+            out[c.replace("name=", "")] = path
+    return out
+
+
+def _up_the_tree(base: str, path: str) -> List[str]:
+    """``base/a/b``, ``base/a``, ``base``: a cgroup and its ancestors (limits of each apply)."""
+    parts = [p for p in (path or "/").split("/") if p and p not in (".", "..")]
+    return [base + "".join("/" + p for p in parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def cgroup_limits(root: str = "/") -> CgroupLimits:
+    """The memory and CPU limits of this process's cgroup, the lowest up its tree (a Slurm job or systemd unit
+    sets them deep in the tree; a container sees its own at the root), for cgroup v2 (``memory.max``,
+    ``cpu.max``) and v1 (``memory.limit_in_bytes``, ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``).
+
+    Example:
+        >>> cgroup_limits("/nonexistent").memory_bytes is None
+        True
+    """
+    paths = _cgroup_paths(root)
+    out = CgroupLimits()
+
+    def memory(where: str, text: Optional[str]) -> None:
+        value = (text or "").strip()
+        if value.isdigit() and int(value) < _UNLIMITED_BYTES and (
+                out.memory_bytes is None or int(value) < out.memory_bytes):
+            out.memory_bytes, out.memory_from = int(value), where
+
+    def cpu(where: str, quota: Optional[str], period: Optional[str]) -> None:
+        try:
+            q, p = int((quota or "").strip()), int((period or "").strip())
+        except ValueError:
+            return
+        if q > 0 and p > 0 and (out.cpus is None or q / p < out.cpus):
+            out.cpus, out.cpu_from = q / p, where
+
+    # cgroup v2: one unified tree
+    for d in _up_the_tree("/sys/fs/cgroup", paths.get("", "/")):
+        memory(f"{d}/memory.max", read_text(root, f"{d}/memory.max"))
+        text = (read_text(root, f"{d}/cpu.max") or "").split()
+        if len(text) >= 2:
+            cpu(f"{d}/cpu.max", text[0], text[1])
+    # cgroup v1: one tree per controller (a container sees its own cgroup mounted at the controller's root)
+    for d in _up_the_tree("/sys/fs/cgroup/memory", paths.get("memory", "/")):
+        memory(f"{d}/memory.limit_in_bytes", read_text(root, f"{d}/memory.limit_in_bytes"))
+    for mount in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+        for d in _up_the_tree(f"/sys/fs/cgroup/{mount}", paths.get("cpu", "/")):
+            cpu(f"{d}/cpu.cfs_quota_us", read_text(root, f"{d}/cpu.cfs_quota_us"),
+                read_text(root, f"{d}/cpu.cfs_period_us"))
+    return out
+
+
 def gather_host_facts(root: str = "/", paths: Sequence[str] = (), gpus: Sequence[Any] = (),
                       affinity: Optional[Sequence[int]] = None, memlock_bytes: Any = "read") -> HostFacts:
     """Read the host's CPUs, memory, NUMA placement of ``gpus``, storage of ``paths``, ``/dev/shm``, InfiniBand.
@@ -134,11 +219,12 @@ def gather_host_facts(root: str = "/", paths: Sequence[str] = (), gpus: Sequence
         except (AttributeError, OSError):
             affinity = list(range(os.cpu_count() or 1))
     cpus = set(affinity)
-    quota = read_text(root, "sys/fs/cgroup/cpu.max")  # cgroup v2: "max 100000" or "200000 100000"
+    limits = cgroup_limits(root)
     quota_cpus = None
-    if quota and not quota.startswith("max"):
-        q, period = quota.split()[:2]
-        quota_cpus = max(1, int(int(q) / int(period)))
+    if limits.cpus is not None:
+        quota_cpus = max(1, int(limits.cpus))
+        if quota_cpus < len(cpus):
+            host.cpu_limit_from = limits.cpu_from
     host.usable_cpus = min(len(cpus), quota_cpus or len(cpus))
     cores = set()
     for cpu in cpus:
@@ -151,9 +237,9 @@ def gather_host_facts(root: str = "/", paths: Sequence[str] = (), gpus: Sequence
     meminfo = read_text(root, "proc/meminfo") or ""
     m = re.search(r"^MemTotal:\s+(\d+)\s*kB", meminfo, re.MULTILINE)
     ram = int(m.group(1)) / 1024.0 if m else None
-    limit = (read_text(root, "sys/fs/cgroup/memory.max") or "").strip()
-    if limit.isdigit():
-        ram = min(ram or float("inf"), int(limit) / 2 ** 20)
+    if limits.memory_bytes is not None and (ram is None or limits.memory_bytes / 2 ** 20 < ram):
+        ram = limits.memory_bytes / 2 ** 20
+        host.ram_limit_from = limits.memory_from
     host.ram_mb = ram
     for g in gpus:
         bus = (g.pci_bus_id or "").lower()

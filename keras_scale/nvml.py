@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = [
     "NvmlUnavailable", "GpuInfo", "GpuSample", "GpuProcess", "GpuHealth", "GpuLink", "Nvml", "open_nvml",
-    "visible_gpu_indices", "THROTTLE_REASONS", "COMPUTE_MODES", "TOPOLOGY_LEVELS", "main",
+    "visible_gpu_indices", "cuda_order", "pci_key", "THROTTLE_REASONS", "COMPUTE_MODES", "TOPOLOGY_LEVELS", "main",
 ]
 
 _MIB = 1024 * 1024
@@ -85,6 +86,7 @@ class GpuInfo:
     memory_total_mb: float
     pci_bus_id: str = ""
     mig_uuids: Tuple[str, ...] = ()  # the MIG instances' UUIDs ("MIG-..."), when MIG mode is on
+    mig_memory_mb: Tuple[Optional[float], ...] = ()  # each MIG instance's memory, in the order of mig_uuids
 
 
 @dataclass(frozen=True)
@@ -215,6 +217,7 @@ class GpuLink:
     p2p: Optional[bool] = None
     nvlinks: int = 0
     topology: Optional[str] = None
+    nvlink_p2p: Optional[bool] = None  # peer-to-peer over NVLink, direct or through NVSwitch (DGX/HGX boards)
 
 
 class Nvml:
@@ -232,6 +235,7 @@ class Nvml:
         self._nv = pynvml_module
         self._handles: Dict[int, Any] = {}
         self._closed = False
+        self.device_errors: Dict[int, str] = {}  # GPU index -> why devices() could not read it (e.g. GPU is lost)
 
     # ----------------------------------------------------------------------------------------------- system
     def driver_version(self) -> str:
@@ -251,34 +255,48 @@ class Nvml:
         return int(self._nv.nvmlDeviceGetCount())
 
     def devices(self) -> List[GpuInfo]:
-        """Static facts of every GPU NVML sees."""
+        """Static facts of every GPU NVML sees. A GPU NVML fails on (fallen off the bus: Xid 79, "GPU is lost")
+        is listed with the name ``"unknown"`` and its error kept in :attr:`device_errors`, so the other GPUs keep
+        their facts and the indices stay NVML's."""
         out = []
+        self.device_errors = {}
         for i in range(self.device_count()):
-            h = self._handle(i)
-            mem = self._try(self._nv.nvmlDeviceGetMemoryInfo, h)
-            pci = self._try(self._nv.nvmlDeviceGetPciInfo, h)
-            out.append(GpuInfo(
-                index=i,
-                name=_text(self._nv.nvmlDeviceGetName(h)),
-                uuid=_text(self._try(self._nv.nvmlDeviceGetUUID, h) or ""),
-                memory_total_mb=float(mem.total) / _MIB if mem is not None else 0.0,
-                pci_bus_id=_text(getattr(pci, "busId", "") or "") if pci is not None else "",
-                mig_uuids=self._mig_uuids(h),
-            ))
+            try:
+                out.append(self._device(i))
+            except Exception as e:  # noqa: BLE001 - one sick GPU must not hide the others
+                self.device_errors[i] = f"{type(e).__name__}: {e}"
+                out.append(GpuInfo(index=i, name="unknown", uuid="", memory_total_mb=0.0))
         return out
 
-    def _mig_uuids(self, h: Any) -> Tuple[str, ...]:
+    def _device(self, i: int) -> GpuInfo:
+        h = self._handle(i)
+        mem = self._try(self._nv.nvmlDeviceGetMemoryInfo, h)
+        pci = self._try(self._nv.nvmlDeviceGetPciInfo, h)
+        migs = self._migs(h)
+        return GpuInfo(
+            index=i,
+            name=_text(self._nv.nvmlDeviceGetName(h)),
+            uuid=_text(self._try(self._nv.nvmlDeviceGetUUID, h) or ""),
+            memory_total_mb=float(mem.total) / _MIB if mem is not None else 0.0,
+            pci_bus_id=_text(getattr(pci, "busId", "") or "") if pci is not None else "",
+            mig_uuids=tuple(u for u, _ in migs),
+            mig_memory_mb=tuple(m for _, m in migs),
+        )
+
+    def _migs(self, h: Any) -> List[Tuple[str, Optional[float]]]:
+        """``(uuid, memory MiB)`` of each MIG instance of the GPU ``h`` (none when MIG mode is off)."""
         nv = self._nv
         mode = self._try(getattr(nv, "nvmlDeviceGetMigMode", None), h)
         if not mode or not mode[0]:
-            return ()
+            return []
         out = []
         for i in range(int(self._try(nv.nvmlDeviceGetMaxMigDeviceCount, h) or 0)):
             mig = self._try(nv.nvmlDeviceGetMigDeviceHandleByIndex, h, i)
             uuid = self._try(nv.nvmlDeviceGetUUID, mig) if mig is not None else None
             if uuid:
-                out.append(_text(uuid))
-        return tuple(out)
+                mem = self._try(nv.nvmlDeviceGetMemoryInfo, mig)
+                out.append((_text(uuid), None if mem is None else float(mem.total) / _MIB))
+        return out
 
     # ---------------------------------------------------------------------------------------------- readings
     def sample(self, index: int) -> GpuSample:
@@ -367,8 +385,12 @@ class Nvml:
             remote = self._try(nv.nvmlDeviceGetNvLinkRemotePciInfo, ha, link)
             if remote is not None and bus_b and _text(getattr(remote, "busId", "")).lower() == bus_b:
                 nvlinks += 1
+        # On NVSwitch systems every NVLink ends at a switch, not at GPU b: ask NVML whether P2P over NVLink works
+        over_nvlink = self._try(getattr(nv, "nvmlDeviceGetP2PStatus", None), ha, hb,
+                                getattr(nv, "NVML_P2P_CAPS_INDEX_NVLINK", 2))
         return GpuLink(a, b, p2p=None if p2p is None else int(p2p) == 0, nvlinks=nvlinks,
-                       topology=None if level is None else TOPOLOGY_LEVELS.get(int(level), str(level)))
+                       topology=None if level is None else TOPOLOGY_LEVELS.get(int(level), str(level)),
+                       nvlink_p2p=None if over_nvlink is None else int(over_nvlink) == 0)
 
     def processes(self, index: int) -> List[GpuProcess]:
         """Processes holding memory on GPU ``index`` (compute and graphics), largest first."""
@@ -489,12 +511,54 @@ def _explain_init_error(error: Exception) -> Tuple[str, str]:
     return f"NVML failed to initialise: {name}: {error}", "other"
 
 
-def visible_gpu_indices(devices: Sequence[GpuInfo], env: Optional[Mapping[str, str]] = None) -> List[int]:
+def pci_key(bus_id: str) -> Tuple[int, ...]:
+    """A PCI bus id as numbers, so NVML's ``"00000000:17:00.0"`` and TensorFlow's ``"0000:17:00.0"`` compare equal.
+
+    Example:
+        >>> pci_key("00000000:17:00.0") == pci_key("0000:17:00.0")
+        True
+    """
+    parts = re.split(r"[:.]", (bus_id or "").strip())
+    try:
+        return tuple(int(p, 16) for p in parts) if len(parts) == 4 else ()
+    except ValueError:
+        return ()
+
+
+def cuda_order(devices: Sequence[GpuInfo], env: Optional[Mapping[str, str]] = None) -> Tuple[List[int], Optional[str]]:
+    """NVML indices in CUDA's numbering (the numbers ``CUDA_VISIBLE_DEVICES`` uses), and why that is a guess
+    (None when it is not).
+
+    ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` numbers GPUs by PCI bus id, as NVML and ``nvidia-smi`` do. CUDA's default,
+    ``FASTEST_FIRST``, puts the fastest GPU first: the same as PCI order when all GPUs are one model, unknown on a
+    box mixing models.
+
+    Example:
+        >>> gpus = [GpuInfo(0, "GTX 1650", "GPU-a", 4.0, "0:1:0.0"), GpuInfo(1, "RTX 5090", "GPU-b", 32.0, "0:2:0.0")]
+        >>> cuda_order(gpus, {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
+        ([0, 1], None)
+        >>> cuda_order(gpus, {})[1] is not None
+        True
+    """
+    env = os.environ if env is None else env
+    by_pci = [d.index for d in sorted(devices, key=lambda d: (pci_key(d.pci_bus_id) or (1 << 40,), d.index))]
+    setting = (env.get("CUDA_DEVICE_ORDER") or "FASTEST_FIRST").strip().upper()
+    models = sorted({d.name for d in devices})
+    if setting == "PCI_BUS_ID" or len(models) <= 1:
+        return by_pci, None
+    return by_pci, (f"CUDA_DEVICE_ORDER is {env.get('CUDA_DEVICE_ORDER', 'unset')!r} (CUDA's default FASTEST_FIRST): "
+                    f"CUDA numbers the fastest GPU 0, NVML and nvidia-smi number by PCI bus, and this box mixes "
+                    f"{', '.join(models)}")
+
+
+def visible_gpu_indices(devices: Sequence[GpuInfo], env: Optional[Mapping[str, str]] = None,
+                        order: Optional[Sequence[int]] = None) -> List[int]:
     """NVML indices of the GPUs this process may use, following ``CUDA_VISIBLE_DEVICES`` like CUDA does.
 
     Unset: all. Empty or ``-1``: none. Entries are indices, UUID prefixes (``GPU-...``) or MIG instances
     (``MIG-<uuid>``, or the older ``MIG-GPU-<uuid>/<gi>/<ci>``), which map to the GPU holding them; CUDA stops at
-    the first entry it cannot match, and so does this. Order is the variable's order.
+    the first entry it cannot match, and so does this. Order is the variable's order. ``order`` lists NVML indices
+    in CUDA's numbering (see :func:`cuda_order`); default: CUDA number = NVML index.
 
     Example:
         >>> gpus = [GpuInfo(i, "GPU", f"GPU-{i}abc", 1.0) for i in range(4)]
@@ -512,7 +576,10 @@ def visible_gpu_indices(devices: Sequence[GpuInfo], env: Optional[Mapping[str, s
         match = None
         if entry.lstrip("-").isdigit():
             i = int(entry)
-            match = next((d.index for d in devices if d.index == i), None) if i >= 0 else None
+            if order is not None:
+                match = order[i] if 0 <= i < len(order) else None
+            else:
+                match = next((d.index for d in devices if d.index == i), None) if i >= 0 else None
         elif entry.upper().startswith("GPU-"):
             hits = [d.index for d in devices if d.uuid.upper().startswith(entry.upper())]
             match = hits[0] if len(hits) == 1 else None

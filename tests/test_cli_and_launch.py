@@ -323,3 +323,27 @@ def test_launch_function_reraises_ctrl_c_after_stopping_the_workers(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(tmp_path),
                          env=dict(ENV, PYTHONPATH=REPO_ROOT), timeout=60)
     assert "KeyboardInterrupt after the workers stopped" in out.stdout, out.stderr
+
+
+def test_python_m_keras_scale_doctor_does_not_import_tensorflow_first(tmp_path):
+    """`python -m keras_scale doctor` starts like the `keras-scale` script: a TensorFlow that aborts at import
+    (a broken install) cannot kill it, and --no-tensorflow never imports TensorFlow."""
+    fake = tmp_path / "tensorflow"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("import os\nos.abort()\n")
+    env = dict(ENV, PYTHONPATH=str(tmp_path) + os.pathsep + ENV["PYTHONPATH"])
+    out = subprocess.run([sys.executable, "-m", "keras_scale", "doctor", "--no-tensorflow", "--json", "-q"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO_ROOT, env=env)
+    assert out.returncode in (0, 1), (out.returncode, out.stderr[-2000:])
+    assert json.loads(out.stdout)["tensorflow_probed"] is False
+
+
+def test_doctor_piped_into_a_reader_that_stops_early_exits_quietly():
+    """`keras-scale doctor | head -1`: the reader closes the pipe; no BrokenPipeError traceback."""
+    code = "import sys; from keras_scale_cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.Popen([sys.executable, "-c", code, "doctor", "--no-tensorflow", "--json", "-q"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO_ROOT, env=ENV)
+    proc.stdout.close()  # the reader is gone before the report is printed
+    _, err = proc.communicate(timeout=120)
+    assert "Traceback" not in err.decode() and "BrokenPipe" not in err.decode(), err.decode()[-2000:]
+    assert proc.returncode in (0, 1)

@@ -139,6 +139,8 @@ def test_driver_vs_cuda(driver, cuda_max, wheel, status):
     assert finding.status == status, finding
     if status != "ok":
         assert "Upgrade the NVIDIA driver to >=" in finding.fix
+    if driver == "555.42.02":  # 12.5 GA's driver: same PTX ISA as 12.5.1, so no "PTX JIT can fail" scare
+        assert "same PTX ISA" in finding.detail and "UNSUPPORTED_PTX" not in finding.detail
 
 
 def test_every_driver_row_cites_its_source_and_the_corrected_rows():
@@ -181,7 +183,7 @@ def test_visibility_matches():
 def test_visibility_cuda_visible_devices_hides_all():
     f = dr.check_gpu_visibility(_facts(num_gpus=2, tf=_tf_with_gpus(0), visible_gpu_indices=[],
                                        env={"CUDA_VISIBLE_DEVICES": ""}))
-    assert f.status == "warn" and "CUDA_VISIBLE_DEVICES=''" in f.detail
+    assert f.status == "error" and "CUDA_VISIBLE_DEVICES=''" in f.detail and "hides every GPU" in f.detail
 
 
 def test_visibility_mig_instance_is_not_hiding_all_gpus():
@@ -332,6 +334,9 @@ def test_memory_growth():
     assert asy.status == "ok" and "pool grows to the peak" in asy.detail and not asy.fix
     typo = dr.check_memory_growth(_facts(num_gpus=1, env={"TF_GPU_ALLOCATOR": "cuda_malloc_asnyc"}))
     assert typo.status == "warn" and "cuda_malloc_asnyc" in typo.detail
+    for debug in ("cuda_malloc", "memory_guard"):  # TensorFlow's debugging allocators: known, but slow
+        d = dr.check_memory_growth(_facts(num_gpus=1, env={"TF_GPU_ALLOCATOR": debug}))
+        assert "not a value TensorFlow knows" not in d.detail and "debugging allocator" in d.detail, d
 
 
 def test_xla_flags(tmp_path):
@@ -339,8 +344,7 @@ def test_xla_flags(tmp_path):
     good = dr.check_xla_flags(_facts(env={"XLA_FLAGS": f"--xla_gpu_cuda_data_dir={tmp_path}"}))
     assert good.status == "ok" and str(tmp_path) in good.detail
     for env, needle in [({"XLA_FLAGS": "--xla_dump_to=/tmp/dump"}, "dumps"),
-                        ({"XLA_FLAGS": "--xla_gpu_cuda_data_dir=/nope/cuda"}, "does not exist"),
-                        ({"TF_XLA_FLAGS": "tf_xla_auto_jit=2"}, "not a --flag")]:
+                        ({"XLA_FLAGS": "--xla_gpu_cuda_data_dir=/nope/cuda"}, "does not exist")]:
         f = dr.check_xla_flags(_facts(env=env))
         assert f.status == "warn" and needle in f.detail, (env, f)
     # a quoted value with spaces is one token, as XLA reads it: no false warning
@@ -348,7 +352,7 @@ def test_xla_flags(tmp_path):
     assert quoted.status == "ok", quoted
     # not an XLA flag at all: XLA aborts
     foreign = dr.check_xla_flags(_facts(env={"XLA_FLAGS": "--tf_xla_auto_jit=2"}))
-    assert foreign.status == "error" and "Unknown flags in XLA_FLAGS" in foreign.detail
+    assert foreign.status == "error" and "Unknown flag in XLA_FLAGS" in foreign.detail
 
 
 def test_unknown_xla_flag_is_found_in_tensorflows_own_library(tmp_path):
@@ -608,6 +612,8 @@ TF_221_ARCHS = ["sm_60", "sm_70", "sm_80", "sm_89", "compute_90"]
     ((8, 6), "555.42.06", "ok", "native kernels"),  # sm_80 binaries run on 8.6
     ((9, 0), "555.42.06", "ok", "PTX JIT"),  # Hopper: compute_90 PTX, driver can compile CUDA 12.5.1 PTX
     ((9, 0), "535.104.05", "error", "UNSUPPORTED_PTX_VERSION"),  # R535 cannot compile 12.5 PTX
+    ((9, 0), "550.54.15", "error", "UNSUPPORTED_PTX_VERSION"),  # R550 (CUDA 12.4) cannot either
+    ((9, 0), "555.42.02", "ok", "PTX JIT"),  # 12.5 GA's driver: 12.5 and 12.5.1 both emit PTX ISA 8.5
     ((12, 0), "575.51.03", "error", "Blackwell"),
     ((10, 0), "575.51.03", "error", "Blackwell"),
     ((5, 2), "555.42.06", "error", "older than every kernel"),
@@ -620,7 +626,10 @@ def test_compute_capability_against_the_wheels_kernels(cc, driver, status, needl
     assert f.status == status and needle in f.detail, f
     assert "sm_89, compute_90" in f.detail
     if status == "error" and cc == (9, 0):
-        assert "555.42.06" in f.fix
+        assert "Upgrade the NVIDIA driver to >= 555.42.02" in f.fix and "No driver helps" not in f.fix
+    elif status == "error":  # the wheel has no kernels for it: a driver upgrade is no fix
+        assert "No driver helps" in f.fix and "Upgrade the NVIDIA driver" not in f.fix, f.fix
+        assert f"TF_CUDA_COMPUTE_CAPABILITIES={cc[0]}.{cc[1]}" in f.fix
 
 
 def test_compute_capability_skips_without_gpu_tf_or_arch_list():
@@ -736,6 +745,8 @@ def _fake_host_tree(root, shm_size="65536k", rotational="1", cpus=8, nodes=2):
         "server:/export /nfs nfs4 rw,vers=4.2 0 0",
         "/dev/vda1 /vm ext4 rw 0 0"]) + "\n")
     _write(root, "/sys/class/block/vda/queue/rotational", "1")  # virtio says 1 whatever backs it
+    for d in ("data/train", "scratch", "nfs/x", "etc", "vm/d"):  # the data/checkpoint paths exist in the tree
+        (root / d).mkdir(parents=True, exist_ok=True)
 
 
 def test_gather_host_facts_from_a_fabricated_tree(tmp_path):
@@ -870,3 +881,352 @@ def test_a_gpu_nvml_fails_on_costs_only_its_own_state(monkeypatch):
     facts = dr.gather_facts(nvml=fake, probe_tensorflow=False)
     assert sorted(facts.health) == [1] and facts.nvml_error is None and len(facts.samples) == 2
     assert "GPU 1 links at x4" in dr.check_pcie_link(facts).detail
+
+
+# ------------------------------------------------------------------- findings of the second break-it round
+@pytest.mark.parametrize("files,self_cgroup,mem_gib,cpus,source", [
+    # docker on a cgroup-v1 host: the container's own cgroup is mounted at each controller's root
+    ({"/sys/fs/cgroup/memory/memory.limit_in_bytes": str(16 * 2 ** 30),
+      "/sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us": "200000",
+      "/sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us": "100000"},
+     "12:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n", 16, 2, "/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+    # a Slurm job on a cgroup-v2 host, not namespaced: the limits sit in the job's cgroup, a parent is tighter
+    ({"/sys/fs/cgroup/system.slice/slurmstepd.scope/job_42/memory.max": str(16 * 2 ** 30),
+      "/sys/fs/cgroup/system.slice/slurmstepd.scope/job_42/cpu.max": "max 100000",
+      "/sys/fs/cgroup/system.slice/slurmstepd.scope/job_42/step_0/cpu.max": "300000 100000",
+      "/sys/fs/cgroup/system.slice/slurmstepd.scope/memory.max": str(64 * 2 ** 30)},
+     "0::/system.slice/slurmstepd.scope/job_42/step_0\n", 16, 3,
+     "/sys/fs/cgroup/system.slice/slurmstepd.scope/job_42/memory.max"),
+    # v1 "unlimited" and a v2 "max" are no limits
+    ({"/sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712", "/sys/fs/cgroup/cpu.max": "max 100000"},
+     "", 32, 8, None),
+])
+def test_cgroup_limits_deep_in_the_tree_and_v1_are_found(tmp_path, files, self_cgroup, mem_gib, cpus, source):
+    _fake_host_tree(tmp_path, nodes=1)  # 8 logical CPUs, 4 cores, 32 GiB
+    _write(tmp_path, "/proc/self/cgroup", self_cgroup)
+    for path, text in files.items():
+        _write(tmp_path, path, text)
+    gpus = [GpuInfo(0, "G", "GPU-0", 81920.0, "00000000:01:00.0")]
+    host = dr.gather_host_facts(root=str(tmp_path), gpus=gpus, affinity=list(range(8)), memlock_bytes=None)
+    assert host.ram_mb == mem_gib * 1024.0 and host.usable_cpus == cpus and host.ram_limit_from == source
+    f = _facts(num_gpus=1, gpus=gpus, host=host)
+    mem, cpu = dr.check_host_memory(f), dr.check_cpu_per_gpu(f)
+    if source:
+        assert mem.status == "warn" and source in mem.detail and f"{mem_gib} GiB RAM" in mem.detail
+        assert cpu.status == "warn" and "cgroup CPU quota" in cpu.detail
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"TF_XLA_FLAGS": "tf_xla_auto_jit=2"}, "reads it as the name of a file"),  # no leading --: a flags file
+    ({"XLA_FLAGS": "xla_gpu_autotune_level=0"}, "reads it as the name of a file"),
+    ({"XLA_FLAGS": "-xla_gpu_autotune_level=0"}, "single dash"),
+    ({"XLA_FLAGS": "--xla_gpu_autotune_level=0 xla_hlo_profile"}, "'xla_hlo_profile' is not a --flag"),
+    ({"TF_XLA_FLAGS": "--tf_xla_auto_jit"}, "takes a value"),
+])
+def test_xla_flags_that_make_tensorflow_abort_are_errors_without_tensorflow(env, needle):
+    f = dr.check_xla_flags(_facts(tf={}, env=env))  # --no-tensorflow: no probe to say so
+    assert f.status == "error" and needle in f.detail, f
+
+
+def test_xla_flags_from_a_file_and_unknown_tf_xla_flags(tmp_path):
+    flags = tmp_path / "xla.flags"
+    flags.write_text("--xla_gpu_autotune_level=2\n")
+    assert dr.check_xla_flags(_facts(env={"XLA_FLAGS": str(flags)})).status == "ok"  # a real flags file
+    typo = dr.check_xla_flags(_facts(env={"TF_XLA_FLAGS": "--tf_xla_nonsense=1"},
+                                     tf_xla_unknown_flags=["tf_xla_nonsense"]))
+    assert typo.status == "error" and "--tf_xla_nonsense" in typo.detail and "TF_XLA_FLAGS" in typo.detail
+    lib = tmp_path / "libtensorflow_cc.so.2"
+    lib.write_bytes(b"\x7fELF\0tf_xla_auto_jit\0tf_xla_cpu_global_jit\0")
+    value = "--tf_xla_auto_jit=2 --tf_xla_auto --tf_xla_cpu_global_jit"
+    assert dr.unknown_xla_flags(value, [str(lib)], whole_word=True) == ["tf_xla_auto"]  # a prefix is not the name
+    if dr._tf_library_paths("libtensorflow_cc.so"):  # the real TensorFlow here
+        real = dr._tf_library_paths("libtensorflow_cc.so")
+        assert dr.unknown_xla_flags("--tf_xla_nonsense=1 --tf_xla_auto_jit=2", real, whole_word=True) == [
+            "tf_xla_nonsense"]
+
+
+def test_numeric_xla_flag_without_value_read_from_the_flag_descriptor(tmp_path):
+    # FieldDescriptorProto bytes as protoc embeds them: name, number 123, label optional, type (5 int32 / 8 bool)
+    lib = tmp_path / "libtensorflow_framework.so.2"
+    lib.write_bytes(b"\0\n\x16xla_gpu_autotune_level\x18{ \x01(\x05H\0\n\x0fxla_hlo_profile\x18\t \x01(\x08H\0")
+    kinds = dr.xla_flag_kinds(["xla_gpu_autotune_level", "xla_hlo_profile", "xla_nope"], [str(lib)])
+    assert kinds == {"xla_gpu_autotune_level": "integer", "xla_hlo_profile": "bool"}
+    bare = dr.check_xla_flags(_facts(tf={}, env={"XLA_FLAGS": "--xla_gpu_autotune_level --xla_hlo_profile"},
+                                     xla_flag_kinds=kinds))
+    assert bare.status == "error" and "--xla_gpu_autotune_level takes a value (integer)" in bare.detail
+    assert "--xla_hlo_profile" not in bare.detail  # a true/false flag may stand alone
+    if dr._tf_library_paths():  # the real XLA of this TensorFlow
+        real = dr.xla_flag_kinds(["xla_gpu_autotune_level", "xla_hlo_profile", "xla_dump_to"], dr._tf_library_paths())
+        assert real == {"xla_gpu_autotune_level": "integer", "xla_hlo_profile": "bool", "xla_dump_to": "string"}
+
+
+def _gather(monkeypatch, fake, env, tf=None):
+    """The real gathering on a fake NVML with ``env`` as the environment; ``tf``: a probe result to add."""
+    for k in list(os.environ):
+        if k.startswith(("CUDA_", "NCCL_", "XLA_", "TF_")):
+            monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    facts = dr.gather_facts(nvml=fake, probe_tensorflow=False)
+    if tf is not None:
+        facts.tf = tf
+        dr._visible_from_tensorflow(facts)
+    return facts, {c.name: c for c in dr.run_checks(facts)}
+
+
+@pytest.mark.parametrize("cvd", ["", "-1", "8", "MIG-0c0ffee0-dead-beef-0000-000000000000"])
+def test_cuda_visible_devices_hiding_every_gpu_is_an_error(monkeypatch, cvd):
+    fake = FakeNvml.with_gpus(8)
+    facts, by = _gather(monkeypatch, fake, {"CUDA_VISIBLE_DEVICES": cvd}, tf=_tf_with_gpus(0))
+    assert facts.visible_gpu_indices == []
+    assert by["gpu_visibility"].status == "error", by["gpu_visibility"]
+    assert by["placement"].status == "error" and "CPU only" in by["placement"].detail  # not "ok"
+    assert dr.exit_code(dr.report(facts)) == 1
+    if cvd.startswith("MIG-"):
+        assert by["mig"].status == "error" and "no GPU here has" in by["mig"].detail
+        assert "no GPU here has" in by["gpu_visibility"].detail
+    # without TensorFlow (--no-tensorflow) the same verdict
+    facts.tf = {}
+    assert dr.check_gpu_visibility(facts).status == "error"
+
+
+def test_a_lost_gpu_is_named_and_the_others_are_still_checked(monkeypatch):
+    fake = FakeNvml.with_gpus(4, lost=[3], health={1: dict(pcie_width=4)})
+    facts, by = _gather(monkeypatch, fake, {}, tf=_tf_with_gpus(3))
+    assert facts.nvml_error is None and sorted(facts.health) == [0, 1, 2] and 3 in facts.gpu_errors
+    lost = by["gpus_responding"]
+    assert lost.status == "error" and "GPU 3 does not answer NVML" in lost.detail and "Xid 79" in lost.detail
+    assert "other 3 GPU(s)" in lost.detail and "dmesg" in lost.fix
+    assert by["nvidia_driver"].status == "ok" and "nvidia-ml-py" not in by["gpu_visibility"].fix
+    assert "GPU 1 links at x4" in by["pcie_link"].detail  # the healthy GPUs keep their checks
+    # a sample that fails for one GPU (not at devices()) costs only that GPU too
+    fake = FakeNvml.with_gpus(2, health={0: dict(pcie_width=8)})
+    fake._fail = {1}
+    facts, by = _gather(monkeypatch, fake, {})
+    assert facts.nvml_error is None and list(facts.gpu_errors) == [1] and by["gpus_responding"].status == "error"
+    assert by["pcie_link"].status == "warn" and "GPU 0 links at x8" in by["pcie_link"].detail
+
+
+def test_nvml_failing_as_a_whole_does_not_advise_installing_nvidia_ml_py():
+    f = _facts(num_gpus=0, tf=_tf_with_gpus(2), nvml_error="NVML query failed: GPU is lost", nvml_error_kind="other")
+    vis = dr.check_gpu_visibility(f)
+    assert vis.status == "warn" and "nvidia-ml-py" not in vis.fix and "nvidia-smi" in vis.fix
+    drv = dr.check_nvidia_driver(_facts(num_gpus=0, nvml_error="NVML query failed: NVMLError_GpuIsLost: GPU is lost",
+                                        nvml_error_kind="other"))
+    assert drv.status == "error" and "Xid 79" in drv.detail and "reinstall" not in drv.fix.replace("no driver re", "")
+    f = _facts(num_gpus=0, tf=_tf_with_gpus(2), nvml_error="no pynvml", nvml_error_kind="no_module")
+    assert "nvidia-ml-py" in dr.check_gpu_visibility(f).fix
+
+
+def _mixed_box():
+    # NVML numbers by PCI bus: 0 = a GTX 1650 (7.5), 1 = an RTX 5090 (12.0, not supported by the wheel)
+    return FakeNvml([GpuInfo(0, "NVIDIA GeForce GTX 1650", "GPU-aaaa", 4096.0, "00000000:17:00.0"),
+                     GpuInfo(1, "NVIDIA GeForce RTX 5090", "GPU-bbbb", 32768.0, "00000000:65:00.0")],
+                    health={0: dict(compute_capability=(7, 5)), 1: dict(compute_capability=(12, 0))})
+
+
+def test_cuda_device_order_pci_bus_id_maps_numbers_like_nvidia_smi(monkeypatch):
+    facts, by = _gather(monkeypatch, _mixed_box(), {"CUDA_VISIBLE_DEVICES": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
+    assert facts.visible_gpu_indices == [1] and facts.gpu_order_uncertain is None
+
+
+def test_cuda_default_order_on_a_mixed_box_is_not_guessed(monkeypatch):
+    tf = dict(_tf_with_gpus(1), build=dict(cuda_version="12.5.1", cudnn_version="9", is_cuda_build=True,
+                                           cuda_compute_capabilities=TF_221_ARCHS))
+    # no TensorFlow view: CUDA's FASTEST_FIRST makes "0" the RTX 5090, not NVML's GPU 0 -> say it is uncertain
+    facts, by = _gather(monkeypatch, _mixed_box(), {"CUDA_VISIBLE_DEVICES": "0"})
+    assert facts.gpu_order_uncertain and by["gpu_visibility"].status == "warn"
+    assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in by["gpu_visibility"].fix
+    assert by["compute_capability"].status == "skip" and "uncertain" in by["compute_capability"].detail
+    # TensorFlow logged the PCI bus id of the GPU it got: the RTX 5090, which the wheel cannot run
+    tf_log = dr._probe_result(dr._PROBE_MARK + json.dumps(dict(tf, stage="done")) + "\n",
+                              "I0000 gpu_device.cc:2020] Created device /job:localhost/replica:0/task:0/device:GPU:0 "
+                              "with 31000 MB memory:  -> device: 0, name: NVIDIA GeForce RTX 5090, pci bus id: "
+                              "0000:65:00.0, compute capability: 12.0\n", 0)
+    assert tf_log["gpu_pci_bus_ids"] == {"0": "0000:65:00.0"}
+    facts, by = _gather(monkeypatch, _mixed_box(), {"CUDA_VISIBLE_DEVICES": "0"}, tf=tf_log)
+    assert facts.visible_gpu_indices == [1] and facts.gpu_order_uncertain is None
+    assert by["compute_capability"].status == "error" and "RTX 5090" in by["compute_capability"].detail
+    # one model only: CUDA's order is the PCI order, nothing uncertain
+    facts, _ = _gather(monkeypatch, FakeNvml.with_gpus(2), {"CUDA_VISIBLE_DEVICES": "1"})
+    assert facts.visible_gpu_indices == [1] and facts.gpu_order_uncertain is None
+
+
+def test_gpu_processes_ignore_hidden_gpus_and_the_doctors_own_probe(monkeypatch):
+    procs = {0: [GpuProcess(0, 31337, "python alice_train.py", 70000.0)],
+             2: [GpuProcess(2, 4242, "python old_run.py", 1000.0)]}
+    facts, by = _gather(monkeypatch, FakeNvml.with_gpus(4, processes=procs), {"CUDA_VISIBLE_DEVICES": "2,3"})
+    p = by["gpu_processes"]
+    assert p.status == "warn" and "4242" in p.detail and "31337" not in p.detail and "alice" not in p.fix
+    facts, by = _gather(monkeypatch, FakeNvml.with_gpus(4, processes={0: procs[0]}), {"CUDA_VISIBLE_DEVICES": "2,3"})
+    assert by["gpu_processes"].status == "ok"  # another user's job on a GPU this job does not use
+
+
+def test_the_doctors_own_probe_child_is_not_a_leftover_process(tmp_path, monkeypatch):
+    """The TensorFlow probe (a child process) holds GPU memory while NVML is read: it is not someone else's job."""
+    probe = tmp_path / "probe.py"  # stands in for _tf_probe.py: holds "GPU memory" a moment, then reports
+    probe.write_text(f"import json, time\ntime.sleep(1.0)\nprint({dr._PROBE_MARK!r} + json.dumps({json.dumps(TF_OK)!r}"
+                     f" and dict(json.loads({json.dumps(TF_OK)!r}), stage='done')))\n")
+    monkeypatch.setattr(dr, "_PROBE_SCRIPT", str(probe))
+
+    class ProbeOnGpu(FakeNvml):
+        def processes(self, index):  # NVML lists this process's children as GPU users (the probe)
+            children = []
+            for task in os.listdir(f"/proc/{os.getpid()}/task"):
+                text = open(f"/proc/{os.getpid()}/task/{task}/children").read()
+                children += [int(p) for p in text.split()]
+            return [GpuProcess(index, pid, "python _tf_probe.py", 500.0) for pid in children]
+
+    fake = ProbeOnGpu.with_gpus(2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    facts = dr.gather_facts(nvml=fake, probe_tensorflow=True)
+    assert facts.tf.get("stage") == "done"
+    assert dr.check_gpu_processes(facts).status == "ok", dr.check_gpu_processes(facts)
+
+
+def test_cuda_wheel_pins_never_go_below_what_tensorflow_requires():
+    newest = ["nvidia-cublas-cu12==12.9.1.4", "nvidia-cuda-nvcc-cu12==12.9.86", "nvidia-cuda-runtime-cu12==12.9.79",
+              "nvidia-nvjitlink-cu12==12.9.86", "nvidia-cuda-runtime==13.0.96"]
+    floors = {"nvidia-cublas-cu12": "12.5.3.2", "nvidia-cuda-nvcc-cu12": "12.5.82",
+              "nvidia-cuda-runtime-cu12": "12.5.82", "nvidia-nvjitlink-cu12": "12.5.82"}
+    f = dr.check_cuda_wheels(_facts(num_gpus=1, pip_nvidia_packages=newest, cuda_driver_version=(12, 4),
+                                    driver_version="550.54.15", tf_wheel_floors=floors))
+    assert f.status == "error" and "nvidia-cuda-runtime==13.0.96" in f.detail  # the un-suffixed CUDA 13 wheel
+    for dist, floor in floors.items():  # every wheel it warns about, pinned to TensorFlow's floor, not to 12.4
+        assert f"'{dist}=={floor}'" in f.fix, f.fix
+    assert "12.4.*" not in f.fix
+    # a driver between TensorFlow's floor and the wheels: pin to the driver's CUDA
+    g = dr.check_cuda_wheels(_facts(num_gpus=1, pip_nvidia_packages=newest[:4], cuda_driver_version=(12, 6),
+                                    driver_version="560.35.03", tf_wheel_floors=floors))
+    assert g.status == "warn" and "'nvidia-cuda-nvcc-cu12==12.6.*'" in g.fix and "nvJitLink" in g.detail
+    if dr._tf_wheel_floors():  # this TensorFlow's own metadata
+        assert dr._ver(dr._tf_wheel_floors()["nvidia-cuda-nvcc-cu12"]) >= (12, 5)
+
+
+def test_a_tf_xla_flags_typo_is_blamed_on_the_flag_not_the_install():
+    crashed = {"tensorflow": None, "crashed": True, "error": "the TensorFlow probe exited with code 1 at: start-up",
+               "log_hints": ["F0000 parse_flags_from_env.cc:234] Unknown flag in TF_XLA_FLAGS: --tf_xla_nonsense=1"]}
+    f = _facts(num_gpus=1, tf=crashed, env={"TF_XLA_FLAGS": "--tf_xla_nonsense=1"})
+    by = {c.name: c for c in dr.run_checks(f)}
+    assert by["xla_flags"].status == "error" and "--tf_xla_nonsense" in by["xla_flags"].detail
+    assert by["tensorflow"].status == "error" and "xla_flags" in by["tensorflow"].detail
+    assert "einstall" not in by["tensorflow"].fix and "TF_XLA_FLAGS" in by["tensorflow"].fix
+    assert by["cuda_libraries"].status != "error" and "einstall" not in by["cuda_libraries"].fix
+    # the same crash without a flag to blame: the install is the suspect
+    plain = {c.name: c for c in dr.run_checks(_facts(num_gpus=1, tf=dict(crashed, log_hints=[])))}
+    assert "einstall" in plain["tensorflow"].fix and plain["cuda_libraries"].status == "error"
+
+
+def test_storage_of_a_path_that_does_not_exist_is_said_and_other_paths_keep_their_kind(tmp_path):
+    _fake_host_tree(tmp_path)
+    host = dr.gather_host_facts(root=str(tmp_path), paths=["/dtaa/imagenet", "", "/scratch", "/data/train"],
+                                affinity=[0], memlock_bytes=None)
+    assert [s["kind"] for s in host.storage] == ["missing", "missing", "nvme", "hdd"]
+    f = dr.check_storage(_facts(host=host))
+    assert f.status == "warn" and "'/dtaa/imagenet' does not exist" in f.detail and "empty --path" in f.detail
+    assert "/data/train is on a spinning disk" in f.detail and "/scratch: nvme" in f.detail  # others still told
+    assert "spelling" in f.fix
+
+
+def test_nccl_ib_disable_without_infiniband_is_no_warning(tmp_path):
+    host = dr.HostFacts(infiniband=[])
+    f = dr.check_nccl_env(_facts(env={"NCCL_IB_DISABLE": "1"}, host=host,
+                                 nccl_conf={"NCCL_IB_DISABLE": ("1", "environment")}))
+    assert f.status == "ok" and "no InfiniBand" in f.detail
+    ib = dr.check_nccl_env(_facts(env={"NCCL_IB_DISABLE": "1"}, host=dr.HostFacts(infiniband=["mlx5_0"]),
+                                  nccl_conf={"NCCL_IB_DISABLE": ("1", "environment")}))
+    assert ib.status == "warn" and "InfiniBand" in ib.detail
+
+
+def test_host_memory_counts_the_mig_slice_not_the_whole_gpu():
+    gpus = [GpuInfo(0, "NVIDIA A100-SXM4-80GB", "GPU-aaaa", 81920.0, mig_uuids=("MIG-1111", "MIG-2222"),
+                    mig_memory_mb=(9856.0, 40192.0))]
+    env = {"CUDA_VISIBLE_DEVICES": "MIG-1111"}
+    host = dr.HostFacts(ram_mb=24 * 1024.0, physical_cores=8, usable_cpus=8)
+    f = dr.check_host_memory(_facts(num_gpus=1, gpus=gpus, env=env, host=host))
+    assert f.status == "ok" and "24 GiB RAM for 10 GiB of GPU memory" in f.detail and "MIG instance" in f.detail
+    whole = dr.check_host_memory(_facts(num_gpus=1, gpus=gpus, host=host))  # no MIG instance named: whole GPU
+    assert whole.status == "warn" and "80 GiB of GPU memory" in whole.detail
+
+
+def test_nvml_reads_each_mig_instances_memory():
+    from keras_scale.nvml import Nvml
+    from tests.fakes.fake_nvml import FakePynvml
+
+    gpus = Nvml(FakePynvml(num_gpus=1, mig_uuids=["MIG-aaaa-1111"])).devices()
+    assert gpus[0].mig_uuids == ("MIG-aaaa-1111",) and gpus[0].mig_memory_mb == (80 * 1024.0,)
+
+
+def test_nvml_devices_keeps_the_other_gpus_when_one_is_lost():
+    from keras_scale.nvml import Nvml
+    from tests.fakes.fake_nvml import FakePynvml
+
+    class OneLost(FakePynvml):
+        class NVMLError_GpuIsLost(FakePynvml.NVMLError):
+            pass
+
+        def nvmlDeviceGetName(self, h):
+            if h[1] == 1:
+                raise self.NVMLError_GpuIsLost("GPU is lost")
+            return super().nvmlDeviceGetName(h)
+
+    nv = Nvml(OneLost(num_gpus=3))
+    gpus = nv.devices()
+    assert [g.index for g in gpus] == [0, 1, 2] and gpus[1].name == "unknown" and gpus[2].name == "NVIDIA Fake H100"
+    assert list(nv.device_errors) == [1] and "GPU is lost" in nv.device_errors[1]
+
+
+@pytest.mark.parametrize("columns", [40, 52, 72, 120])
+def test_text_table_fits_narrow_terminals(monkeypatch, capsys, columns):
+    monkeypatch.setenv("COLUMNS", str(columns))
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")  # a warning with a fix, wrapped too
+    dr.cli(["--no-tensorflow", "-q"])
+    out = capsys.readouterr().out
+    assert max(len(ln) for ln in out.splitlines()) <= columns, out
+    assert "nccl_env" in out and "fix:" in out
+
+
+def test_readings_nvml_does_not_report_are_not_stated_as_facts():
+    blank = _health(compute_mode=None, persistence_mode=None, ecc_uncorrected_volatile=None, pages_pending=None,
+                    row_remap_failed=None)
+    f = _facts(num_gpus=1, health={0: blank})
+    modes, ecc = dr.check_gpu_modes(f), dr.check_gpu_memory_errors(f)
+    assert "Default" not in modes.detail and "Persistence mode on" not in modes.detail
+    assert "not reported" in modes.detail and "ECC not reported" in ecc.detail and "No uncorrectable" not in ecc.detail
+    known = _facts(num_gpus=1, health={0: _health()})
+    assert "Compute mode Default. Persistence mode on." in dr.check_gpu_modes(known).detail
+    assert "No uncorrectable ECC errors" in dr.check_gpu_memory_errors(known).detail
+
+
+def test_docs_name_every_check_and_only_real_ones():
+    """docs/doctor.md's table lists each check once; the troubleshooting table names only checks that exist."""
+    import re
+
+    names = [c.__name__.replace("check_", "") for c in dr.CHECKS]
+    names = [{"driver_cuda": "driver_vs_cuda"}.get(n, n) for n in names]
+    got = {r.name for r in dr.run_checks(_facts(), dr.CHECKS)}
+    assert got == set(names)
+    doc = open(os.path.join(REPO_ROOT, "docs", "doctor.md")).read()
+    rows = re.findall(r"^\| `([a-z_0-9]+)` \|", doc, re.MULTILINE)
+    assert sorted(rows) == sorted(got), set(rows) ^ got
+    trouble = open(os.path.join(REPO_ROOT, "docs", "troubleshooting.md")).read()
+    for row in trouble.splitlines():
+        if row.startswith("| **"):
+            assert row.count(" | ") == 2, row[:80]  # symptom | what diagnoses it | what it tells you
+    doctor_part = " ".join(re.findall(r"`keras-scale doctor[^`]*`: (.*?)(?:;\s*`keras_scale\.|\s\|)", trouble))
+    mentioned = set(re.findall(r"`([a-z_]+)`(?= \()", doctor_part))  # "`gpu_processes` (what it finds)"
+    assert mentioned and mentioned <= got, mentioned - got
+
+
+def test_gpus_joined_through_nvswitch_are_not_called_pcie():
+    """On DGX/HGX boards every NVLink ends at an NVSwitch, so no link names the other GPU; NVML's P2P-over-NVLink
+    status tells that they are NVLink-connected."""
+    from keras_scale.nvml import Nvml
+    from tests.fakes.fake_nvml import FakePynvml
+
+    link = Nvml(FakePynvml(num_gpus=2, nvswitch=True)).link(0, 1)
+    assert link.nvlinks == 0 and link.nvlink_p2p is True
+    f = dr.check_gpu_topology(_facts(num_gpus=2, links=[link]))
+    assert f.status == "ok" and "0-1 NVLink (through NVSwitch)" in f.detail and "PCIe" not in f.detail
+    plain = Nvml(FakePynvml(num_gpus=2)).link(0, 1)  # a PCIe box without P2P
+    assert plain.nvlink_p2p is False and dr.check_gpu_topology(_facts(num_gpus=2, links=[plain])).status == "warn"

@@ -54,6 +54,7 @@ class FakeNvml:
         fail_sample_for: Sequence[int] = (),
         health: Optional[Dict[int, Dict[str, object]]] = None,
         links: Optional[Dict[Tuple[int, int], Dict[str, object]]] = None,
+        lost: Sequence[int] = (),
     ) -> None:
         self._devices = list(devices)
         self._metrics = metrics if metrics is not None else {}
@@ -63,6 +64,8 @@ class FakeNvml:
         self._fail = set(fail_sample_for)
         self._health = health or {}
         self._links = links or {}
+        self._lost = set(lost)  # GPUs fallen off the bus: NVML raises for every query about them
+        self.device_errors: Dict[int, str] = {}
         self._lock = threading.Lock()
         self._count: Dict[int, int] = {}
         self.sample_calls: List[Tuple[int, str]] = []
@@ -71,11 +74,12 @@ class FakeNvml:
     @classmethod
     def with_gpus(cls, num_gpus: int = 1, processes: Optional[Dict[int, List[GpuProcess]]] = None,
                   mem_total_mb: float = 16000.0, health: Optional[Dict[int, Dict[str, object]]] = None,
-                  links: Optional[Dict[Tuple[int, int], Dict[str, object]]] = None, **metrics: object) -> "FakeNvml":
+                  links: Optional[Dict[Tuple[int, int], Dict[str, object]]] = None, lost: Sequence[int] = (),
+                  **metrics: object) -> "FakeNvml":
         devices = [GpuInfo(i, "Fake GPU", f"GPU-fake-{i:04d}", mem_total_mb, f"00000000:{i + 1:02X}:00.0")
                    for i in range(num_gpus)]
         return cls(devices, metrics=dict(mem_total_mb=mem_total_mb, **metrics), processes=processes,
-                   health=health, links=links)
+                   health=health, links=links, lost=lost)
 
     # --- the keras_scale.nvml.Nvml interface ----------------------------------------------------------
     def driver_version(self) -> str:
@@ -88,7 +92,14 @@ class FakeNvml:
         return len(self._devices)
 
     def devices(self) -> List[GpuInfo]:
-        return list(self._devices)
+        # as keras_scale.nvml.Nvml.devices(): a lost GPU keeps its index, its error goes to device_errors
+        self.device_errors = {d.index: "NVMLError_GpuIsLost: GPU is lost" for d in self._devices
+                              if d.index in self._lost}
+        return [GpuInfo(d.index, "unknown", "", 0.0) if d.index in self._lost else d for d in self._devices]
+
+    def _check_lost(self, index: int) -> None:
+        if index in self._lost:
+            raise RuntimeError("NVMLError_GpuIsLost: GPU is lost")
 
     def sample(self, index: int) -> GpuSample:
         if index not in {d.index for d in self._devices}:
@@ -97,6 +108,7 @@ class FakeNvml:
             n = self._count.get(index, 0)
             self._count[index] = n + 1
             self.sample_calls.append((index, threading.current_thread().name))
+        self._check_lost(index)
         if index in self._fail:
             raise RuntimeError(f"fake NVML: GPU {index} fell off the bus")
         values = dict(_DEFAULT_METRICS)
@@ -104,11 +116,13 @@ class FakeNvml:
         return GpuSample(index=index, timestamp_s=time.time(), **values)
 
     def processes(self, index: int) -> List[GpuProcess]:
+        self._check_lost(index)
         return list(self._processes.get(index, []))
 
     def health(self, index: int) -> GpuHealth:
         if index not in {d.index for d in self._devices}:
             raise ValueError(f"fake NVML has no GPU {index}")
+        self._check_lost(index)
         return GpuHealth(index=index, **{**_DEFAULT_HEALTH, **self._health.get(index, {})})
 
     def link(self, a: int, b: int) -> GpuLink:
@@ -141,6 +155,7 @@ class FakePynvml:
     NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
     NVML_VOLATILE_ECC = 0
     NVML_P2P_CAPS_INDEX_READ = 0
+    NVML_P2P_CAPS_INDEX_NVLINK = 2
     NVML_NVLINK_MAX_LINKS = 36
 
     class NVMLError(Exception):
@@ -151,11 +166,12 @@ class FakePynvml:
 
     def __init__(self, unsupported: Sequence[str] = (), throttle_bits: int = 0,
                  procs: Sequence[Tuple[int, int]] = ((4242, 3 * 1024 ** 3),), num_gpus: int = 1,
-                 mig_uuids: Sequence[str] = (), nvlinks_to_gpu1: int = 0) -> None:
+                 mig_uuids: Sequence[str] = (), nvlinks_to_gpu1: int = 0, nvswitch: bool = False) -> None:
         self.unsupported = set(unsupported)
         self.num_gpus = num_gpus
         self.mig_uuids = list(mig_uuids)
         self.nvlinks_to_gpu1 = nvlinks_to_gpu1
+        self.nvswitch = nvswitch  # NVLinks end at an NVSwitch: P2P over NVLink works, no link names GPU 1
         self.throttle_bits = throttle_bits
         self.procs = list(procs)
         self.shutdown_calls = 0
@@ -244,6 +260,8 @@ class FakePynvml:
         return ("mig", h[1], i)
 
     def nvmlDeviceGetP2PStatus(self, h1, h2, index):
+        if index == self.NVML_P2P_CAPS_INDEX_NVLINK:
+            return 0 if self.nvlinks_to_gpu1 or self.nvswitch else 4
         return 0 if self.nvlinks_to_gpu1 else 4  # 4: NVML_P2P_STATUS_CHIPSET_NOT_SUPPORTED
 
     def nvmlDeviceGetTopologyCommonAncestor(self, h1, h2):
