@@ -63,11 +63,40 @@ def test_resumed_epoch_reports_the_metrics_of_the_whole_epoch(tmp_path, save_fre
     history = fit(resumed, [ks.ChiefCheckpoint(d, save_freq=save_freq)]).history
     assert_same(weights(resumed), weights(ref))
     assert history.keys() == expected.keys()
-    # mid-epoch: epochs 2 and 3; at epoch 1's end: epoch 1 is replayed (all batches skipped, its end callbacks
-    # run again) with its restored metrics, then 2 and 3
-    first = 1 if save_freq == 3 else 0
+    # mid-epoch: epochs 2 and 3; at epoch 1's end: the save due at its last batch was taken after the epoch's end,
+    # so the resume starts at epoch 2
     for key in expected:
-        np.testing.assert_allclose(history[key], expected[key][first:], rtol=1e-5, err_msg=key)
+        np.testing.assert_allclose(history[key], expected[key][1:], rtol=1e-5, err_msg=key)
+
+
+@pytest.mark.parametrize("ending", ["stop", "sigterm"])
+def test_resumed_epoch_metrics_are_exact_after_a_mid_epoch_stop_with_validation(tmp_path, ending):
+    """Keras validates after the interrupting batch too, and validation resets the metric variables: the final save
+    still holds the interrupted epoch's training metrics, so the resumed epoch logs the uninterrupted run's loss and
+    metrics (validation ones included)."""
+    import signal
+
+    val = (X[:40] + 0.1, Y[:40])
+    ref = make_model()
+    expected = fit(ref, [], validation_data=val).history
+
+    class Sigterm(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations.numpy()) == 14:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    d = str(tmp_path / "ckpt")
+    first = ks.ChiefCheckpoint(d, save_freq=3, preemption_exit_code=None)
+    fit(make_model(), [first, StopAfter(14) if ending == "stop" else Sigterm()], validation_data=val)
+    # the signal is acted on at the next step boundary: after batch 15 (epoch 2, batch 5)
+    assert list_checkpoints(d)[0][0] == (14 if ending == "stop" else 15)
+    assert (ending == "stop") == (first.preempted is None)
+    resumed = make_model()
+    history = fit(resumed, [ks.ChiefCheckpoint(d, save_freq=3)], validation_data=val).history
+    assert_same(weights(resumed), weights(ref))
+    assert history.keys() == expected.keys()
+    for key in expected:
+        np.testing.assert_allclose(history[key], expected[key][1:], rtol=1e-6, err_msg=key)
 
 
 def test_wrapped_model_with_metrics_resumes_with_exact_metrics(tmp_path):
@@ -204,6 +233,50 @@ def test_finished_run_says_already_complete(tmp_path, capsys):
     # a larger epochs= continues
     history = fit(again, [ks.ChiefCheckpoint(d)], epochs=3)
     assert history.epoch == [2] and int(again.optimizer.iterations.numpy()) == 30
+
+
+def test_finished_run_whose_save_freq_is_the_epoch_length_says_already_complete(tmp_path, capsys):
+    """save_freq = batches per epoch: the save due at the last epoch's last batch is taken after that epoch's end,
+    so a rerun finds a complete run: nothing trained, nothing replayed, the last epoch's logs in History."""
+    val = (X[:40] + 0.1, Y[:40])
+    d = str(tmp_path / "ckpt")
+    done = fit(make_model(), [ks.ChiefCheckpoint(d, save_freq=10)], epochs=2, validation_data=val)
+    assert [n for n, _ in list_checkpoints(d)] == [20, 10]
+    capsys.readouterr()
+    ends = []
+
+    class EpochEnds(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            ends.append(epoch)
+
+    again = make_model()
+    history = fit(again, [ks.ChiefCheckpoint(d, save_freq=10), EpochEnds()], epochs=2, validation_data=val)
+    out = capsys.readouterr().out
+    assert "already complete (2 epochs, global batch 20)" in out and "resuming" not in out
+    assert ends == [] and int(again.optimizer.iterations.numpy()) == 20
+    assert history.epoch == [1]
+    assert history.history == {k: [v[-1]] for k, v in done.history.items()}
+
+
+def test_a_checkpoint_from_the_last_batch_before_the_epoch_end_says_already_complete(tmp_path, capsys):
+    """Data of unknown length (so the last batch is not known as such) or an older version: the newest checkpoint is
+    from the last batch of the last epoch, before its end. A rerun says "already complete", trains nothing, runs that
+    epoch's end again (validation) with its saved metrics: History equals the finished run's last epoch."""
+    val = (X[:40] + 0.1, Y[:40])
+    d = str(tmp_path / "ckpt")
+    unknown_length = tf.data.Dataset.from_tensor_slices((X, Y)).filter(lambda x, y: True).batch(BATCH)
+    done = make_model().fit(unknown_length, epochs=2, verbose=0, validation_data=val,
+                            callbacks=[ks.ChiefCheckpoint(d, save_freq=10)])
+    assert [n for n, _ in list_checkpoints(d)] == [20, 10]
+    capsys.readouterr()
+    again = make_model()
+    history = fit(again, [ks.ChiefCheckpoint(d, save_freq=10)], epochs=2, validation_data=val)
+    out = capsys.readouterr().out
+    assert "already complete (2 epochs, global batch 20)" in out and "resuming" not in out
+    assert int(again.optimizer.iterations.numpy()) == 20
+    assert history.epoch == [1]
+    for key, values in done.history.items():
+        np.testing.assert_allclose(history.history[key], values[-1:], rtol=1e-6, err_msg=key)
 
 
 @pytest.mark.parametrize("guard_first", [False, True])

@@ -605,6 +605,8 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._epoch = int(epoch)
         self._step_in_epoch = 0
         self._epoch_complete = False
+        self._train_metric_values = None
+        self._stopped_before_validation = None
 
     def on_train_batch_begin(self, batch, logs=None):
         if self.model.train_function is not self._wrapper:  # someone rebuilt it (e.g. make_train_function(force))
@@ -616,8 +618,24 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._check_preemption(self._calls % self.signal_check_every_n_steps == 0)
         if self._last_call_skipped or self.save_freq == "epoch" or self._preempting:
             return
-        if self._global_step // self.save_freq > self._last_saved_step // self.save_freq:
+        if self._save_due():
+            steps = (self.params or {}).get("steps")
+            if steps and self._step_in_epoch >= int(steps):
+                # The epoch's last batch: saved after the epoch's end callbacks (at the next epoch's first batch or
+                # at train end), as an epoch-end checkpoint holding the epoch's logs, so that a finished run's last
+                # checkpoint says "complete" and a resume starts at the next epoch.
+                return
             self._save(self._epoch, self._step_in_epoch, self._stream_pos)
+
+    def _save_due(self) -> bool:
+        return self.save_freq != "epoch" and self._global_step // self.save_freq > self._last_saved_step // self.save_freq
+
+    def on_test_begin(self, logs=None):
+        # Validation inside fit runs after the epoch's last (or interrupting) batch and resets the metric variables
+        # that a mid-epoch save at train end must hold: keep this epoch's training metric state (a few scalars).
+        if self._fit_thread is not None and self._checkpoint is not None:
+            self._train_metric_values = [v.numpy() for v in _metric_variables(self.model)]
+            self._stopped_before_validation = bool(self.model.stop_training)
 
     def on_test_batch_end(self, batch, logs=None):
         if self._preempting:  # no validation run after a preemption signal: save and go
@@ -626,11 +644,14 @@ class ChiefCheckpoint(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         steps = (self.params or {}).get("steps")
         self._check_preemption(True)
-        # A stop requested by a batch callback ends the epoch early; EarlyStopping stops after a full epoch.
-        self._epoch_complete = not self.model.stop_training or bool(steps and self._step_in_epoch >= steps)
+        # A stop requested by a batch callback ends the epoch early; EarlyStopping stops after a full epoch. When
+        # validation ran, whether the stop came before it (from a batch) is known exactly.
+        stopped = self.model.stop_training if self._stopped_before_validation is None else \
+            self._stopped_before_validation
+        self._epoch_complete = not stopped or bool(steps and self._step_in_epoch >= steps)
         if self._epoch_complete:
             self._last_epoch_logs = (int(epoch), logs)  # the dict itself: callbacks after us add keys to it
-            if self.save_freq == "epoch":
+            if self.save_freq == "epoch" or self._save_due():
                 # Saved at the first batch of the next epoch (or at train end): only then is it known whether the
                 # next epoch reads a fresh data iterator or continues this one (steps_per_epoch + repeat()).
                 self._pending_epoch_save = True
@@ -644,7 +665,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                     fresh = self._iterator is None or self._iterator_exhausted(self._iterator)
                     self._save(self._epoch + 1, 0, 0 if fresh else self._stream_pos)
                 else:
-                    self._save(self._epoch, self._step_in_epoch, self._stream_pos)
+                    self._save_mid_epoch()
             self._timed_wait()
             if self._already_complete is not None:
                 self._fill_history()
@@ -660,6 +681,25 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             if code is not None:
                 raise SystemExit(code)
         # Files are never deleted here: a graceful stop (EarlyStopping, NanGuard halt) must keep them.
+
+    def _save_mid_epoch(self) -> None:
+        """Save the interrupted epoch's position with its *training* metric state: validation (which Keras runs
+        after the interrupting batch too) reset the metric variables, so the values kept before it are saved, and
+        the validation values are put back afterwards."""
+        kept = self._train_metric_values
+        variables = _metric_variables(self.model)
+        if kept is None or len(kept) != len(variables):
+            self._save(self._epoch, self._step_in_epoch, self._stream_pos)
+            return
+        now = [v.numpy() for v in variables]
+        try:
+            for var, value in zip(variables, kept):
+                var.assign(value)
+            self._save(self._epoch, self._step_in_epoch, self._stream_pos)
+            self._timed_wait()
+        finally:
+            for var, value in zip(variables, now):
+                var.assign(value)
 
     def _active_cleanup(self) -> None:
         self._pending_epoch_save = False
@@ -725,6 +765,8 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._last_call_skipped = False
         self._pending_epoch_save = False
         self._epoch_complete = False
+        self._train_metric_values: Optional[List[Any]] = None  # this epoch's metric state kept before validation
+        self._stopped_before_validation: Optional[bool] = None
         self._restored_from: Optional[str] = None
         self._deferred_restore: Optional[str] = None
         self._resume_position: Optional[Dict[str, int]] = None
@@ -1256,6 +1298,16 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                 RuntimeWarning, stacklevel=2,
             )
         self._skip_prefix = max(position["stream_pos"] - self._skip_calls * spe, 0)
+        steps = (self.params or {}).get("steps")
+        if epochs is not None and steps and epoch + 1 >= int(epochs) and step_in_epoch >= int(steps):
+            # Written at the last epoch's last batch, before its end callbacks (older versions saved so with an int
+            # save_freq): every batch is trained; only the epoch's end (validation, callbacks) runs again.
+            self._say(f"ChiefCheckpoint: the run in {self.directory!r} is already complete ({epoch + 1} epochs, "
+                      f"global batch {self._global_step}): nothing to train. Its newest checkpoint {prefix!r} was "
+                      f"written at the last batch of epoch {epoch + 1}, before that epoch's end, so the epoch's end "
+                      "(validation, epoch-end callbacks) runs again with its saved metrics. Pass a larger epochs= to "
+                      "train further, or a new directory to start over.", routine=False)
+            return
         self._say(f"ChiefCheckpoint: resuming {_describe(epoch, self._skip_calls * spe)} from {prefix!r} "
                   f"(global batch {self._global_step})", routine=False)
 
