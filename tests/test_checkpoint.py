@@ -604,3 +604,32 @@ def test_another_wrapper_around_the_train_function_does_not_double_count(tmp_pat
     # Each trained batch went through the other wrapper once (14 + 16); the 4 skipped ones were not trained.
     assert ckpt.global_step == 30 and len(calls) == 14 + 16
     assert_same(weights(resumed), reference_weights)
+
+
+def test_model_save_after_ks_fit_with_accum_keeps_the_optimizer_state(tmp_path):
+    """ks.fit(..., accum=2) compiles one optimizer into the wrapper and the inner model. model.save / load_model of
+    the wrapped model keeps its state (Keras used to save it once, under the inner model, and load the wrapper's
+    from an empty group: 0 variables, iterations 0, a WarmupCosine back in warmup): training then continues
+    exactly as the saved model's would."""
+    def build():
+        keras.utils.set_random_seed(7)
+        m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
+        m.compile(optimizer=keras.optimizers.Adam(ks.WarmupCosine(1e-2, warmup_steps=4, total_steps=40)),
+                  loss="mse", metrics=["mae"])
+        return m
+
+    model = ks.fit(build, X, Y, global_batch_size=16, accum=2, epochs=2, verbose=0,
+                   default_callbacks=False).model
+    assert isinstance(model, ks.AccumulatingModel)
+    path = str(tmp_path / "wrapped.keras")
+    model.save(path)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*optimizer.*variables")
+        loaded = keras.models.load_model(path)
+    assert int(loaded.optimizer.iterations.numpy()) == int(model.optimizer.iterations.numpy()) == 10
+    assert loaded.optimizer is ks.unwrap(loaded).optimizer
+    for a, b in zip(loaded.optimizer.variables, model.optimizer.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    for m in (model, loaded):  # one more epoch on each: the same update (moments, schedule position)
+        m.fit(X[:32], Y[:32], batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert_same(weights(loaded), weights(model))
