@@ -394,3 +394,38 @@ def test_keep_best_does_not_write_through_a_link_out_of_the_directory(tmp_path):
         make_model().fit(X, Y, batch_size=BATCH, epochs=2, verbose=0,
                          callbacks=[ks.ChiefCheckpoint(str(d), keep_best_k=1, monitor="loss")])
     assert os.listdir(outside) == []
+
+
+def test_learning_rate_changed_between_runs_is_used_and_named(tmp_path):
+    """The script's learning rate changed between runs (1e-2 -> 5e-3): the new one is used, with a warning naming
+    both; a learning rate changed during training (as ReduceLROnPlateau does) with the script unchanged resumes as
+    saved, silently."""
+    d = str(tmp_path / "ckpt")
+
+    class Lower(keras.callbacks.Callback):  # what ReduceLROnPlateau does to a float learning rate
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations.numpy()) == 5:
+                self.model.optimizer.learning_rate.assign(2e-3)
+
+    fit(make_model(), [ks.ChiefCheckpoint(d, save_freq=3), Lower(), StopAfter(9)])
+    seen = {}
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            seen["lr"] = float(self.model.optimizer.learning_rate.numpy())
+
+    import warnings
+    same = make_model()  # Adam(1e-2) as before
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(same, [ks.ChiefCheckpoint(d, save_freq=3), Probe(), StopAfter(12)])
+    assert not [w for w in record if "learning_rate" in str(w.message)]
+    assert seen["lr"] == pytest.approx(2e-3)
+
+    changed = make_model(optimizer=lambda: keras.optimizers.Adam(5e-3))
+    with pytest.warns(RuntimeWarning, match=r"learning_rate changed between runs: this run starts with 0\.005; .*"
+                                             r"started with 0\.01 and was at 0\.002 when saved"):
+        fit(changed, [ks.ChiefCheckpoint(d, save_freq=3), Probe()])
+    assert seen["lr"] == pytest.approx(5e-3)
+    assert float(changed.optimizer.learning_rate.numpy()) == pytest.approx(5e-3)
+    assert int(changed.optimizer.iterations.numpy()) == 30  # everything else resumed

@@ -39,6 +39,7 @@ _INDEX_RE = re.compile(r"^" + _NAME + r"-(\d+)\.index$")
 _PREFIX_RE = re.compile(r"^" + _NAME + r"-(\d+)$")
 _SIGNATURE_KEY = "keras_scale_signature/.ATTRIBUTES/VARIABLE_VALUE"
 _EPOCH_LOGS_KEY = "keras_scale_epoch_logs/.ATTRIBUTES/VARIABLE_VALUE"
+_RUN_CONFIG_KEY = "keras_scale_run_config/.ATTRIBUTES/VARIABLE_VALUE"
 _METRIC_KEY = "metrics_variables/{}/.ATTRIBUTES/VARIABLE_VALUE"
 _POSITION = ("epoch", "step_in_epoch", "stream_pos", "global_step", "batch_size")
 # Guard state that describes the moment, not the run: never saved, never restored (a restored "halted" flag
@@ -180,6 +181,17 @@ def _metric_variables(model: keras.Model) -> List[Any]:
         return list(model.metrics_variables)
     except Exception:  # noqa: BLE001 - a model without compiled metrics
         return []
+
+
+def _lr_variable(model: keras.Model) -> Optional[Any]:
+    """The optimizer's learning-rate variable (a float LR; ``None`` for a schedule, which is code, not state)."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        return None
+    from keras_scale.schedules import inner_optimizer
+
+    lr = getattr(inner_optimizer(optimizer), "_learning_rate", None)
+    return lr if isinstance(lr, keras.Variable) else None
 
 
 def _signature(model: keras.Model) -> Dict[str, List[List[Any]]]:
@@ -499,6 +511,11 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         found = self._restore_newest(everything=restore_keras_scale_state) if list_checkpoints(self.directory) else None
         if found is not None:
             step = self._read_position(found)["global_step"]
+            lr = _lr_variable(self.model)
+            if self._lr_override is not None and found == self._restored_from and lr is not None:
+                lr.assign(self._lr_override)  # the checkpoint resumed from predates this run's new learning rate
+            if restore_keras_scale_state:
+                self._run_config_var.assign(json.dumps({"learning_rate": self._lr_at_start}))
         elif self._start_state is not None:
             for var, value in zip(self._start_variables(), self._start_state):
                 var.assign(value)
@@ -560,6 +577,8 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         strategy = model.distribute_strategy
         self._chief = is_chief(strategy)
         self._reset_position()
+        lr = _lr_variable(model)
+        self._lr_at_start = float(lr.numpy()) if lr is not None else None  # as this run's script sets it
         self._fit_thread = threading.get_ident()
         self.blocked_s = 0.0
         self.preempted = None
@@ -585,6 +604,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         if self.restore and list_checkpoints(self.directory):
             if self._checkpoint is not None:
                 found = self._restored_from = self._restore_newest()
+                self._reconcile_learning_rate(found)
             else:
                 # The model gets its variables only when its first step is traced: pick the newest checkpoint
                 # that reads back completely now (the epoch must be known before the first epoch starts) and
@@ -789,6 +809,8 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._start_step = 0
         self._preempt_requested: Optional[int] = None
         self._preempting = False
+        self._lr_at_start: Optional[float] = None
+        self._lr_override: Optional[float] = None
         self._iter_backup: Optional[tf.Variable] = None
         self._own_stream: Any = None
         self._may_run_out = True
@@ -1058,6 +1080,9 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                           for name in _POSITION}
             self._signature = tf.Variable("", dtype=tf.string, trainable=False, name="ks_signature")
             self._epoch_logs_var = tf.Variable("", dtype=tf.string, trainable=False, name="ks_epoch_logs")
+            # what this run's script set (not what training made of it): tells a deliberate change at the next resume
+            self._run_config_var = tf.Variable(json.dumps({"learning_rate": self._lr_at_start}), dtype=tf.string,
+                                               trainable=False, name="ks_run_config")
         # Variables by position (model.variables, optimizer.variables: a deterministic order for a given model
         # and optimizer); the signature saved alongside makes restoring into a different model an error.
         items: Dict[str, Any] = {
@@ -1066,6 +1091,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             "keras_scale_position": self._vars,
             "keras_scale_signature": self._signature,
             "keras_scale_epoch_logs": self._epoch_logs_var,
+            "keras_scale_run_config": self._run_config_var,
         }
         metrics = _metric_variables(model)
         self._num_metric_vars = len(metrics)
@@ -1250,6 +1276,40 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._checkpoint.read(prefix).expect_partial()
         self._restored_from = prefix
         self._say(f"ChiefCheckpoint: restored {prefix}")
+        self._reconcile_learning_rate(prefix)
+
+    def _reconcile_learning_rate(self, prefix: str) -> None:
+        """A learning rate changed in the script between runs is used, with a warning naming both values; one changed
+        during training (ReduceLROnPlateau, NanGuard's rollback) is resumed as saved."""
+        self._run_config_var.assign(json.dumps({"learning_rate": self._lr_at_start}))  # the read overwrote it
+        var, new = _lr_variable(self.model), self._lr_at_start
+        if var is None or new is None:
+            return
+        restored = float(var.numpy())
+        try:
+            raw = tf.train.load_checkpoint(prefix).get_tensor(_RUN_CONFIG_KEY)
+            started = json.loads(raw.decode() if isinstance(raw, bytes) else raw).get("learning_rate")
+        except Exception:  # noqa: BLE001 - written by an older version: the run's starting value is unknown
+            started = None
+        if started is None:
+            if restored != new:
+                warnings.warn(
+                    f"ChiefCheckpoint: the optimizer's learning_rate is {new:g} in this run but {restored:g} in "
+                    f"{prefix!r}, which does not record the value its run started with; the checkpoint's {restored:g} "
+                    "is restored (as keras.callbacks.BackupAndRestore does; a callback such as ReduceLROnPlateau may "
+                    "have set it). To train with a new value, assign it after the restore, e.g. "
+                    f"model.optimizer.learning_rate.assign({new:g}) in the on_train_begin of a callback listed after "
+                    "ChiefCheckpoint.", RuntimeWarning, stacklevel=3)
+            return
+        if float(started) == new:
+            return  # unchanged in the script: the saved value (possibly lowered during training) continues
+        var.assign(new)
+        self._lr_override = new
+        warnings.warn(
+            f"ChiefCheckpoint: learning_rate changed between runs: this run starts with {new:g}; the run in "
+            f"{prefix!r} was started with {float(started):g} and was at {restored:g} when saved. Using this run's "
+            f"{new:g} (everything else resumes exactly). To continue with the checkpoint's value, pass the "
+            f"learning rate as before ({float(started):g}).", RuntimeWarning, stacklevel=3)
 
     def _restore_metrics(self, prefix: str) -> bool:
         """Continue the interrupted epoch's metrics (loss included) from their saved state."""
