@@ -134,6 +134,18 @@ def test_relative_directory_resumes(tmp_path, monkeypatch, reference_weights):
     assert_same(weights(resumed), reference_weights)
 
 
+def test_relative_directory_is_resolved_when_the_callback_is_created(tmp_path, monkeypatch):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    ckpt = ks.ChiefCheckpoint("ckpt")
+    assert ckpt.directory == str(tmp_path / "a" / "ckpt")
+    monkeypatch.chdir(tmp_path / "b")  # e.g. a library call in between
+    fit(make_model(), [ckpt], epochs=1)
+    assert [n for n, _ in list_checkpoints(str(tmp_path / "a" / "ckpt"))] == [10]
+    assert not (tmp_path / "b" / "ckpt").exists()
+
+
 def test_resume_from_an_older_checkpoint_skips_exactly_the_applied_batches(tmp_path, reference_weights):
     d = str(tmp_path / "ckpt")
     fit(make_model(), [ks.ChiefCheckpoint(d, save_freq=3, max_to_keep=10, verbose=0), StopAfter(17)])

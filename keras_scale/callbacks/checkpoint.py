@@ -371,7 +371,8 @@ class ChiefCheckpoint(keras.callbacks.Callback):
     is removed. For resuming, every worker must be able to read ``directory`` (a shared file system).
 
     Args:
-        directory: where checkpoints ``ckpt-<global batch>.*`` go (local path or any ``tf.io.gfile`` URL).
+        directory: where checkpoints ``ckpt-<global batch>.*`` go (local path or any ``tf.io.gfile`` URL). A relative
+            local path is resolved against the working directory when the callback is created.
         save_freq: ``"epoch"`` (after each epoch's end callbacks) or an int: every that many batches.
         max_to_keep: how many recent checkpoints to keep (>= 1).
         async_save: write in the background (TensorFlow's async checkpoint): the step waits only for the
@@ -437,6 +438,9 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             raise ValueError(f"ChiefCheckpoint: preemption_exit_code must be an exit status 0..255 or None, got "
                              f"{preemption_exit_code!r}.")
         self.directory = os.fspath(directory)
+        if _is_local(self.directory):
+            # resolved now: a chdir between construction and fit must not move the checkpoints
+            self.directory = os.path.abspath(self.directory)
         self.save_freq = save_freq
         self.max_to_keep = max_to_keep
         self.async_save = bool(async_save)
