@@ -197,6 +197,20 @@ def test_a_stale_lock_is_taken_over_and_released_at_the_end(tmp_path):
         fit(make_model(), [ks.ChiefCheckpoint(str(d))], epochs=2)
 
 
+@pytest.mark.parametrize("content", ["", "{\"pid\": 12", "[1, 2]"])
+def test_an_empty_or_damaged_lock_is_taken_over_naming_it_unreadable(tmp_path, content):
+    """A lock file that names no process (empty, torn, not the lock format) is not a running fit's: fresh from a
+    writer, it is re-read for a moment; then it is taken over with a warning that says why (no "pid None")."""
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    lock = d / checkpoint_module._LOCK_NAME
+    lock.write_text(content)
+    with pytest.warns(RuntimeWarning, match=r"stale lock .*unreadable \(empty or damaged"):
+        history = fit(make_model(), [ks.ChiefCheckpoint(str(d))], epochs=1)
+    assert len(history.history["loss"]) == 1 and list_checkpoints(str(d))
+    assert not lock.exists()
+
+
 def test_dead_workers_temp_folders_are_removed_on_the_next_start(tmp_path, live_pid):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

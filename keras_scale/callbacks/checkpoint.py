@@ -48,6 +48,7 @@ _TRANSIENT_STEP_STATE = frozenset({"halted", "consecutive_bad", "incidents", "di
 _LOCK_NAME = ".keras_scale.lock"
 _LOCK_HEARTBEAT_S = 30.0
 _LOCK_STALE_S = 120.0  # a lock of another host not refreshed for this long is stale
+_LOCK_UNREADABLE_S = 2.0  # a lock still empty/unparsable this long after its last write is no live run's
 _WORKER_PREFIX = "keras_scale_ckpt_worker_"
 _BEST_DIR = "best"
 _REF_ATTR = "_keras_scale_checkpoint_ref"
@@ -293,6 +294,11 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _valid_holder(holder: Dict[str, Any]) -> bool:
+    """A lock file's content names a process: ``{"pid": int, "host": str, ...}``."""
+    return isinstance(holder, dict) and isinstance(holder.get("pid"), int) and bool(holder.get("host"))
 
 
 def _hostname() -> str:
@@ -871,7 +877,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             try:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
-                holder = self._read_lock(path)
+                holder = self._read_lock_settled(path)
                 if holder.get("pid") == me["pid"] and holder.get("host") == me["host"]:
                     break  # ours (e.g. a previous fit of this process that raised): keep it
                 stale = self._lock_is_stale(path, holder)
@@ -883,7 +889,16 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                     except FileNotFoundError:
                         pass
                     continue
-                since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder.get("since", 0) or 0)))
+                if not _valid_holder(holder):  # rewritten while we looked, still unreadable
+                    raise RuntimeError(
+                        f"ChiefCheckpoint: the lock file {path!r} of {self.directory!r} is unreadable (empty or "
+                        "damaged) and is still being changed, so another process may be starting in this directory. "
+                        f"Fix: if no run uses this directory, delete {path!r}; else give this run its own directory."
+                    ) from None
+                try:
+                    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder.get("since", 0) or 0)))
+                except (TypeError, ValueError, OverflowError, OSError):
+                    since = "an unknown time"
                 raise RuntimeError(
                     f"ChiefCheckpoint: {self.directory!r} is in use by another training process (pid "
                     f"{holder.get('pid')} on host {holder.get('host')!r}, since {since}; lock file {path!r}). Two "
@@ -905,9 +920,26 @@ class ChiefCheckpoint(keras.callbacks.Callback):
     def _read_lock(path: str) -> Dict[str, Any]:
         try:
             with open(path) as f:
-                return json.load(f)
+                holder = json.load(f)
         except (OSError, ValueError):
             return {}
+        return holder if isinstance(holder, dict) else {}
+
+    @classmethod
+    def _read_lock_settled(cls, path: str) -> Dict[str, Any]:
+        """The lock's holder; an empty or unparsable lock is re-read until it is ``_LOCK_UNREADABLE_S`` old (a run
+        that has just created it writes its pid right away)."""
+        while True:
+            holder = cls._read_lock(path)
+            if _valid_holder(holder):
+                return holder
+            try:
+                age = time.time() - os.path.getmtime(path)
+            except OSError:
+                return holder
+            if age >= _LOCK_UNREADABLE_S:
+                return holder
+            time.sleep(min(0.1, _LOCK_UNREADABLE_S - age + 0.01))
 
     @staticmethod
     def _lock_is_stale(path: str, holder: Dict[str, Any]) -> str:
@@ -916,8 +948,9 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         except OSError:
             return "it vanished"
         pid, host = holder.get("pid"), holder.get("host")
-        if not isinstance(pid, int) or not host:
-            return "unreadable lock file" if age > 5.0 else ""
+        if not _valid_holder(holder):
+            return (f"it is unreadable (empty or damaged, unchanged for {age:.0f} s), so no live run holds it"
+                    if age >= _LOCK_UNREADABLE_S else "")
         if host == _hostname():
             return "" if _pid_alive(pid) else f"process {pid} on this host is gone"
         return f"host {host!r} has not refreshed it for {age:.0f} s" if age > _LOCK_STALE_S else ""
