@@ -306,6 +306,31 @@ def test_rollback_before_the_first_save_works_in_either_callback_order(tmp_path,
     assert_same(seen["after_rollback"], seen["initial"])  # rolled back to the start state (weights + optimizer)
 
 
+def test_rollback_outcome_does_not_depend_on_the_callback_order(tmp_path):
+    """Two NaN streaks per epoch, the first ending on a batch where a save is due (save_freq=6): ChiefCheckpoint
+    never saves a step NanGuard flagged (the step's `nan_skipped` log grew), so whichever callback comes first the
+    rollbacks restore the same states: same weights, optimizer state, checkpoints and learning rate, and each
+    rollback's lowering of a float learning rate is kept (a restore does not undo an earlier one)."""
+    bad = X.copy()
+    bad[24:48] = np.nan  # batches 4..6 of each epoch
+    bad[56:80] = np.nan  # batches 8..10
+    outcome = {}
+    for guard_first in (False, True):
+        d = str(tmp_path / f"ckpt_{guard_first}")
+        guard = ks.NanGuard(policy="rollback", max_consecutive=3, max_rollbacks=5, verbose=0)
+        ckpt = ks.ChiefCheckpoint(d, save_freq=6)
+        model = make_model()
+        fit(model, [guard, ckpt] if guard_first else [ckpt, guard], epochs=2, x=bad)
+        outcome[guard_first] = (weights(model) + [v.numpy() for v in model.optimizer.variables],
+                                [n for n, _ in list_checkpoints(d)], guard.rollbacks)
+    (state_a, saved_a, rollbacks_a), (state_b, saved_b, rollbacks_b) = outcome[False], outcome[True]
+    assert rollbacks_a == rollbacks_b == 4
+    assert saved_a == saved_b
+    assert_same(state_a, state_b)
+    lr = float(model.optimizer.learning_rate.numpy())
+    assert lr == pytest.approx(1e-2 * 0.5 ** 4)
+
+
 def test_checkpoint_for_is_none_outside_its_fit(tmp_path):
     model = make_model()
     ckpt = ks.ChiefCheckpoint(str(tmp_path / "ckpt"))

@@ -503,9 +503,9 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         save it restores the state the fit started from: the checkpoint it resumed from, or, in a fresh run, the
         initial state kept in host memory when a caller registered through :func:`checkpoint_for` before the
         first step (dropped at the first save). The data position is *not* rewound: training continues with the
-        next batch. keras_scale's own state (NanGuard's count, the LR multiplier) is kept as it is now unless
-        ``restore_keras_scale_state=True``, so a rollback neither resets the counters that limit rollbacks nor
-        undoes a learning rate lowered just before it. Under multi-worker every worker must call it at the same
+        next batch. keras_scale's own state (NanGuard's count, the LR multiplier) and a float learning rate (an
+        optimizer variable) are kept as they are now unless ``restore_keras_scale_state=True``, so a rollback neither
+        resets the counters that limit rollbacks nor undoes a learning rate lowered by an earlier rollback. Under multi-worker every worker must call it at the same
         step (it synchronizes them). Returns the restored state's global batch, or ``None`` if there is none.
 
         Example:
@@ -518,20 +518,25 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._timed_wait()
         strategy = self.model.distribute_strategy
         self._sum_over_workers(strategy, 0.0)  # barrier: the chief's last write is recorded before anyone looks
+        # A float learning rate is an optimizer variable: kept as it is now, like keras_scale's LR multiplier (a
+        # rollback to a state saved before an earlier rollback must not undo that rollback's lowering).
+        lr = _lr_variable(self.model)
+        keep_lr = lr.numpy() if lr is not None and not restore_keras_scale_state else None
         found = self._restore_newest(everything=restore_keras_scale_state) if list_checkpoints(self.directory) else None
         if found is not None:
             step = self._read_position(found)["global_step"]
-            lr = _lr_variable(self.model)
-            if self._lr_override is not None and found == self._restored_from and lr is not None:
-                lr.assign(self._lr_override)  # the checkpoint resumed from predates this run's new learning rate
             if restore_keras_scale_state:
                 self._run_config_var.assign(json.dumps({"learning_rate": self._lr_at_start}))
+                if self._lr_override is not None and found == self._restored_from and lr is not None:
+                    lr.assign(self._lr_override)  # the checkpoint resumed from predates this run's learning rate
         elif self._start_state is not None:
             for var, value in zip(self._start_variables(), self._start_state):
                 var.assign(value)
             step = self._start_step
         else:
             step = -1
+        if keep_lr is not None and step >= 0:
+            lr.assign(keep_lr)
         self._check_workers_agree(strategy, step)
         return None if step < 0 else step
 
@@ -637,6 +642,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._epoch_complete = False
         self._train_metric_values = None
         self._stopped_before_validation = None
+        self._skipped_seen = 0.0  # NanGuard's per-epoch count starts again
 
     def on_train_batch_begin(self, batch, logs=None):
         if self.model.train_function is not self._wrapper:  # someone rebuilt it (e.g. make_train_function(force))
@@ -646,7 +652,12 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._step_in_epoch = int(batch) + 1
         self._calls += 1
         self._check_preemption(self._calls % self.signal_check_every_n_steps == 0)
+        flagged = self._flagged_non_finite(logs)
         if self._last_call_skipped or self.save_freq == "epoch" or self._preempting:
+            return
+        if flagged:
+            # NanGuard flagged this step non-finite: a rollback (now or later in this step's callbacks, whatever
+            # their order) must not find this moment as the newest state; the due save is taken at the next good step.
             return
         if self._save_due():
             steps = (self.params or {}).get("steps")
@@ -656,6 +667,21 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                 # checkpoint says "complete" and a resume starts at the next epoch.
                 return
             self._save(self._epoch, self._step_in_epoch, self._stream_pos)
+
+    def _flagged_non_finite(self, logs: Any) -> bool:
+        """The composed step's logs count this epoch's non-finite steps (``nan_skipped``): it grew in this call."""
+        from keras_scale.step import SKIPPED_LOG_KEY
+
+        value = (logs or {}).get(SKIPPED_LOG_KEY)
+        if value is None:
+            return False
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            return False
+        grew = value > self._skipped_seen
+        self._skipped_seen = value
+        return grew
 
     def _save_due(self) -> bool:
         return self.save_freq != "epoch" and self._global_step // self.save_freq > self._last_saved_step // self.save_freq
@@ -821,6 +847,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._preempting = False
         self._lr_at_start: Optional[float] = None
         self._lr_override: Optional[float] = None
+        self._skipped_seen = 0.0
         self._iter_backup: Optional[tf.Variable] = None
         self._own_stream: Any = None
         self._may_run_out = True
