@@ -15,54 +15,7 @@ import tensorflow as tf
 import keras_scale as ks
 from keras_scale.callbacks import checkpoint as checkpoint_module
 from keras_scale.callbacks.checkpoint import CheckpointMismatchError, checkpoint_for, list_checkpoints
-
-NUM_SAMPLES, BATCH = 80, 8  # 10 batches per epoch
-X = np.random.RandomState(0).rand(NUM_SAMPLES, 4).astype("float32")
-Y = (X @ np.array([[1.0], [-2.0], [0.5], [3.0]], "float32")).astype("float32")
-
-
-def make_model(width=8, optimizer=None, strategy=None):
-    keras.utils.set_random_seed(7)  # same initial weights every time
-
-    def build():
-        m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(width, activation="relu"), keras.layers.Dense(1)])
-        m.compile(optimizer=optimizer() if optimizer else keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
-        return m
-
-    if strategy is None:
-        return build()
-    with strategy.scope():
-        return build()
-
-
-class StopAfter(keras.callbacks.Callback):
-    """Stops training (gracefully) once the optimizer has applied ``num_steps`` updates in total: a stand-in
-    for a crash point. (Batches a resume skips still fire batch callbacks, so it counts updates, not calls.)"""
-
-    def __init__(self, num_steps):
-        super().__init__()
-        self.num_steps = num_steps
-
-    def on_train_batch_end(self, batch, logs=None):
-        if int(self.model.optimizer.iterations.numpy()) >= self.num_steps:
-            self.model.stop_training = True
-
-
-def weights(model):
-    return [v.numpy().copy() for v in model.weights]
-
-
-def assert_same(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        np.testing.assert_array_equal(x, y)
-
-
-def fit(model, callbacks, epochs=3, **kw):
-    kw.setdefault("batch_size", BATCH)
-    kw.setdefault("shuffle", False)
-    return model.fit(X, Y, epochs=epochs, verbose=0, callbacks=callbacks, **kw)
-
+from tests._helpers import BATCH, X, Y, StopAfter, assert_same, fit, make_model, weights
 
 def damage(directory, number, truncate=False):
     """Corrupt checkpoint ``number``'s tensor data: flip bytes in its middle, or cut it to a third."""

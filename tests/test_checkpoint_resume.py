@@ -9,46 +9,14 @@ import tensorflow as tf
 
 import keras_scale as ks
 from keras_scale.callbacks.checkpoint import checkpoint_for, list_checkpoints
+from tests import _helpers as helpers
+from tests._helpers import BATCH, X, Y, StopAfter, assert_same, fit, weights
 
-NUM_SAMPLES, BATCH = 80, 8  # 10 batches per epoch
-X = np.random.RandomState(0).rand(NUM_SAMPLES, 4).astype("float32")
-Y = (X @ np.array([[1.0], [-2.0], [0.5], [3.0]], "float32")).astype("float32")
 
 
 def make_model(optimizer=None):
-    keras.utils.set_random_seed(7)
-    m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
-    m.compile(optimizer=optimizer() if optimizer else keras.optimizers.Adam(1e-2), loss="mse",
-              metrics=["mae", keras.metrics.RootMeanSquaredError(name="rmse")])
-    return m
-
-
-class StopAfter(keras.callbacks.Callback):
-    """Stops gracefully once the optimizer applied ``num_steps`` updates: a stand-in for a crash point."""
-
-    def __init__(self, num_steps):
-        super().__init__()
-        self.num_steps = num_steps
-
-    def on_train_batch_end(self, batch, logs=None):
-        if int(self.model.optimizer.iterations.numpy()) >= self.num_steps:
-            self.model.stop_training = True
-
-
-def weights(model):
-    return [v.numpy().copy() for v in model.weights]
-
-
-def assert_same(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        np.testing.assert_array_equal(x, y)
-
-
-def fit(model, callbacks, epochs=3, x=X, y=Y, **kw):
-    kw.setdefault("batch_size", BATCH)
-    kw.setdefault("shuffle", False)
-    return model.fit(x, y, epochs=epochs, verbose=0, callbacks=callbacks, **kw)
+    return helpers.make_model(optimizer=optimizer,
+                              metrics=["mae", keras.metrics.RootMeanSquaredError(name="rmse")])
 
 
 @pytest.mark.parametrize("save_freq, stop_at", [(3, 14), (10, 10)])
