@@ -37,11 +37,12 @@ def test_resumed_epoch_reports_the_metrics_of_the_whole_epoch(tmp_path, save_fre
         np.testing.assert_allclose(history[key], expected[key][1:], rtol=1e-5, err_msg=key)
 
 
-@pytest.mark.parametrize("ending", ["stop", "sigterm"])
+@pytest.mark.parametrize("ending", ["stop", "sigterm", "crash"])
 def test_resumed_epoch_metrics_are_exact_after_a_mid_epoch_stop_with_validation(tmp_path, ending):
     """Keras validates after the interrupting batch too, and validation resets the metric variables: the final save
     still holds the interrupted epoch's training metrics, so the resumed epoch logs the uninterrupted run's loss and
-    metrics (validation ones included)."""
+    metrics (validation ones included). A crash (an exception: no on_train_end, as after a SIGKILL) resumes from
+    the last periodic save, taken before that epoch's validation."""
     import signal
 
     val = (X[:40] + 0.1, Y[:40])
@@ -53,12 +54,22 @@ def test_resumed_epoch_metrics_are_exact_after_a_mid_epoch_stop_with_validation(
             if int(self.model.optimizer.iterations.numpy()) == 14:
                 os.kill(os.getpid(), signal.SIGTERM)
 
+    class Crash(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations.numpy()) == 16:
+                raise RuntimeError("crash")
+
     d = str(tmp_path / "ckpt")
     first = ks.ChiefCheckpoint(d, save_freq=3, preemption_exit_code=None)
-    fit(make_model(), [first, StopAfter(14) if ending == "stop" else Sigterm()], validation_data=val)
-    # the signal is acted on at the next step boundary: after batch 15 (epoch 2, batch 5)
+    ender = {"stop": StopAfter(14), "sigterm": Sigterm(), "crash": Crash()}[ending]
+    try:
+        fit(make_model(), [first, ender], validation_data=val)
+    except RuntimeError:
+        assert ending == "crash"
+    # the signal is acted on at the next step boundary: after batch 15 (epoch 2, batch 5); the crash at 16 leaves
+    # the save at 15
     assert list_checkpoints(d)[0][0] == (14 if ending == "stop" else 15)
-    assert (ending == "stop") == (first.preempted is None)
+    assert (ending == "sigterm") == (first.preempted is not None)
     resumed = make_model()
     history = fit(resumed, [ks.ChiefCheckpoint(d, save_freq=3)], validation_data=val).history
     assert_same(weights(resumed), weights(ref))

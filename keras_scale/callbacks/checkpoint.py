@@ -379,7 +379,8 @@ class ChiefCheckpoint(keras.callbacks.Callback):
     Args:
         directory: where checkpoints ``ckpt-<global batch>.*`` go (local path or any ``tf.io.gfile`` URL). A relative
             local path is resolved against the working directory when the callback is created.
-        save_freq: ``"epoch"`` (after each epoch's end callbacks) or an int: every that many batches.
+        save_freq: ``"epoch"`` (after each epoch's end callbacks) or an int: every that many batches (a save due at
+            an epoch's last batch is taken after that epoch's end callbacks, as an epoch-end checkpoint).
         max_to_keep: how many recent checkpoints to keep (>= 1).
         async_save: write in the background (TensorFlow's async checkpoint): the step waits only for the
             copy to host memory; never two writes at once; the last one is flushed at ``on_train_end``.
