@@ -506,8 +506,9 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         first step (dropped at the first save). The data position is *not* rewound: training continues with the
         next batch. keras_scale's own state (NanGuard's count, the LR multiplier) and a float learning rate (an
         optimizer variable) are kept as they are now unless ``restore_keras_scale_state=True``, so a rollback neither
-        resets the counters that limit rollbacks nor undoes a learning rate lowered by an earlier rollback. Under multi-worker every worker must call it at the same
-        step (it synchronizes them). Returns the restored state's global batch, or ``None`` if there is none.
+        resets the counters that limit rollbacks nor undoes a learning rate lowered by an earlier rollback. Under
+        multi-worker every worker must call it at the same step (it synchronizes them). Returns the restored state's
+        global batch, or ``None`` if there is none.
 
         Example:
             >>> step = checkpoint_for(model).restore_latest()  # doctest: +SKIP
@@ -685,7 +686,8 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         return grew
 
     def _save_due(self) -> bool:
-        return self.save_freq != "epoch" and self._global_step // self.save_freq > self._last_saved_step // self.save_freq
+        freq = self.save_freq
+        return freq != "epoch" and self._global_step // freq > self._last_saved_step // freq
 
     def on_test_begin(self, logs=None):
         # Validation inside fit runs after the epoch's last (or interrupting) batch and resets the metric variables
