@@ -174,6 +174,13 @@ class AccumulatingModel(keras.Model):
         return model
 
     def compile_from_config(self, config: Dict[str, Any]) -> None:
+        """Keras's ``load_model`` hook; a wrapper saved sharing its inner model's optimizer shares it again.
+
+        Example:
+            >>> loaded = keras.models.load_model("wrapped.keras")  # calls it
+            >>> loaded.optimizer is unwrap(loaded).optimizer
+            True
+        """
         super().compile_from_config(config)
         inner_optimizer = getattr(self.inner, "optimizer", None)
         if getattr(self, "_keras_scale_shares_inner_optimizer", False) and inner_optimizer is not None:
