@@ -433,3 +433,21 @@ def test_learning_rate_changed_between_runs_is_used_and_named(tmp_path):
     assert seen["lr"] == pytest.approx(5e-3)
     assert float(changed.optimizer.learning_rate.numpy()) == pytest.approx(5e-3)
     assert int(changed.optimizer.iterations.numpy()) == 30  # everything else resumed
+
+
+def test_use_ema_resumes_from_the_trained_weights_not_their_averages(tmp_path):
+    """With use_ema=True Keras's fit overwrites the weights with their moving averages right before on_train_end:
+    the final save of a stopped run holds the trained weights (and the averages, optimizer variables), so the
+    resumed run ends exactly like the uninterrupted one."""
+    def model():
+        return make_model(optimizer=lambda: keras.optimizers.Adam(1e-2, use_ema=True))
+
+    ref = model()
+    expected = fit(ref, []).history
+    d = str(tmp_path / "ckpt")
+    fit(model(), [ks.ChiefCheckpoint(d, save_freq=3), StopAfter(14)])
+    resumed = model()
+    history = fit(resumed, [ks.ChiefCheckpoint(d, save_freq=3)]).history
+    assert_same(weights(resumed), weights(ref))
+    np.testing.assert_allclose(history["loss"], expected["loss"][1:], rtol=1e-6)
+    assert "finalize_variable_values" not in vars(resumed.optimizer)  # nothing left on the optimizer

@@ -632,6 +632,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         if position is not None:
             self._resume(position, found)
         self._install_wrapper()
+        self._install_final_save_hook()
 
     def on_epoch_begin(self, epoch, logs=None):
         if self._resume_pending:
@@ -719,12 +720,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         # The final state is always saved, so a finished, stopped or preempted run resumes with nothing lost.
         try:
-            if self._global_step != self._last_saved_step or self._pending_best is not None:
-                if self._epoch_complete:
-                    fresh = self._iterator is None or self._iterator_exhausted(self._iterator)
-                    self._save(self._epoch + 1, 0, 0 if fresh else self._stream_pos)
-                else:
-                    self._save_mid_epoch()
+            self._final_save()
             self._timed_wait()
             if self._already_complete is not None:
                 self._fill_history()
@@ -740,6 +736,54 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             if code is not None:
                 raise SystemExit(code)
         # Files are never deleted here: a graceful stop (EarlyStopping, NanGuard halt) must keep them.
+
+    def _final_save(self) -> None:
+        if self._global_step != self._last_saved_step or self._pending_best is not None:
+            if self._epoch_complete:
+                fresh = self._iterator is None or self._iterator_exhausted(self._iterator)
+                self._save(self._epoch + 1, 0, 0 if fresh else self._stream_pos)
+            else:
+                self._save_mid_epoch()
+
+    def _install_final_save_hook(self) -> None:
+        """With ``use_ema=True`` Keras's fit overwrites the weights with their moving averages right before
+        ``on_train_end`` (``optimizer.finalize_variable_values``): the final save is taken just before that, so it
+        holds the weights training continues from (the averages are optimizer variables, saved too)."""
+        optimizer = self.model.optimizer
+        if optimizer is None:
+            return
+        from keras_scale.schedules import inner_optimizer
+
+        if not getattr(inner_optimizer(optimizer), "use_ema", False):
+            return
+        previous = vars(optimizer).get("finalize_variable_values")
+        if getattr(previous, "_ks_checkpoint_hook", False):
+            previous = previous._ks_previous  # left by a fit that raised: replace it
+        me = weakref.ref(self)
+        keras_finalize = previous if previous is not None else (
+            lambda var_list: type(optimizer).finalize_variable_values(optimizer, var_list))
+
+        def finalize_variable_values(var_list):
+            cb = me()
+            if cb is not None and cb._in_this_fit() and cb._fit_thread == threading.get_ident():
+                cb._final_save()
+            return keras_finalize(var_list)
+
+        finalize_variable_values._ks_checkpoint_hook = True
+        finalize_variable_values._ks_previous = previous
+        object.__setattr__(optimizer, "finalize_variable_values", finalize_variable_values)
+        self._finalize_hook = (optimizer, finalize_variable_values)
+
+    def _remove_final_save_hook(self) -> None:
+        hook, self._finalize_hook = self._finalize_hook, None
+        if hook is None:
+            return
+        optimizer, fn = hook
+        if vars(optimizer).get("finalize_variable_values") is fn:
+            if fn._ks_previous is not None:
+                object.__setattr__(optimizer, "finalize_variable_values", fn._ks_previous)
+            else:
+                object.__delattr__(optimizer, "finalize_variable_values")
 
     def _save_mid_epoch(self) -> None:
         """Save the interrupted epoch's position with its *training* metric state: validation (which Keras runs
@@ -761,6 +805,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                 var.assign(value)
 
     def _active_cleanup(self) -> None:
+        self._remove_final_save_hook()
         self._pending_epoch_save = False
         self._iterator = self._own_stream = self._prefix_skipped_on = None
         self._start_state = None
@@ -851,6 +896,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._lr_at_start: Optional[float] = None
         self._lr_override: Optional[float] = None
         self._skipped_seen = 0.0
+        self._finalize_hook: Optional[Tuple[Any, Any]] = None
         self._iter_backup: Optional[tf.Variable] = None
         self._own_stream: Any = None
         self._may_run_out = True
