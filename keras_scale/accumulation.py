@@ -161,13 +161,36 @@ class AccumulatingModel(keras.Model):
                   "micro_batch_size": self.micro_batch_size, "unroll": self.unroll, "name": self.name}
         if self.auto_accum:
             config.update(max_micro_batch_size=self.max_micro_batch_size, log_dir=self.log_dir)
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is not None and optimizer is getattr(self.inner, "optimizer", None):
+            # One optimizer object, compiled into both (keras_scale.fit does so): Keras saves its variables once,
+            # under the inner model (visited first), and an empty group under this model.
+            config["shares_inner_optimizer"] = True
         return config
 
     @classmethod
     def from_config(cls, config: Dict[str, Any], custom_objects: Any = None) -> "AccumulatingModel":
         config = dict(config)
+        shares = bool(config.pop("shares_inner_optimizer", False))
         inner = keras.saving.deserialize_keras_object(config.pop("inner"), custom_objects=custom_objects)
-        return cls(inner, **config)
+        model = cls(inner, **config)
+        object.__setattr__(model, "_keras_scale_shares_inner_optimizer", shares)
+        return model
+
+    def compile_from_config(self, config: Dict[str, Any]) -> None:
+        """Keras's ``load_model`` hook; a wrapper saved sharing its inner model's optimizer shares it again.
+
+        Example:
+            >>> loaded = keras.models.load_model("wrapped.keras")  # calls it
+            >>> loaded.optimizer is unwrap(loaded).optimizer
+            True
+        """
+        super().compile_from_config(config)
+        inner_optimizer = getattr(self.inner, "optimizer", None)
+        if getattr(self, "_keras_scale_shares_inner_optimizer", False) and inner_optimizer is not None:
+            # Saved with one optimizer shared with the inner model: share it again, so the loaded state (moments,
+            # iterations) is the one this model trains with.
+            self.optimizer = inner_optimizer
 
 
 def wrap(model: keras.Model, accum: Union[int, str, None] = None, micro_batch_size: Optional[int] = None,

@@ -15,54 +15,7 @@ import tensorflow as tf
 import keras_scale as ks
 from keras_scale.callbacks import checkpoint as checkpoint_module
 from keras_scale.callbacks.checkpoint import CheckpointMismatchError, checkpoint_for, list_checkpoints
-
-NUM_SAMPLES, BATCH = 80, 8  # 10 batches per epoch
-X = np.random.RandomState(0).rand(NUM_SAMPLES, 4).astype("float32")
-Y = (X @ np.array([[1.0], [-2.0], [0.5], [3.0]], "float32")).astype("float32")
-
-
-def make_model(width=8, optimizer=None, strategy=None):
-    keras.utils.set_random_seed(7)  # same initial weights every time
-
-    def build():
-        m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(width, activation="relu"), keras.layers.Dense(1)])
-        m.compile(optimizer=optimizer() if optimizer else keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
-        return m
-
-    if strategy is None:
-        return build()
-    with strategy.scope():
-        return build()
-
-
-class StopAfter(keras.callbacks.Callback):
-    """Stops training (gracefully) once the optimizer has applied ``num_steps`` updates in total: a stand-in
-    for a crash point. (Batches a resume skips still fire batch callbacks, so it counts updates, not calls.)"""
-
-    def __init__(self, num_steps):
-        super().__init__()
-        self.num_steps = num_steps
-
-    def on_train_batch_end(self, batch, logs=None):
-        if int(self.model.optimizer.iterations.numpy()) >= self.num_steps:
-            self.model.stop_training = True
-
-
-def weights(model):
-    return [v.numpy().copy() for v in model.weights]
-
-
-def assert_same(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        np.testing.assert_array_equal(x, y)
-
-
-def fit(model, callbacks, epochs=3, **kw):
-    kw.setdefault("batch_size", BATCH)
-    kw.setdefault("shuffle", False)
-    return model.fit(X, Y, epochs=epochs, verbose=0, callbacks=callbacks, **kw)
-
+from tests._helpers import BATCH, X, Y, StopAfter, assert_same, fit, make_model, weights
 
 def damage(directory, number, truncate=False):
     """Corrupt checkpoint ``number``'s tensor data: flip bytes in its middle, or cut it to a third."""
@@ -132,6 +85,18 @@ def test_relative_directory_resumes(tmp_path, monkeypatch, reference_weights):
     fit(resumed, [ckpt])
     assert ckpt.restored_from is not None and ckpt.restored_from.endswith("ckpt-12")
     assert_same(weights(resumed), reference_weights)
+
+
+def test_relative_directory_is_resolved_when_the_callback_is_created(tmp_path, monkeypatch):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    ckpt = ks.ChiefCheckpoint("ckpt")
+    assert ckpt.directory == str(tmp_path / "a" / "ckpt")
+    monkeypatch.chdir(tmp_path / "b")  # e.g. a library call in between
+    fit(make_model(), [ckpt], epochs=1)
+    assert [n for n, _ in list_checkpoints(str(tmp_path / "a" / "ckpt"))] == [10]
+    assert not (tmp_path / "b" / "ckpt").exists()
 
 
 def test_resume_from_an_older_checkpoint_skips_exactly_the_applied_batches(tmp_path, reference_weights):
@@ -421,7 +386,8 @@ def test_only_committed_state_counts_with_async_and_final_flush(tmp_path):
     reader = tf.train.load_checkpoint(os.path.join(d, "ckpt-10"))
     position = {k.split("/")[1]: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()
                 if k.startswith("keras_scale_position/")}
-    assert position == {"epoch": 0, "step_in_epoch": 10, "stream_pos": 10, "global_step": 10, "batch_size": 8}
+    # the save due at the epoch's last batch is taken after the epoch's end: a checkpoint at the start of epoch 2
+    assert position == {"epoch": 1, "step_in_epoch": 0, "stream_pos": 0, "global_step": 10, "batch_size": 8}
     signature = json.loads(reader.get_tensor("keras_scale_signature/.ATTRIBUTES/VARIABLE_VALUE"))
     assert [s for _, s in signature["model"]] == [[4, 8], [8], [8, 1], [1]]
 
@@ -604,3 +570,32 @@ def test_another_wrapper_around_the_train_function_does_not_double_count(tmp_pat
     # Each trained batch went through the other wrapper once (14 + 16); the 4 skipped ones were not trained.
     assert ckpt.global_step == 30 and len(calls) == 14 + 16
     assert_same(weights(resumed), reference_weights)
+
+
+def test_model_save_after_ks_fit_with_accum_keeps_the_optimizer_state(tmp_path):
+    """ks.fit(..., accum=2) compiles one optimizer into the wrapper and the inner model. model.save / load_model of
+    the wrapped model keeps its state (Keras used to save it once, under the inner model, and load the wrapper's
+    from an empty group: 0 variables, iterations 0, a WarmupCosine back in warmup): training then continues
+    exactly as the saved model's would."""
+    def build():
+        keras.utils.set_random_seed(7)
+        m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
+        m.compile(optimizer=keras.optimizers.Adam(ks.WarmupCosine(1e-2, warmup_steps=4, total_steps=40)),
+                  loss="mse", metrics=["mae"])
+        return m
+
+    model = ks.fit(build, X, Y, global_batch_size=16, accum=2, epochs=2, verbose=0,
+                   default_callbacks=False).model
+    assert isinstance(model, ks.AccumulatingModel)
+    path = str(tmp_path / "wrapped.keras")
+    model.save(path)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*optimizer.*variables")
+        loaded = keras.models.load_model(path)
+    assert int(loaded.optimizer.iterations.numpy()) == int(model.optimizer.iterations.numpy()) == 10
+    assert loaded.optimizer is ks.unwrap(loaded).optimizer
+    for a, b in zip(loaded.optimizer.variables, model.optimizer.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    for m in (model, loaded):  # one more epoch on each: the same update (moments, schedule position)
+        m.fit(X[:32], Y[:32], batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert_same(weights(loaded), weights(model))

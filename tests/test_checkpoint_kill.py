@@ -11,7 +11,8 @@ import time
 import numpy as np
 import pytest
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests._helpers import load_weights_npz as _load, subprocess_env as _env
+
 
 TRAIN_SCRIPT = r"""
 import os, sys, time
@@ -45,18 +46,6 @@ model.fit(x, y, batch_size=8, epochs=4, shuffle=False, verbose=0, callbacks=call
 np.savez(out, *[v.numpy() for v in model.weights])
 print("DONE", flush=True)
 """
-
-
-def _env():
-    env = dict(os.environ)
-    env.update({"PYTHONPATH": REPO_ROOT + os.pathsep + env.get("PYTHONPATH", ""), "TF_CPP_MIN_LOG_LEVEL": "2",
-                "TF_ENABLE_ONEDNN_OPTS": "0", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"})
-    return env
-
-
-def _load(path):
-    with np.load(path) as f:
-        return [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
 
 
 class _Run:

@@ -9,46 +9,14 @@ import tensorflow as tf
 
 import keras_scale as ks
 from keras_scale.callbacks.checkpoint import checkpoint_for, list_checkpoints
+from tests import _helpers as helpers
+from tests._helpers import BATCH, X, Y, StopAfter, assert_same, fit, weights
 
-NUM_SAMPLES, BATCH = 80, 8  # 10 batches per epoch
-X = np.random.RandomState(0).rand(NUM_SAMPLES, 4).astype("float32")
-Y = (X @ np.array([[1.0], [-2.0], [0.5], [3.0]], "float32")).astype("float32")
 
 
 def make_model(optimizer=None):
-    keras.utils.set_random_seed(7)
-    m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
-    m.compile(optimizer=optimizer() if optimizer else keras.optimizers.Adam(1e-2), loss="mse",
-              metrics=["mae", keras.metrics.RootMeanSquaredError(name="rmse")])
-    return m
-
-
-class StopAfter(keras.callbacks.Callback):
-    """Stops gracefully once the optimizer applied ``num_steps`` updates: a stand-in for a crash point."""
-
-    def __init__(self, num_steps):
-        super().__init__()
-        self.num_steps = num_steps
-
-    def on_train_batch_end(self, batch, logs=None):
-        if int(self.model.optimizer.iterations.numpy()) >= self.num_steps:
-            self.model.stop_training = True
-
-
-def weights(model):
-    return [v.numpy().copy() for v in model.weights]
-
-
-def assert_same(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        np.testing.assert_array_equal(x, y)
-
-
-def fit(model, callbacks, epochs=3, x=X, y=Y, **kw):
-    kw.setdefault("batch_size", BATCH)
-    kw.setdefault("shuffle", False)
-    return model.fit(x, y, epochs=epochs, verbose=0, callbacks=callbacks, **kw)
+    return helpers.make_model(optimizer=optimizer,
+                              metrics=["mae", keras.metrics.RootMeanSquaredError(name="rmse")])
 
 
 @pytest.mark.parametrize("save_freq, stop_at", [(3, 14), (10, 10)])
@@ -63,11 +31,51 @@ def test_resumed_epoch_reports_the_metrics_of_the_whole_epoch(tmp_path, save_fre
     history = fit(resumed, [ks.ChiefCheckpoint(d, save_freq=save_freq)]).history
     assert_same(weights(resumed), weights(ref))
     assert history.keys() == expected.keys()
-    # mid-epoch: epochs 2 and 3; at epoch 1's end: epoch 1 is replayed (all batches skipped, its end callbacks
-    # run again) with its restored metrics, then 2 and 3
-    first = 1 if save_freq == 3 else 0
+    # mid-epoch: epochs 2 and 3; at epoch 1's end: the save due at its last batch was taken after the epoch's end,
+    # so the resume starts at epoch 2
     for key in expected:
-        np.testing.assert_allclose(history[key], expected[key][first:], rtol=1e-5, err_msg=key)
+        np.testing.assert_allclose(history[key], expected[key][1:], rtol=1e-5, err_msg=key)
+
+
+@pytest.mark.parametrize("ending", ["stop", "sigterm", "crash"])
+def test_resumed_epoch_metrics_are_exact_after_a_mid_epoch_stop_with_validation(tmp_path, ending):
+    """Keras validates after the interrupting batch too, and validation resets the metric variables: the final save
+    still holds the interrupted epoch's training metrics, so the resumed epoch logs the uninterrupted run's loss and
+    metrics (validation ones included). A crash (an exception: no on_train_end, as after a SIGKILL) resumes from
+    the last periodic save, taken before that epoch's validation."""
+    import signal
+
+    val = (X[:40] + 0.1, Y[:40])
+    ref = make_model()
+    expected = fit(ref, [], validation_data=val).history
+
+    class Sigterm(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations.numpy()) == 14:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    class Crash(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations.numpy()) == 16:
+                raise RuntimeError("crash")
+
+    d = str(tmp_path / "ckpt")
+    first = ks.ChiefCheckpoint(d, save_freq=3, preemption_exit_code=None)
+    ender = {"stop": StopAfter(14), "sigterm": Sigterm(), "crash": Crash()}[ending]
+    try:
+        fit(make_model(), [first, ender], validation_data=val)
+    except RuntimeError:
+        assert ending == "crash"
+    # the signal is acted on at the next step boundary: after batch 15 (epoch 2, batch 5); the crash at 16 leaves
+    # the save at 15
+    assert list_checkpoints(d)[0][0] == (14 if ending == "stop" else 15)
+    assert (ending == "sigterm") == (first.preempted is not None)
+    resumed = make_model()
+    history = fit(resumed, [ks.ChiefCheckpoint(d, save_freq=3)], validation_data=val).history
+    assert_same(weights(resumed), weights(ref))
+    assert history.keys() == expected.keys()
+    for key in expected:
+        np.testing.assert_allclose(history[key], expected[key][1:], rtol=1e-6, err_msg=key)
 
 
 def test_wrapped_model_with_metrics_resumes_with_exact_metrics(tmp_path):
@@ -206,6 +214,50 @@ def test_finished_run_says_already_complete(tmp_path, capsys):
     assert history.epoch == [2] and int(again.optimizer.iterations.numpy()) == 30
 
 
+def test_finished_run_whose_save_freq_is_the_epoch_length_says_already_complete(tmp_path, capsys):
+    """save_freq = batches per epoch: the save due at the last epoch's last batch is taken after that epoch's end,
+    so a rerun finds a complete run: nothing trained, nothing replayed, the last epoch's logs in History."""
+    val = (X[:40] + 0.1, Y[:40])
+    d = str(tmp_path / "ckpt")
+    done = fit(make_model(), [ks.ChiefCheckpoint(d, save_freq=10)], epochs=2, validation_data=val)
+    assert [n for n, _ in list_checkpoints(d)] == [20, 10]
+    capsys.readouterr()
+    ends = []
+
+    class EpochEnds(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            ends.append(epoch)
+
+    again = make_model()
+    history = fit(again, [ks.ChiefCheckpoint(d, save_freq=10), EpochEnds()], epochs=2, validation_data=val)
+    out = capsys.readouterr().out
+    assert "already complete (2 epochs, global batch 20)" in out and "resuming" not in out
+    assert ends == [] and int(again.optimizer.iterations.numpy()) == 20
+    assert history.epoch == [1]
+    assert history.history == {k: [v[-1]] for k, v in done.history.items()}
+
+
+def test_a_checkpoint_from_the_last_batch_before_the_epoch_end_says_already_complete(tmp_path, capsys):
+    """Data of unknown length (so the last batch is not known as such) or an older version: the newest checkpoint is
+    from the last batch of the last epoch, before its end. A rerun says "already complete", trains nothing, runs that
+    epoch's end again (validation) with its saved metrics: History equals the finished run's last epoch."""
+    val = (X[:40] + 0.1, Y[:40])
+    d = str(tmp_path / "ckpt")
+    unknown_length = tf.data.Dataset.from_tensor_slices((X, Y)).filter(lambda x, y: True).batch(BATCH)
+    done = make_model().fit(unknown_length, epochs=2, verbose=0, validation_data=val,
+                            callbacks=[ks.ChiefCheckpoint(d, save_freq=10)])
+    assert [n for n, _ in list_checkpoints(d)] == [20, 10]
+    capsys.readouterr()
+    again = make_model()
+    history = fit(again, [ks.ChiefCheckpoint(d, save_freq=10)], epochs=2, validation_data=val)
+    out = capsys.readouterr().out
+    assert "already complete (2 epochs, global batch 20)" in out and "resuming" not in out
+    assert int(again.optimizer.iterations.numpy()) == 20
+    assert history.epoch == [1]
+    for key, values in done.history.items():
+        np.testing.assert_allclose(history.history[key], values[-1:], rtol=1e-6, err_msg=key)
+
+
 @pytest.mark.parametrize("guard_first", [False, True])
 def test_rollback_before_the_first_save_works_in_either_callback_order(tmp_path, guard_first):
     """A NaN streak before the first save: NanGuard(policy="rollback") restores the state the fit started from
@@ -231,6 +283,31 @@ def test_rollback_before_the_first_save_works_in_either_callback_order(tmp_path,
     assert seen["found"] is ckpt
     assert guard.rollbacks == 1 and guard.reports[0].source == "inputs"
     assert_same(seen["after_rollback"], seen["initial"])  # rolled back to the start state (weights + optimizer)
+
+
+def test_rollback_outcome_does_not_depend_on_the_callback_order(tmp_path):
+    """Two NaN streaks per epoch, the first ending on a batch where a save is due (save_freq=6): ChiefCheckpoint
+    never saves a step NanGuard flagged (the step's `nan_skipped` log grew), so whichever callback comes first the
+    rollbacks restore the same states: same weights, optimizer state, checkpoints and learning rate, and each
+    rollback's lowering of a float learning rate is kept (a restore does not undo an earlier one)."""
+    bad = X.copy()
+    bad[24:48] = np.nan  # batches 4..6 of each epoch
+    bad[56:80] = np.nan  # batches 8..10
+    outcome = {}
+    for guard_first in (False, True):
+        d = str(tmp_path / f"ckpt_{guard_first}")
+        guard = ks.NanGuard(policy="rollback", max_consecutive=3, max_rollbacks=5, verbose=0)
+        ckpt = ks.ChiefCheckpoint(d, save_freq=6)
+        model = make_model()
+        fit(model, [guard, ckpt] if guard_first else [ckpt, guard], epochs=2, x=bad)
+        outcome[guard_first] = (weights(model) + [v.numpy() for v in model.optimizer.variables],
+                                [n for n, _ in list_checkpoints(d)], guard.rollbacks)
+    (state_a, saved_a, rollbacks_a), (state_b, saved_b, rollbacks_b) = outcome[False], outcome[True]
+    assert rollbacks_a == rollbacks_b == 4
+    assert saved_a == saved_b
+    assert_same(state_a, state_b)
+    lr = float(model.optimizer.learning_rate.numpy())
+    assert lr == pytest.approx(1e-2 * 0.5 ** 4)
 
 
 def test_checkpoint_for_is_none_outside_its_fit(tmp_path):
@@ -321,3 +398,56 @@ def test_keep_best_does_not_write_through_a_link_out_of_the_directory(tmp_path):
         make_model().fit(X, Y, batch_size=BATCH, epochs=2, verbose=0,
                          callbacks=[ks.ChiefCheckpoint(str(d), keep_best_k=1, monitor="loss")])
     assert os.listdir(outside) == []
+
+
+def test_learning_rate_changed_between_runs_is_used_and_named(tmp_path):
+    """The script's learning rate changed between runs (1e-2 -> 5e-3): the new one is used, with a warning naming
+    both; a learning rate changed during training (as ReduceLROnPlateau does) with the script unchanged resumes as
+    saved, silently."""
+    d = str(tmp_path / "ckpt")
+
+    class Lower(keras.callbacks.Callback):  # what ReduceLROnPlateau does to a float learning rate
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations.numpy()) == 5:
+                self.model.optimizer.learning_rate.assign(2e-3)
+
+    fit(make_model(), [ks.ChiefCheckpoint(d, save_freq=3), Lower(), StopAfter(9)])
+    seen = {}
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            seen["lr"] = float(self.model.optimizer.learning_rate.numpy())
+
+    import warnings
+    same = make_model()  # Adam(1e-2) as before
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(same, [ks.ChiefCheckpoint(d, save_freq=3), Probe(), StopAfter(12)])
+    assert not [w for w in record if "learning_rate" in str(w.message)]
+    assert seen["lr"] == pytest.approx(2e-3)
+
+    changed = make_model(optimizer=lambda: keras.optimizers.Adam(5e-3))
+    with pytest.warns(RuntimeWarning, match=r"learning_rate changed between runs: this run starts with 0\.005; .*"
+                                             r"started with 0\.01 and was at 0\.002 when saved"):
+        fit(changed, [ks.ChiefCheckpoint(d, save_freq=3), Probe()])
+    assert seen["lr"] == pytest.approx(5e-3)
+    assert float(changed.optimizer.learning_rate.numpy()) == pytest.approx(5e-3)
+    assert int(changed.optimizer.iterations.numpy()) == 30  # everything else resumed
+
+
+def test_use_ema_resumes_from_the_trained_weights_not_their_averages(tmp_path):
+    """With use_ema=True Keras's fit overwrites the weights with their moving averages right before on_train_end:
+    the final save of a stopped run holds the trained weights (and the averages, optimizer variables), so the
+    resumed run ends exactly like the uninterrupted one."""
+    def model():
+        return make_model(optimizer=lambda: keras.optimizers.Adam(1e-2, use_ema=True))
+
+    ref = model()
+    expected = fit(ref, []).history
+    d = str(tmp_path / "ckpt")
+    fit(model(), [ks.ChiefCheckpoint(d, save_freq=3), StopAfter(14)])
+    resumed = model()
+    history = fit(resumed, [ks.ChiefCheckpoint(d, save_freq=3)]).history
+    assert_same(weights(resumed), weights(ref))
+    np.testing.assert_allclose(history["loss"], expected["loss"][1:], rtol=1e-6)
+    assert "finalize_variable_values" not in vars(resumed.optimizer)  # nothing left on the optimizer

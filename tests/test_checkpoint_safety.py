@@ -17,41 +17,14 @@ import pytest
 import keras_scale as ks
 from keras_scale.callbacks import checkpoint as checkpoint_module
 from keras_scale.callbacks.checkpoint import list_checkpoints
+from tests import _helpers as helpers
+from tests._helpers import X, Y, StopAfter, assert_same, make_model, weights
+from tests._helpers import load_weights_npz as _load, subprocess_env as _env
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-X = np.random.RandomState(0).rand(80, 4).astype("float32")
-Y = (X @ np.array([[1.0], [-2.0], [0.5], [3.0]], "float32")).astype("float32")
-
-
-def make_model():
-    keras.utils.set_random_seed(7)
-    m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
-    m.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
-    return m
-
-
-def weights(model):
-    return [v.numpy().copy() for v in model.weights]
-
-
-def assert_same(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        np.testing.assert_array_equal(x, y)
 
 
 def fit(model, callbacks, epochs=2, **kw):
-    return model.fit(X, Y, batch_size=8, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks, **kw)
-
-
-class StopAfter(keras.callbacks.Callback):
-    def __init__(self, num_steps):
-        super().__init__()
-        self.num_steps = num_steps
-
-    def on_train_batch_end(self, batch, logs=None):
-        if int(self.model.optimizer.iterations.numpy()) >= self.num_steps:
-            self.model.stop_training = True
+    return helpers.fit(model, callbacks, epochs=epochs, **kw)
 
 
 class Boom(keras.callbacks.Callback):
@@ -197,6 +170,20 @@ def test_a_stale_lock_is_taken_over_and_released_at_the_end(tmp_path):
         fit(make_model(), [ks.ChiefCheckpoint(str(d))], epochs=2)
 
 
+@pytest.mark.parametrize("content", ["", "{\"pid\": 12", "[1, 2]"])
+def test_an_empty_or_damaged_lock_is_taken_over_naming_it_unreadable(tmp_path, content):
+    """A lock file that names no process (empty, torn, not the lock format) is not a running fit's: fresh from a
+    writer, it is re-read for a moment; then it is taken over with a warning that says why (no "pid None")."""
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    lock = d / checkpoint_module._LOCK_NAME
+    lock.write_text(content)
+    with pytest.warns(RuntimeWarning, match=r"stale lock .*unreadable \(empty or damaged"):
+        history = fit(make_model(), [ks.ChiefCheckpoint(str(d))], epochs=1)
+    assert len(history.history["loss"]) == 1 and list_checkpoints(str(d))
+    assert not lock.exists()
+
+
 def test_dead_workers_temp_folders_are_removed_on_the_next_start(tmp_path, live_pid):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -306,13 +293,6 @@ print("DONE", flush=True)
 """
 
 
-def _env():
-    env = dict(os.environ)
-    env.update({"PYTHONPATH": REPO_ROOT + os.pathsep + env.get("PYTHONPATH", ""), "TF_CPP_MIN_LOG_LEVEL": "2",
-                "TF_ENABLE_ONEDNN_OPTS": "0", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"})
-    return env
-
-
 def _run(script, *args, signal_after=None, sig=signal.SIGTERM, timeout_s=120):
     """Run the script; with ``signal_after=(prefix, n)`` send ``sig`` once ``n`` lines starting with prefix
     appeared. Returns (returncode, lines, seconds from the signal to the exit)."""
@@ -336,11 +316,6 @@ def _run(script, *args, signal_after=None, sig=signal.SIGTERM, timeout_s=120):
             proc.kill()
     thread.join(5)
     return proc.returncode, lines, (time.monotonic() - sent[0]) if sent else None
-
-
-def _load(path):
-    with np.load(path) as f:
-        return [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
 
 
 @pytest.mark.slow

@@ -39,6 +39,7 @@ _INDEX_RE = re.compile(r"^" + _NAME + r"-(\d+)\.index$")
 _PREFIX_RE = re.compile(r"^" + _NAME + r"-(\d+)$")
 _SIGNATURE_KEY = "keras_scale_signature/.ATTRIBUTES/VARIABLE_VALUE"
 _EPOCH_LOGS_KEY = "keras_scale_epoch_logs/.ATTRIBUTES/VARIABLE_VALUE"
+_RUN_CONFIG_KEY = "keras_scale_run_config/.ATTRIBUTES/VARIABLE_VALUE"
 _METRIC_KEY = "metrics_variables/{}/.ATTRIBUTES/VARIABLE_VALUE"
 _POSITION = ("epoch", "step_in_epoch", "stream_pos", "global_step", "batch_size")
 # Guard state that describes the moment, not the run: never saved, never restored (a restored "halted" flag
@@ -47,6 +48,7 @@ _TRANSIENT_STEP_STATE = frozenset({"halted", "consecutive_bad", "incidents", "di
 _LOCK_NAME = ".keras_scale.lock"
 _LOCK_HEARTBEAT_S = 30.0
 _LOCK_STALE_S = 120.0  # a lock of another host not refreshed for this long is stale
+_LOCK_UNREADABLE_S = 2.0  # a lock still empty/unparsable this long after its last write is no live run's
 _WORKER_PREFIX = "keras_scale_ckpt_worker_"
 _BEST_DIR = "best"
 _REF_ATTR = "_keras_scale_checkpoint_ref"
@@ -182,6 +184,17 @@ def _metric_variables(model: keras.Model) -> List[Any]:
         return []
 
 
+def _lr_variable(model: keras.Model) -> Optional[Any]:
+    """The optimizer's learning-rate variable (a float LR; ``None`` for a schedule, which is code, not state)."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        return None
+    from keras_scale.schedules import inner_optimizer
+
+    lr = getattr(inner_optimizer(optimizer), "_learning_rate", None)
+    return lr if isinstance(lr, keras.Variable) else None
+
+
 def _signature(model: keras.Model) -> Dict[str, List[List[Any]]]:
     def describe(variables):
         return [[getattr(v, "path", None) or v.name, [int(d) for d in v.shape]] for v in variables]
@@ -283,6 +296,11 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _valid_holder(holder: Dict[str, Any]) -> bool:
+    """A lock file's content names a process: ``{"pid": int, "host": str, ...}``."""
+    return isinstance(holder, dict) and isinstance(holder.get("pid"), int) and bool(holder.get("host"))
+
+
 def _hostname() -> str:
     return re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())[:64] or "host"
 
@@ -359,8 +377,10 @@ class ChiefCheckpoint(keras.callbacks.Callback):
     is removed. For resuming, every worker must be able to read ``directory`` (a shared file system).
 
     Args:
-        directory: where checkpoints ``ckpt-<global batch>.*`` go (local path or any ``tf.io.gfile`` URL).
-        save_freq: ``"epoch"`` (after each epoch's end callbacks) or an int: every that many batches.
+        directory: where checkpoints ``ckpt-<global batch>.*`` go (local path or any ``tf.io.gfile`` URL). A relative
+            local path is resolved against the working directory when the callback is created.
+        save_freq: ``"epoch"`` (after each epoch's end callbacks) or an int: every that many batches (a save due at
+            an epoch's last batch is taken after that epoch's end callbacks, as an epoch-end checkpoint).
         max_to_keep: how many recent checkpoints to keep (>= 1).
         async_save: write in the background (TensorFlow's async checkpoint): the step waits only for the
             copy to host memory; never two writes at once; the last one is flushed at ``on_train_end``.
@@ -426,6 +446,9 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             raise ValueError(f"ChiefCheckpoint: preemption_exit_code must be an exit status 0..255 or None, got "
                              f"{preemption_exit_code!r}.")
         self.directory = os.fspath(directory)
+        if _is_local(self.directory):
+            # resolved now: a chdir between construction and fit must not move the checkpoints
+            self.directory = os.path.abspath(self.directory)
         self.save_freq = save_freq
         self.max_to_keep = max_to_keep
         self.async_save = bool(async_save)
@@ -482,10 +505,11 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         save it restores the state the fit started from: the checkpoint it resumed from, or, in a fresh run, the
         initial state kept in host memory when a caller registered through :func:`checkpoint_for` before the
         first step (dropped at the first save). The data position is *not* rewound: training continues with the
-        next batch. keras_scale's own state (NanGuard's count, the LR multiplier) is kept as it is now unless
-        ``restore_keras_scale_state=True``, so a rollback neither resets the counters that limit rollbacks nor
-        undoes a learning rate lowered just before it. Under multi-worker every worker must call it at the same
-        step (it synchronizes them). Returns the restored state's global batch, or ``None`` if there is none.
+        next batch. keras_scale's own state (NanGuard's count, the LR multiplier) and a float learning rate (an
+        optimizer variable) are kept as they are now unless ``restore_keras_scale_state=True``, so a rollback neither
+        resets the counters that limit rollbacks nor undoes a learning rate lowered by an earlier rollback. Under
+        multi-worker every worker must call it at the same step (it synchronizes them). Returns the restored state's
+        global batch, or ``None`` if there is none.
 
         Example:
             step = checkpoint_for(model).restore_latest()
@@ -497,15 +521,25 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._timed_wait()
         strategy = self.model.distribute_strategy
         self._sum_over_workers(strategy, 0.0)  # barrier: the chief's last write is recorded before anyone looks
+        # A float learning rate is an optimizer variable: kept as it is now, like keras_scale's LR multiplier (a
+        # rollback to a state saved before an earlier rollback must not undo that rollback's lowering).
+        lr = _lr_variable(self.model)
+        keep_lr = lr.numpy() if lr is not None and not restore_keras_scale_state else None
         found = self._restore_newest(everything=restore_keras_scale_state) if list_checkpoints(self.directory) else None
         if found is not None:
             step = self._read_position(found)["global_step"]
+            if restore_keras_scale_state:
+                self._run_config_var.assign(json.dumps({"learning_rate": self._lr_at_start}))
+                if self._lr_override is not None and found == self._restored_from and lr is not None:
+                    lr.assign(self._lr_override)  # the checkpoint resumed from predates this run's learning rate
         elif self._start_state is not None:
             for var, value in zip(self._start_variables(), self._start_state):
                 var.assign(value)
             step = self._start_step
         else:
             step = -1
+        if keep_lr is not None and step >= 0:
+            lr.assign(keep_lr)
         self._check_workers_agree(strategy, step)
         return None if step < 0 else step
 
@@ -561,6 +595,8 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         strategy = model.distribute_strategy
         self._chief = is_chief(strategy)
         self._reset_position()
+        lr = _lr_variable(model)
+        self._lr_at_start = float(lr.numpy()) if lr is not None else None  # as this run's script sets it
         self._fit_thread = threading.get_ident()
         self.blocked_s = 0.0
         self.preempted = None
@@ -586,6 +622,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         if self.restore and list_checkpoints(self.directory):
             if self._checkpoint is not None:
                 found = self._restored_from = self._restore_newest()
+                self._reconcile_learning_rate(found)
             else:
                 # The model gets its variables only when its first step is traced: pick the newest checkpoint
                 # that reads back completely now (the epoch must be known before the first epoch starts) and
@@ -596,6 +633,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         if position is not None:
             self._resume(position, found)
         self._install_wrapper()
+        self._install_final_save_hook()
 
     def on_epoch_begin(self, epoch, logs=None):
         if self._resume_pending:
@@ -606,6 +644,9 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._epoch = int(epoch)
         self._step_in_epoch = 0
         self._epoch_complete = False
+        self._train_metric_values = None
+        self._stopped_before_validation = None
+        self._skipped_seen = 0.0  # NanGuard's per-epoch count starts again
 
     def on_train_batch_begin(self, batch, logs=None):
         if self.model.train_function is not self._wrapper:  # someone rebuilt it (e.g. make_train_function(force))
@@ -615,10 +656,47 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._step_in_epoch = int(batch) + 1
         self._calls += 1
         self._check_preemption(self._calls % self.signal_check_every_n_steps == 0)
+        flagged = self._flagged_non_finite(logs)
         if self._last_call_skipped or self.save_freq == "epoch" or self._preempting:
             return
-        if self._global_step // self.save_freq > self._last_saved_step // self.save_freq:
+        if flagged:
+            # NanGuard flagged this step non-finite: a rollback (now or later in this step's callbacks, whatever
+            # their order) must not find this moment as the newest state; the due save is taken at the next good step.
+            return
+        if self._save_due():
+            steps = (self.params or {}).get("steps")
+            if steps and self._step_in_epoch >= int(steps):
+                # The epoch's last batch: saved after the epoch's end callbacks (at the next epoch's first batch or
+                # at train end), as an epoch-end checkpoint holding the epoch's logs, so that a finished run's last
+                # checkpoint says "complete" and a resume starts at the next epoch.
+                return
             self._save(self._epoch, self._step_in_epoch, self._stream_pos)
+
+    def _flagged_non_finite(self, logs: Any) -> bool:
+        """The composed step's logs count this epoch's non-finite steps (``nan_skipped``): it grew in this call."""
+        from keras_scale.step import SKIPPED_LOG_KEY
+
+        value = (logs or {}).get(SKIPPED_LOG_KEY)
+        if value is None:
+            return False
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            return False
+        grew = value > self._skipped_seen
+        self._skipped_seen = value
+        return grew
+
+    def _save_due(self) -> bool:
+        freq = self.save_freq
+        return freq != "epoch" and self._global_step // freq > self._last_saved_step // freq
+
+    def on_test_begin(self, logs=None):
+        # Validation inside fit runs after the epoch's last (or interrupting) batch and resets the metric variables
+        # that a mid-epoch save at train end must hold: keep this epoch's training metric state (a few scalars).
+        if self._fit_thread is not None and self._checkpoint is not None:
+            self._train_metric_values = [v.numpy() for v in _metric_variables(self.model)]
+            self._stopped_before_validation = bool(self.model.stop_training)
 
     def on_test_batch_end(self, batch, logs=None):
         if self._preempting:  # no validation run after a preemption signal: save and go
@@ -627,11 +705,14 @@ class ChiefCheckpoint(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         steps = (self.params or {}).get("steps")
         self._check_preemption(True)
-        # A stop requested by a batch callback ends the epoch early; EarlyStopping stops after a full epoch.
-        self._epoch_complete = not self.model.stop_training or bool(steps and self._step_in_epoch >= steps)
+        # A stop requested by a batch callback ends the epoch early; EarlyStopping stops after a full epoch. When
+        # validation ran, whether the stop came before it (from a batch) is known exactly.
+        stopped = self.model.stop_training if self._stopped_before_validation is None else \
+            self._stopped_before_validation
+        self._epoch_complete = not stopped or bool(steps and self._step_in_epoch >= steps)
         if self._epoch_complete:
             self._last_epoch_logs = (int(epoch), logs)  # the dict itself: callbacks after us add keys to it
-            if self.save_freq == "epoch":
+            if self.save_freq == "epoch" or self._save_due():
                 # Saved at the first batch of the next epoch (or at train end): only then is it known whether the
                 # next epoch reads a fresh data iterator or continues this one (steps_per_epoch + repeat()).
                 self._pending_epoch_save = True
@@ -640,12 +721,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         # The final state is always saved, so a finished, stopped or preempted run resumes with nothing lost.
         try:
-            if self._global_step != self._last_saved_step or self._pending_best is not None:
-                if self._epoch_complete:
-                    fresh = self._iterator is None or self._iterator_exhausted(self._iterator)
-                    self._save(self._epoch + 1, 0, 0 if fresh else self._stream_pos)
-                else:
-                    self._save(self._epoch, self._step_in_epoch, self._stream_pos)
+            self._final_save()
             self._timed_wait()
             if self._already_complete is not None:
                 self._fill_history()
@@ -662,7 +738,75 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                 raise SystemExit(code)
         # Files are never deleted here: a graceful stop (EarlyStopping, NanGuard halt) must keep them.
 
+    def _final_save(self) -> None:
+        if self._global_step != self._last_saved_step or self._pending_best is not None:
+            if self._epoch_complete:
+                fresh = self._iterator is None or self._iterator_exhausted(self._iterator)
+                self._save(self._epoch + 1, 0, 0 if fresh else self._stream_pos)
+            else:
+                self._save_mid_epoch()
+
+    def _install_final_save_hook(self) -> None:
+        """With ``use_ema=True`` Keras's fit overwrites the weights with their moving averages right before
+        ``on_train_end`` (``optimizer.finalize_variable_values``): the final save is taken just before that, so it
+        holds the weights training continues from (the averages are optimizer variables, saved too)."""
+        optimizer = self.model.optimizer
+        if optimizer is None:
+            return
+        from keras_scale.schedules import inner_optimizer
+
+        if not getattr(inner_optimizer(optimizer), "use_ema", False):
+            return
+        previous = vars(optimizer).get("finalize_variable_values")
+        if getattr(previous, "_ks_checkpoint_hook", False):
+            previous = previous._ks_previous  # left by a fit that raised: replace it
+        me = weakref.ref(self)
+        keras_finalize = previous if previous is not None else (
+            lambda var_list: type(optimizer).finalize_variable_values(optimizer, var_list))
+
+        def finalize_variable_values(var_list):
+            cb = me()
+            if cb is not None and cb._in_this_fit() and cb._fit_thread == threading.get_ident():
+                cb._final_save()
+            return keras_finalize(var_list)
+
+        finalize_variable_values._ks_checkpoint_hook = True
+        finalize_variable_values._ks_previous = previous
+        object.__setattr__(optimizer, "finalize_variable_values", finalize_variable_values)
+        self._finalize_hook = (optimizer, finalize_variable_values)
+
+    def _remove_final_save_hook(self) -> None:
+        hook, self._finalize_hook = self._finalize_hook, None
+        if hook is None:
+            return
+        optimizer, fn = hook
+        if vars(optimizer).get("finalize_variable_values") is fn:
+            if fn._ks_previous is not None:
+                object.__setattr__(optimizer, "finalize_variable_values", fn._ks_previous)
+            else:
+                object.__delattr__(optimizer, "finalize_variable_values")
+
+    def _save_mid_epoch(self) -> None:
+        """Save the interrupted epoch's position with its *training* metric state: validation (which Keras runs
+        after the interrupting batch too) reset the metric variables, so the values kept before it are saved, and
+        the validation values are put back afterwards."""
+        kept = self._train_metric_values
+        variables = _metric_variables(self.model)
+        if kept is None or len(kept) != len(variables):
+            self._save(self._epoch, self._step_in_epoch, self._stream_pos)
+            return
+        now = [v.numpy() for v in variables]
+        try:
+            for var, value in zip(variables, kept):
+                var.assign(value)
+            self._save(self._epoch, self._step_in_epoch, self._stream_pos)
+            self._timed_wait()
+        finally:
+            for var, value in zip(variables, now):
+                var.assign(value)
+
     def _active_cleanup(self) -> None:
+        self._remove_final_save_hook()
         self._pending_epoch_save = False
         self._iterator = self._own_stream = self._prefix_skipped_on = None
         self._start_state = None
@@ -726,6 +870,8 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._last_call_skipped = False
         self._pending_epoch_save = False
         self._epoch_complete = False
+        self._train_metric_values: Optional[List[Any]] = None  # this epoch's metric state kept before validation
+        self._stopped_before_validation: Optional[bool] = None
         self._restored_from: Optional[str] = None
         self._deferred_restore: Optional[str] = None
         self._resume_position: Optional[Dict[str, int]] = None
@@ -748,6 +894,10 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._start_step = 0
         self._preempt_requested: Optional[int] = None
         self._preempting = False
+        self._lr_at_start: Optional[float] = None
+        self._lr_override: Optional[float] = None
+        self._skipped_seen = 0.0
+        self._finalize_hook: Optional[Tuple[Any, Any]] = None
         self._iter_backup: Optional[tf.Variable] = None
         self._own_stream: Any = None
         self._may_run_out = True
@@ -804,7 +954,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             try:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
-                holder = self._read_lock(path)
+                holder = self._read_lock_settled(path)
                 if holder.get("pid") == me["pid"] and holder.get("host") == me["host"]:
                     break  # ours (e.g. a previous fit of this process that raised): keep it
                 stale = self._lock_is_stale(path, holder)
@@ -816,7 +966,16 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                     except FileNotFoundError:
                         pass
                     continue
-                since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder.get("since", 0) or 0)))
+                if not _valid_holder(holder):  # rewritten while we looked, still unreadable
+                    raise RuntimeError(
+                        f"ChiefCheckpoint: the lock file {path!r} of {self.directory!r} is unreadable (empty or "
+                        "damaged) and is still being changed, so another process may be starting in this directory. "
+                        f"Fix: if no run uses this directory, delete {path!r}; else give this run its own directory."
+                    ) from None
+                try:
+                    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder.get("since", 0) or 0)))
+                except (TypeError, ValueError, OverflowError, OSError):
+                    since = "an unknown time"
                 raise RuntimeError(
                     f"ChiefCheckpoint: {self.directory!r} is in use by another training process (pid "
                     f"{holder.get('pid')} on host {holder.get('host')!r}, since {since}; lock file {path!r}). Two "
@@ -838,9 +997,26 @@ class ChiefCheckpoint(keras.callbacks.Callback):
     def _read_lock(path: str) -> Dict[str, Any]:
         try:
             with open(path) as f:
-                return json.load(f)
+                holder = json.load(f)
         except (OSError, ValueError):
             return {}
+        return holder if isinstance(holder, dict) else {}
+
+    @classmethod
+    def _read_lock_settled(cls, path: str) -> Dict[str, Any]:
+        """The lock's holder; an empty or unparsable lock is re-read until it is ``_LOCK_UNREADABLE_S`` old (a run
+        that has just created it writes its pid right away)."""
+        while True:
+            holder = cls._read_lock(path)
+            if _valid_holder(holder):
+                return holder
+            try:
+                age = time.time() - os.path.getmtime(path)
+            except OSError:
+                return holder
+            if age >= _LOCK_UNREADABLE_S:
+                return holder
+            time.sleep(min(0.1, _LOCK_UNREADABLE_S - age + 0.01))
 
     @staticmethod
     def _lock_is_stale(path: str, holder: Dict[str, Any]) -> str:
@@ -849,8 +1025,9 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         except OSError:
             return "it vanished"
         pid, host = holder.get("pid"), holder.get("host")
-        if not isinstance(pid, int) or not host:
-            return "unreadable lock file" if age > 5.0 else ""
+        if not _valid_holder(holder):
+            return (f"it is unreadable (empty or damaged, unchanged for {age:.0f} s), so no live run holds it"
+                    if age >= _LOCK_UNREADABLE_S else "")
         if host == _hostname():
             return "" if _pid_alive(pid) else f"process {pid} on this host is gone"
         return f"host {host!r} has not refreshed it for {age:.0f} s" if age > _LOCK_STALE_S else ""
@@ -1017,6 +1194,9 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                           for name in _POSITION}
             self._signature = tf.Variable("", dtype=tf.string, trainable=False, name="ks_signature")
             self._epoch_logs_var = tf.Variable("", dtype=tf.string, trainable=False, name="ks_epoch_logs")
+            # what this run's script set (not what training made of it): tells a deliberate change at the next resume
+            self._run_config_var = tf.Variable(json.dumps({"learning_rate": self._lr_at_start}), dtype=tf.string,
+                                               trainable=False, name="ks_run_config")
         # Variables by position (model.variables, optimizer.variables: a deterministic order for a given model
         # and optimizer); the signature saved alongside makes restoring into a different model an error.
         items: Dict[str, Any] = {
@@ -1025,6 +1205,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             "keras_scale_position": self._vars,
             "keras_scale_signature": self._signature,
             "keras_scale_epoch_logs": self._epoch_logs_var,
+            "keras_scale_run_config": self._run_config_var,
         }
         metrics = _metric_variables(model)
         self._num_metric_vars = len(metrics)
@@ -1209,6 +1390,40 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._checkpoint.read(prefix).expect_partial()
         self._restored_from = prefix
         self._say(f"ChiefCheckpoint: restored {prefix}")
+        self._reconcile_learning_rate(prefix)
+
+    def _reconcile_learning_rate(self, prefix: str) -> None:
+        """A learning rate changed in the script between runs is used, with a warning naming both values; one changed
+        during training (ReduceLROnPlateau, NanGuard's rollback) is resumed as saved."""
+        self._run_config_var.assign(json.dumps({"learning_rate": self._lr_at_start}))  # the read overwrote it
+        var, new = _lr_variable(self.model), self._lr_at_start
+        if var is None or new is None:
+            return
+        restored = float(var.numpy())
+        try:
+            raw = tf.train.load_checkpoint(prefix).get_tensor(_RUN_CONFIG_KEY)
+            started = json.loads(raw.decode() if isinstance(raw, bytes) else raw).get("learning_rate")
+        except Exception:  # noqa: BLE001 - written by an older version: the run's starting value is unknown
+            started = None
+        if started is None:
+            if restored != new:
+                warnings.warn(
+                    f"ChiefCheckpoint: the optimizer's learning_rate is {new:g} in this run but {restored:g} in "
+                    f"{prefix!r}, which does not record the value its run started with; the checkpoint's {restored:g} "
+                    "is restored (as keras.callbacks.BackupAndRestore does; a callback such as ReduceLROnPlateau may "
+                    "have set it). To train with a new value, assign it after the restore, e.g. "
+                    f"model.optimizer.learning_rate.assign({new:g}) in the on_train_begin of a callback listed after "
+                    "ChiefCheckpoint.", RuntimeWarning, stacklevel=3)
+            return
+        if float(started) == new:
+            return  # unchanged in the script: the saved value (possibly lowered during training) continues
+        var.assign(new)
+        self._lr_override = new
+        warnings.warn(
+            f"ChiefCheckpoint: learning_rate changed between runs: this run starts with {new:g}; the run in "
+            f"{prefix!r} was started with {float(started):g} and was at {restored:g} when saved. Using this run's "
+            f"{new:g} (everything else resumes exactly). To continue with the checkpoint's value, pass the "
+            f"learning rate as before ({float(started):g}).", RuntimeWarning, stacklevel=3)
 
     def _restore_metrics(self, prefix: str) -> bool:
         """Continue the interrupted epoch's metrics (loss included) from their saved state."""
@@ -1257,6 +1472,16 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                 RuntimeWarning, stacklevel=2,
             )
         self._skip_prefix = max(position["stream_pos"] - self._skip_calls * spe, 0)
+        steps = (self.params or {}).get("steps")
+        if epochs is not None and steps and epoch + 1 >= int(epochs) and step_in_epoch >= int(steps):
+            # Written at the last epoch's last batch, before its end callbacks (older versions saved so with an int
+            # save_freq): every batch is trained; only the epoch's end (validation, callbacks) runs again.
+            self._say(f"ChiefCheckpoint: the run in {self.directory!r} is already complete ({epoch + 1} epochs, "
+                      f"global batch {self._global_step}): nothing to train. Its newest checkpoint {prefix!r} was "
+                      f"written at the last batch of epoch {epoch + 1}, before that epoch's end, so the epoch's end "
+                      "(validation, epoch-end callbacks) runs again with its saved metrics. Pass a larger epochs= to "
+                      "train further, or a new directory to start over.", routine=False)
+            return
         self._say(f"ChiefCheckpoint: resuming {_describe(epoch, self._skip_calls * spe)} from {prefix!r} "
                   f"(global batch {self._global_step})")
 
