@@ -105,6 +105,19 @@ def test_rollback_recovers_from_lr_explosion_and_converges():
     assert history.history["loss"][-1] < 1e-3  # converged after lowering the LR
 
 
+def test_rollback_to_the_snapshot_keeps_earlier_lowering_of_a_float_lr():
+    # two bad batches close together: both rollbacks restore the SAME in-memory snapshot (taken before the first);
+    # the learning rate must end at lr * factor**2, not be reset to the snapshot's lr and lowered once
+    x, y = _data(n=256)
+    x = _poison(_poison(x, 6), 8)
+    model = _model()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    guard = ks.NanGuard(policy="rollback", max_consecutive=1, lr_factor=0.5, snapshot_every_n_steps=5, verbose=0)
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False, callbacks=[guard])
+    assert guard.rollbacks == 2 and _finite(model)
+    assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(0.05 * 0.5 ** 2)
+
+
 def test_rollback_restores_from_chief_checkpoint(tmp_path):
     x, y = _data(n=256)
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])

@@ -261,6 +261,14 @@ class NanGuard(keras.callbacks.Callback):
     def _state_variables(self) -> List[Any]:
         return list(self.model.variables) + list(self.model.optimizer.variables)
 
+    def _learning_rate_variables(self) -> List[Any]:
+        """The plain learning-rate variable and any schedule multiplier (what a rollback lowers)."""
+        from keras_scale.schedules import inner_optimizer, lr_multiplier
+
+        inner = inner_optimizer(self.model.optimizer)
+        found = [lr_multiplier(inner), getattr(inner, "_learning_rate", None)]
+        return [v for v in found if isinstance(v, tf.Variable) or hasattr(v, "assign")]
+
     def _take_snapshot(self) -> None:
         self._snapshot = [np.array(v.numpy()) for v in self._state_variables()]
         self._snapshot_batch = self._batches
@@ -287,7 +295,12 @@ class NanGuard(keras.callbacks.Callback):
             source = "in-memory snapshot"
             if self._snapshot is None:
                 raise NanGuardGaveUp("NanGuard(policy='rollback') has no good state to roll back to.")
+            # the learning rate in force now (earlier rollbacks may have lowered it) survives the restore
+            keep = [v for v in self._learning_rate_variables() if any(v is w for w in self._state_variables())]
+            kept = [np.array(v.numpy()) for v in keep]
             for var, value in zip(self._state_variables(), self._snapshot):
+                var.assign(value)
+            for var, value in zip(keep, kept):
                 var.assign(value)
         if scale_learning_rate(self.model.optimizer, self.lr_factor):
             step_lib.rebuild(self.model)
