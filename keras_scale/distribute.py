@@ -591,8 +591,8 @@ def choose_strategy(strategy: Union[str, Any] = "auto", all_reduce: str = "auto"
         >>> strategy = choose_strategy()                     # at the top of the training script
         >>> type(strategy).__name__                          # doctest: +SKIP
         'MultiWorkerMirroredStrategy'
-        >>> choose_strategy("mirrored", all_reduce="one_device", devices=["/cpu:0", "/cpu:1"]).num_replicas_in_sync
-        2
+        >>> choose_strategy("mirrored", all_reduce="one_device", devices=["/cpu:0"]).num_replicas_in_sync
+        1
     """
     import logging
 

@@ -77,7 +77,7 @@ class GpuInfo:
 
     Example:
         >>> GpuInfo(index=0, name="NVIDIA H100", uuid="GPU-1", memory_total_mb=81559.0, pci_bus_id="0:1:0")
-        GpuInfo(index=0, name='NVIDIA H100', uuid='GPU-1', memory_total_mb=81559.0, pci_bus_id='0:1:0', mig_uuids=())
+        GpuInfo(index=0, name='NVIDIA H100', uuid='GPU-1', memory_total_mb=81559.0, pci_bus_id='0:1:0', mig_uuids=(), mig_memory_mb=())
     """
 
     index: int
