@@ -181,9 +181,8 @@ class AccumulatingModel(keras.Model):
         """Keras's ``load_model`` hook; a wrapper saved sharing its inner model's optimizer shares it again.
 
         Example:
-            >>> loaded = keras.models.load_model("wrapped.keras")  # calls it
-            >>> loaded.optimizer is unwrap(loaded).optimizer
-            True
+            loaded = keras.models.load_model("wrapped.keras")  # calls it
+            assert loaded.optimizer is unwrap(loaded).optimizer
         """
         super().compile_from_config(config)
         inner_optimizer = getattr(self.inner, "optimizer", None)
