@@ -21,20 +21,24 @@ With ``steps_per_execution > 1`` auto mode fetches and runs the execution's batc
 per batch): batch callbacks still fire every ``steps_per_execution`` batches, and a retry never replays a batch
 that already trained.
 
-Multi-worker: every worker gets the same per-replica batch and the same model, so the OOM happens on every
-worker in the forward/backward pass, before the step's gradient all-reduce. The workers then agree on the new
-accum with one small collective (the MAX of every proposal, by all-gather) before retrying, so they can never
-disagree. If only ONE worker runs out of memory (uneven hardware), the other workers are already waiting in the
-step's all-reduce and cannot join the agreement: the job stalls or fails there; auto mode assumes identical
-workers, as data-parallel training does. Pass ``max_micro_batch_size`` (e.g. from :func:`find_micro_batch` on
-the smallest device) in that case.
+What it learns is a SIZE (the largest per-replica micro-batch that fits, checkpointed by ChiefCheckpoint):
+each batch of ``b`` samples per replica is split into ``ceil(b / size)`` micro-batches, so a later, smaller
+batch is not split needlessly. ``wrapped.accum`` is the number of micro-batches of the latest batch.
+
+Multi-worker: the workers agree on the new size with one small collective (the MIN of every proposal, by
+all-gather) before retrying, so they can never disagree. Before each step they exchange their per-replica batch
+sizes (one more small collective): when they differ (an uneven last batch), no worker runs a micro-batch larger
+than one every worker already trained with, so one worker cannot run out of memory alone while the others wait
+in the step's all-reduce. If one still does (uneven batches at the very first step, uneven hardware), it raises
+a clear error after ``AGREE_TIMEOUT_S`` instead of hanging; pass ``max_micro_batch_size`` (e.g. from
+:func:`find_micro_batch` on the smallest device) in that case.
 
 Example:
     import keras_scale as ks
     model = ks.wrap(build_model(), accum="auto")
     model.compile(optimizer="adam", loss="mse", metrics=["mae"])
     model.fit(ds)          # an OOM at batch 256 retries the batch as 2 x 128, then 4 x 64, ...
-    model.accum            # the value in use, e.g. 4
+    model.accum            # micro-batches of the latest batch, e.g. 4
 """
 from __future__ import annotations
 
@@ -477,12 +481,18 @@ def find_micro_batch(model: keras.Model, sample_batch: Any, max_size: Optional[i
     """
     from keras.src.trainers.data_adapters import data_adapter_utils
 
+    from keras_scale._validate import check_int
     from keras_scale.accumulation import unwrap
 
     inner = unwrap(model)
     if getattr(model, "_compile_loss", None) is None and getattr(model, "loss", None) is None:
         raise ValueError("find_micro_batch needs a compiled model (model.compile(optimizer=..., loss=...)) to "
                          "run its loss and backward pass.")
+    if isinstance(sample_batch, (tf.data.Dataset, keras.utils.PyDataset)) or hasattr(sample_batch, "__next__"):
+        raise TypeError(f"find_micro_batch takes one batch, not a {type(sample_batch).__name__}: pass one batch, "
+                        f"e.g. ks.find_micro_batch(model, next(iter(ds))).")
+    if max_size is not None:
+        check_int("max_size", max_size, hint="Example: ks.find_micro_batch(model, batch, max_size=64).")
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(tuple(sample_batch)
                                                                       if isinstance(sample_batch, list)
                                                                       else sample_batch)

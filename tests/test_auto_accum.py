@@ -205,7 +205,8 @@ def test_gives_up_with_advice_when_one_sample_does_not_fit():
     ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(8)
     model = compile_(ks.wrap(build(threshold=0), accum="auto"))
     before = weights(model)
-    with pytest.raises(AutoAccumGaveUp, match=r"one sample per micro-batch.*mixed precision.*ks\.remat.*smaller model"):
+    with pytest.raises(AutoAccumGaveUp, match=r"(?s)one sample per micro-batch.*mixed precision.*ks\.remat.*smaller "
+                                              r"model.*The error: .*OOM"):
         model.fit(ds, epochs=1, verbose=0)
     assert model.accum == 8
     assert int(model.optimizer.iterations.numpy()) == 0
@@ -523,3 +524,13 @@ def test_embedding_with_adam_warns_once_that_a_split_sums_sparse_rows():
         _warnings.simplefilter("always")
         sgd.fit(tokens, target, batch_size=16, epochs=1, verbose=0)
     assert not [w for w in caught if "sparse gradient" in str(w.message)]
+
+
+def test_find_micro_batch_refuses_a_dataset_and_a_bad_max_size():
+    model = compile_(build(threshold=5))
+    ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(16)
+    with pytest.raises(TypeError, match=r"pass one batch, e\.g\. ks\.find_micro_batch\(model, next\(iter\(ds\)\)\)"):
+        ks.find_micro_batch(model, ds)
+    with pytest.raises(ValueError, match="max_size must be an integer >= 1, got 0"):
+        ks.find_micro_batch(model, (X[:8], Y[:8]), max_size=0)
+    assert ks.find_micro_batch(model, next(iter(ds))) == 5
