@@ -430,10 +430,12 @@ def accum_for(batch_size: int, micro_limit: Optional[int]) -> int:
 
 def _key_line(err: BaseException) -> str:
     """The line of an OOM error that says what could not be allocated."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    for line in lines:
-        if "OOM" in line or "allocat" in line.lower() or "out of memory" in line.lower():
-            return line[:300]
+    lines = [line.strip() for line in str(err).splitlines()
+             if line.strip() and not line.strip().startswith(("File ", "Detected at node"))]
+    for wanted in ("OOM ", "out of memory", "ResourceExhausted", "failed to allocate"):
+        for line in lines:
+            if wanted in line:
+                return line[:300]
     return lines[0][:300] if lines else type(err).__name__
 
 
