@@ -160,6 +160,7 @@ class AutoAccum:
         self._sizes_fn: Any = None
         self._scalars: Any = None
         self._scalars_failed = False
+        self._built_for: Any = None  # the optimizer whose model and slots were found built
         self._ran: Optional[int] = None  # multi-worker: the largest micro-batch that trained (on every worker)
         # the learned size, checkpointed (0: no limit); a host variable: read without a device round trip
         with tf.init_scope(), tf.device("/cpu:0"):
@@ -247,9 +248,12 @@ class AutoAccum:
         attempt that runs out of memory must not leave them half made (the retry would see empty slots)."""
         model = self.model
         optimizer = model.optimizer
+        if self._built_for is optimizer:  # checked once per optimizer (compile), not per step
+            return
         inner = getattr(model, "inner", model)
         if all(layer.built for layer in inner._flatten_layers()) and inner.variables and (
                 optimizer is None or optimizer.built):
+            self._built_for = optimizer
             return
         from keras.src.trainers.data_adapters import data_adapter_utils
 
@@ -262,6 +266,7 @@ class AutoAccum:
                 model.built = True
             if optimizer is not None and not optimizer.built and model.trainable_variables:
                 optimizer.build(model.trainable_variables)
+        self._built_for = optimizer
 
     def _use(self, accum: int) -> None:
         """Place the composed function for ``accum`` micro-batches (traced once per value, then cached)."""
