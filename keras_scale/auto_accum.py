@@ -27,7 +27,7 @@ batch is not split needlessly. ``wrapped.accum`` is the number of micro-batches 
 
 Multi-worker: the workers agree on the new size with one small collective (the MIN of every proposal, by
 all-gather) before retrying, so they can never disagree. Before each step they exchange their per-replica batch
-sizes (one more small collective): when they differ (an uneven last batch), no worker runs a micro-batch larger
+sizes (one more small collective per step): when they differ (an uneven last batch), no worker runs a micro-batch larger
 than one every worker already trained with, so one worker cannot run out of memory alone while the others wait
 in the step's all-reduce. If one still does (uneven batches at the very first step, uneven hardware), it raises
 a clear error after ``AGREE_TIMEOUT_S`` instead of hanging; pass ``max_micro_batch_size`` (e.g. from

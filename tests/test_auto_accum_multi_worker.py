@@ -59,7 +59,8 @@ index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
 with open(f"out_{index}.json", "w") as f:
     json.dump({"weights": [w.tolist() for w in inner.get_weights()], "accum": model.accum,
                "changes": model._keras_scale_auto.changes,
-               "agreements": model._keras_scale_auto.agreements, "loss": history.history["loss"],
+               "agreements": model._keras_scale_auto.agreements,
+               "size_exchanges": model._keras_scale_auto.size_exchanges, "loss": history.history["loss"],
                "iterations": int(model.optimizer.iterations.numpy())}, f)
 '''
 
@@ -71,6 +72,7 @@ def test_workers_agree_on_the_new_accum_and_equal_big_batch(run_workers, tmp_pat
         assert out["accum"] == 4  # per-replica batch 16 -> 8 -> 4
         assert [tuple(c) for c in out["changes"]] == [(0, 1, 2, 16), (0, 2, 4, 16)]
         assert out["agreements"] == 2  # one collective per change, on both workers
+        assert out["size_exchanges"] == 8  # one per step (the batch sizes, so that uneven batches split alike)
         assert out["iterations"] == 8  # 4 batches x 2 epochs, each applied once
     for a, b in zip(outs[0]["weights"], outs[1]["weights"]):
         np.testing.assert_array_equal(np.array(a), np.array(b))
@@ -148,6 +150,7 @@ model.fit(ds, epochs=2, verbose=0, callbacks=[Record()])
 with open(f"out_{index}.json", "w") as f:
     json.dump({"weights": [w.tolist() for w in inner.get_weights()], "seen": seen,
                "recoveries": model._keras_scale_auto.recoveries,
+               "size_exchanges": model._keras_scale_auto.size_exchanges,
                "iterations": int(model.optimizer.iterations.numpy())}, f)
 '''
 
@@ -160,6 +163,7 @@ def test_an_uneven_last_batch_does_not_make_one_worker_run_out_of_memory_alone(r
     outs = [json.loads((tmp_path / f"out_{i}.json").read_text()) for i in range(2)]
     assert outs[0]["seen"] == [1, 1, 1, 1, 2] * 2 and outs[1]["seen"] == [1] * 10
     assert outs[0]["recoveries"] == outs[1]["recoveries"] == 0
+    assert outs[0]["size_exchanges"] == outs[1]["size_exchanges"] == 10
     assert outs[0]["iterations"] == outs[1]["iterations"] == 10
     for a, b in zip(outs[0]["weights"], outs[1]["weights"]):
         np.testing.assert_array_equal(np.array(a), np.array(b))
