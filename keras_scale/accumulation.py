@@ -15,6 +15,8 @@ Example:
 """
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Any, Dict, Optional, Union
 
 import keras
@@ -52,7 +54,7 @@ class AccumulatingModel(keras.Model):
     def __init__(self, inner: keras.Model, accum: Union[int, str, None] = None,
                  micro_batch_size: Optional[int] = None, unroll: Optional[bool] = None,
                  max_micro_batch_size: Optional[int] = None, log_dir: Optional[str] = None,
-                 **kwargs: Any) -> None:
+                 verbose: int = 1, **kwargs: Any) -> None:
         if not isinstance(inner, keras.Model):
             raise TypeError(
                 f"keras_scale.wrap expects a keras.Model, got {type(inner).__name__}. "
@@ -74,6 +76,18 @@ class AccumulatingModel(keras.Model):
             _check_positive_int("max_micro_batch_size", max_micro_batch_size)
         if micro_batch_size is not None:
             _check_positive_int("micro_batch_size", micro_batch_size)
+        if log_dir is not None:
+            if not auto:
+                raise ValueError(f"log_dir={log_dir!r} only applies to accum='auto' (got accum={accum!r}); "
+                                 "TensorBoard's own callback logs a fixed split's training.")
+            if not isinstance(log_dir, (str, os.PathLike)):
+                raise TypeError(f"log_dir must be a directory path (str or os.PathLike), got "
+                                f"{type(log_dir).__name__} {log_dir!r}. Example: keras_scale.wrap(model, "
+                                f"accum='auto', log_dir='runs/exp1').")
+            log_dir = os.fspath(log_dir)
+        if verbose not in (0, 1, True, False):
+            raise ValueError(f"verbose must be 0 (silent) or 1 (print each change of the split, chief only), "
+                             f"got {verbose!r}.")
         if unroll not in (None, True, False):
             raise ValueError(f"unroll must be None (auto), True or False, got {unroll!r}")
         kwargs.setdefault("name", f"accumulating_{inner.name}")
@@ -86,6 +100,7 @@ class AccumulatingModel(keras.Model):
         self.micro_batch_size = micro_batch_size
         self.max_micro_batch_size = max_micro_batch_size
         self.log_dir = log_dir
+        self.verbose = int(verbose)
         self.unroll = unroll
         step = get_step(self).configure(accum=self.accum, micro_batch_size=micro_batch_size)
         step.unrolled = unroll
@@ -93,11 +108,25 @@ class AccumulatingModel(keras.Model):
             from keras_scale.auto_accum import AutoAccum
 
             object.__setattr__(self, "_keras_scale_auto",
-                               AutoAccum(self, max_micro_batch_size=max_micro_batch_size, log_dir=log_dir))
+                               AutoAccum(self, max_micro_batch_size=max_micro_batch_size, log_dir=log_dir,
+                                         verbose=self.verbose))
             step.outer = self._keras_scale_auto.bind
             step.atomic_update = True
         if inner.built:
             self.built = True
+
+    @property
+    def auto_micro_batch_size(self) -> Optional[int]:
+        """``accum="auto"``: the largest per-replica micro-batch known to fit (``None``: no limit yet, or not auto).
+
+        Example:
+            >>> import keras
+            >>> ks_model = wrap(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]), accum="auto")
+            >>> ks_model.auto_micro_batch_size is None
+            True
+        """
+        auto = vars(self).get("_keras_scale_auto")
+        return None if auto is None else auto.micro_batch_size
 
     def build(self, input_shape: Any = None) -> None:
         if not self.inner.built and input_shape is not None:
@@ -118,7 +147,60 @@ class AccumulatingModel(keras.Model):
 
     def fit(self, x: Any = None, y: Any = None, batch_size: Optional[int] = None, **kwargs: Any) -> Any:
         self._check_batch_size(x, batch_size)
+        self._warn_sparse_gradients()
         return super().fit(x, y, batch_size=batch_size, **kwargs)
+
+    def _warn_sparse_gradients(self) -> None:
+        """Warn once: an Embedding's gradient with a non-SGD optimizer differs from Keras's once split.
+
+        Keras hands the optimizer an Embedding's gradient as sparse rows, one per looked-up token, repeats
+        included; Adam, RMSprop, Adagrad... square each repeat separately. Accumulation sums the micro-batches'
+        gradients densely: the optimizer sees the true summed gradient (each row once), as for every other
+        weight. Plain SGD (with or without momentum) is linear in the gradient: identical either way.
+        """
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is None or getattr(self, "_keras_scale_sparse_warned", False):
+            return
+        from keras_scale.schedules import inner_optimizer
+
+        if isinstance(inner_optimizer(optimizer), keras.optimizers.SGD):
+            return
+        embeddings = [layer.name for layer in self.inner._flatten_layers()
+                      if isinstance(layer, keras.layers.Embedding) and layer.trainable]
+        if not embeddings or (not self.auto_accum and (self.accum or 1) <= 1 and self.micro_batch_size is None):
+            return
+        object.__setattr__(self, "_keras_scale_sparse_warned", True)
+        warnings.warn(
+            f"keras_scale.wrap: {embeddings[0]} (Embedding) has a sparse gradient and the optimizer is "
+            f"{type(inner_optimizer(optimizer)).__name__}. When a batch is split, the micro-batches' gradients are "
+            f"summed densely (each embedding row once: the true batch gradient), while unsplit Keras hands the "
+            f"optimizer one sparse row per looked-up token and {type(inner_optimizer(optimizer)).__name__} "
+            f"squares repeated rows separately, so the weights differ slightly from unsplit training "
+            f"(docs: README 'Embeddings and adaptive optimizers'). Plain SGD is identical either way.",
+            UserWarning, stacklevel=3)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().evaluate(*args, **kwargs)
+        except tf.errors.ResourceExhaustedError as err:
+            in_fit = bool(kwargs.get("_use_cached_eval_dataset"))
+            hint = ("pass validation_batch_size= to fit (NumPy/array validation data) or batch the validation "
+                    "dataset smaller" if in_fit else "pass a smaller batch_size= to evaluate (or batch the "
+                    "dataset smaller)")
+            raise tf.errors.ResourceExhaustedError(
+                err.node_def, err.op,
+                f"keras_scale.wrap splits training batches only, not evaluation ones: "
+                f"{'validation during fit' if in_fit else 'evaluate'} ran out of device memory; {hint}. "
+                f"Training itself recovered and its weights are intact. Original error: {err.message}") from err
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().predict(*args, **kwargs)
+        except tf.errors.ResourceExhaustedError as err:
+            raise tf.errors.ResourceExhaustedError(
+                err.node_def, err.op,
+                f"keras_scale.wrap splits training batches only: predict ran out of device memory; pass a smaller "
+                f"batch_size= to predict (or batch the dataset smaller). Original error: {err.message}") from err
 
     def _check_batch_size(self, x: Any, batch_size: Optional[int]) -> None:
         """Fail at fit start (not mid-epoch): an unbatched dataset, or a per-replica batch smaller than ``accum``."""
@@ -148,19 +230,46 @@ class AccumulatingModel(keras.Model):
     def compute_output_spec(self, inputs: Any, training: Optional[bool] = None) -> Any:
         return self.inner.compute_output_spec(inputs)
 
-    # weights files interchange with the unwrapped model
+    # weights files interchange with the unwrapped model; like a plain compiled model's, they hold the optimizer
     def save_weights(self, filepath: str, overwrite: bool = True, **kwargs: Any) -> None:
-        return self.inner.save_weights(filepath, overwrite=overwrite, **kwargs)
+        with self._optimizer_on_inner():
+            return self.inner.save_weights(filepath, overwrite=overwrite, **kwargs)
 
     def load_weights(self, filepath: str, skip_mismatch: bool = False, **kwargs: Any) -> None:
-        return self.inner.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
+        with self._optimizer_on_inner():
+            return self.inner.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
+
+    def _optimizer_on_inner(self) -> Any:
+        """While a weights file is written or read, the inner model holds the wrapper's optimizer (the
+        attribute a plain compiled model's file stores it under), so the file is a plain model's file."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def swap() -> Any:
+            optimizer = getattr(self, "optimizer", None)
+            if optimizer is None:
+                yield
+                return
+            missing = object()
+            before = vars(self.inner).get("optimizer", missing)
+            object.__setattr__(self.inner, "optimizer", optimizer)
+            try:
+                yield
+            finally:
+                if before is missing:
+                    object.__delattr__(self.inner, "optimizer")
+                else:
+                    object.__setattr__(self.inner, "optimizer", before)
+
+        return swap()
 
     def get_config(self) -> Dict[str, Any]:
         config = {"inner": keras.saving.serialize_keras_object(self.inner),
                   "accum": "auto" if self.auto_accum else self.accum,
                   "micro_batch_size": self.micro_batch_size, "unroll": self.unroll, "name": self.name}
         if self.auto_accum:
-            config.update(max_micro_batch_size=self.max_micro_batch_size, log_dir=self.log_dir)
+            config.update(max_micro_batch_size=self.max_micro_batch_size, log_dir=self.log_dir,
+                          verbose=self.verbose)
         optimizer = getattr(self, "optimizer", None)
         if optimizer is not None and optimizer is getattr(self.inner, "optimizer", None):
             # One optimizer object, compiled into both (keras_scale.fit does so): Keras saves its variables once,
@@ -194,14 +303,17 @@ class AccumulatingModel(keras.Model):
 
 def wrap(model: keras.Model, accum: Union[int, str, None] = None, micro_batch_size: Optional[int] = None,
          unroll: Optional[bool] = None, max_micro_batch_size: Optional[int] = None,
-         log_dir: Optional[str] = None) -> AccumulatingModel:
+         log_dir: Optional[str] = None, verbose: int = 1) -> AccumulatingModel:
     """Return a model that trains ``model``'s weights with exact gradient accumulation.
 
     Args:
         model: any Keras model (create it inside the strategy scope for multi-device training).
         accum: split each batch into this many micro-batches; ``"auto"``: start unsplit and split finer
             whenever a step runs out of device memory, retrying the same batch (:mod:`keras_scale.auto_accum`);
-            ``wrapped.accum`` is then the value in use.
+            what it learns is the largest micro-batch SIZE that fits: each batch of ``b`` samples per replica
+            is then split into ``ceil(b / size)`` micro-batches, and ``wrapped.accum`` is the number of
+            micro-batches the latest batch was split into (1 while unsplit); ``wrapped.auto_micro_batch_size``
+            is the learned size (``None`` while unlimited).
         micro_batch_size: or: micro-batches of (at most) this many samples; ``accum`` follows per step.
         unroll: how the micro-batches are looped. ``None`` (default): a ``tf.while_loop`` (lowest memory), or a
             Python-unrolled loop chained by control dependencies when the model has synchronized BatchNorm or is
@@ -209,7 +321,9 @@ def wrap(model: keras.Model, accum: Union[int, str, None] = None, micro_batch_si
             ``ProfileWindow`` (xprof ignores step markers when the step contains a ``tf.while_loop``).
         max_micro_batch_size: ``accum="auto"`` only: never hand the device more than this many samples per
             micro-batch (e.g. from :func:`keras_scale.find_micro_batch`); OOMs still split finer.
-        log_dir: ``accum="auto"`` only: write each change of accum to TensorBoard here (chief only).
+        log_dir: ``accum="auto"`` only: write each change of accum to TensorBoard here (chief only); a
+            directory that cannot be written costs a warning, never the training.
+        verbose: ``accum="auto"``: 1 (default) prints each change of the split once (chief only); 0 is silent.
 
     The update equals the big-batch update: gradients are the sample-weighted mean over the whole batch
     (uneven last batches included); one optimizer update and one all-reduce per step; clipping, weight decay
@@ -230,7 +344,7 @@ def wrap(model: keras.Model, accum: Union[int, str, None] = None, micro_batch_si
     if isinstance(model, AccumulatingModel):
         raise ValueError("model is already wrapped; use keras_scale.unwrap(model) first or keep one wrap.")
     return AccumulatingModel(model, accum=accum, micro_batch_size=micro_batch_size, unroll=unroll,
-                             max_micro_batch_size=max_micro_batch_size, log_dir=log_dir)
+                             max_micro_batch_size=max_micro_batch_size, log_dir=log_dir, verbose=verbose)
 
 
 def unwrap(model: keras.Model) -> keras.Model:

@@ -21,32 +21,35 @@ With ``steps_per_execution > 1`` auto mode fetches and runs the execution's batc
 per batch): batch callbacks still fire every ``steps_per_execution`` batches, and a retry never replays a batch
 that already trained.
 
-Multi-worker: every worker gets the same per-replica batch and the same model, so the OOM happens on every
-worker in the forward/backward pass, before the step's gradient all-reduce. The workers then agree on the new
-accum with one small collective (the MAX of every proposal, by all-gather) before retrying, so they can never
-disagree. If only ONE worker runs out of memory (uneven hardware), the other workers are already waiting in the
-step's all-reduce and cannot join the agreement: the job stalls or fails there; auto mode assumes identical
-workers, as data-parallel training does. Pass ``max_micro_batch_size`` (e.g. from :func:`find_micro_batch` on
-the smallest device) in that case.
+What it learns is a SIZE (the largest per-replica micro-batch that fits, checkpointed by ChiefCheckpoint):
+each batch of ``b`` samples per replica is split into ``ceil(b / size)`` micro-batches, so a later, smaller
+batch is not split needlessly. ``wrapped.accum`` is the number of micro-batches of the latest batch.
+
+Multi-worker: the workers agree on the new size with one small collective (the MIN of every proposal, by
+all-gather) before retrying, so they can never disagree. Before each step they exchange their per-replica batch
+sizes (one more small collective per step): when they differ (an uneven last batch), no worker runs a micro-batch larger
+than one every worker already trained with, so one worker cannot run out of memory alone while the others wait
+in the step's all-reduce. If one still does (uneven batches at the very first step, uneven hardware), it raises
+a clear error after ``AGREE_TIMEOUT_S`` instead of hanging; pass ``max_micro_batch_size`` (e.g. from
+:func:`find_micro_batch` on the smallest device) in that case.
 
 Example:
     import keras_scale as ks
     model = ks.wrap(build_model(), accum="auto")
     model.compile(optimizer="adam", loss="mse", metrics=["mae"])
     model.fit(ds)          # an OOM at batch 256 retries the batch as 2 x 128, then 4 x 64, ...
-    model.accum            # the value in use, e.g. 4
+    model.accum            # micro-batches of the latest batch, e.g. 4
 """
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional, Tuple
+import warnings
+from typing import Any, Dict, List, Optional, Tuple
 
 import keras
 import tensorflow as tf
 
-__all__ = ["AutoAccum", "AutoAccumGaveUp", "find_micro_batch", "next_accum"]
-
-_GIVE_UP = 2 ** 31 - 1  # a worker's "one sample per micro-batch does not fit" in the agreement collective
+__all__ = ["AutoAccum", "AutoAccumGaveUp", "accum_for", "find_micro_batch", "next_accum"]
 
 _ADVICE = ("Try mixed precision (keras.mixed_precision.set_global_policy('mixed_bfloat16') or 'mixed_float16'; "
            "ks.choose_precision() picks one), recompute activations with ks.remat / ks.remat_model, or a smaller "
@@ -124,12 +127,19 @@ class AutoAccum:
     train function (:meth:`bind`), and it runs them one batch at a time, retrying a batch that ran out of memory
     with a finer split.
 
+    What it learns is a SIZE: :attr:`micro_batch_size`, the largest per-replica micro-batch known to fit
+    (``None``: no limit yet). Every batch of ``b`` samples per replica is split into ``ceil(b / size)``
+    near-equal micro-batches (unsplit when ``b <= size``), so a small batch after a large one that ran out of
+    memory is not split needlessly. The size lives in a variable that :class:`keras_scale.ChiefCheckpoint`
+    saves and restores (``state_variables``), so a resumed run splits exactly as the interrupted one did.
+
     Example:
         >>> import keras, keras_scale as ks
         >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
         >>> wrapped = ks.wrap(model, accum="auto", max_micro_batch_size=64)
-        >>> wrapped._keras_scale_auto.changes      # [(optimizer step, old accum, new accum, per-replica batch)]
-        []
+        >>> auto = wrapped._keras_scale_auto
+        >>> auto.changes, auto.micro_batch_size    # [(optimizer step, old accum, new accum, per-replica batch)]
+        ([], 64)
     """
 
     def __init__(self, model: keras.Model, max_micro_batch_size: Optional[int] = None,
@@ -140,13 +150,22 @@ class AutoAccum:
         self.verbose = verbose
         self.changes: List[Tuple[int, int, int, int]] = []
         self.recoveries = 0  # OOMs recovered from (tests, benchmarks)
-        self.agreements = 0  # multi-worker: collectives run to agree on a new accum
+        self.agreements = 0  # multi-worker: collectives run to agree on a new micro-batch size
+        self.size_exchanges = 0  # multi-worker: per-step collectives exchanging the workers' batch sizes
         self._traced: Any = None
         self._snapshot_fn: Any = None
         self._snapshot_components: List[Any] = []
         self._fresh = True  # the bound function has not run yet: its first call may create variables
         self._agree_fn: Any = None
+        self._sizes_fn: Any = None
         self._scalars: Any = None
+        self._scalars_failed = False
+        self._built_for: Any = None  # the optimizer whose model and slots were found built
+        self._ran: Optional[int] = None  # multi-worker: the largest micro-batch that trained (on every worker)
+        # the learned size, checkpointed (0: no limit); a host variable: read without a device round trip
+        with tf.init_scope(), tf.device("/cpu:0"):
+            self._size_var = tf.Variable(int(max_micro_batch_size or 0), dtype=tf.int64, trainable=False,
+                                         name="keras_scale_auto_micro_batch_size")
 
     # ---------------------------------------------------------------- hook called by ComposedStep
     def bind(self, traced: Any) -> "AutoAccum":
@@ -168,7 +187,18 @@ class AutoAccum:
 
     @property
     def accum(self) -> int:
+        """Micro-batches the latest batch was (or the next one is) split into; 1 before any split."""
         return int(self.step.accum or 1)
+
+    @property
+    def micro_batch_size(self) -> Optional[int]:
+        """The largest per-replica micro-batch known to fit (``None``: no limit found yet)."""
+        value = int(self._size_var.numpy())
+        return value or None
+
+    def state_variables(self) -> Dict[str, tf.Variable]:
+        """What a checkpoint must hold to resume exactly: the learned micro-batch size."""
+        return {"auto_micro_batch_size": self._size_var}
 
     # ---------------------------------------------------------------- the train function
     def __call__(self, iterator: Any) -> Any:
@@ -187,20 +217,66 @@ class AutoAccum:
     def _run(self, batch: Any) -> Any:
         strategy = self.model.distribute_strategy
         size = _per_replica_batch_size(batch, strategy)
-        if self.max_micro_batch_size is not None and size:
-            wanted = int(math.ceil(size / self.max_micro_batch_size))
-            if wanted > self.accum:
-                self._switch(wanted, size, reason=f"max_micro_batch_size={self.max_micro_batch_size}")
+        self._ensure_built(batch)
+        limit = self.micro_batch_size
+        sizes = [size]
+        if _is_multi_worker(strategy):
+            # every worker must take the same decision: a worker whose (uneven, last) batch is larger than the
+            # others' must not try a micro-batch no worker has trained with yet, or it would run out of memory
+            # alone while the others wait in the step's all-reduce
+            sizes = self._exchange_sizes(size)
+            if min(sizes) != max(sizes) and self._ran is not None:
+                limit = min(limit or self._ran, self._ran)
         while True:
+            wanted = accum_for(size, limit)
+            if wanted != self.accum:
+                self._use(wanted)
             snapshot = self._snapshot()
             try:
                 outputs = self._traced([batch])
             except tf.errors.ResourceExhaustedError as err:
-                self._recover(err, snapshot, size)
+                limit = self._recover(err, snapshot, size)
                 continue
             if self._fresh:  # its first call built what it builds: list the state again before the next step
                 self._fresh, self._snapshot_fn = False, None
+            ran = max(micro_batch_size(s, accum_for(s, limit)) for s in sizes)
+            self._ran = max(self._ran or 0, ran)
             return outputs
+
+    def _ensure_built(self, batch: Any) -> None:
+        """Create an unbuilt model's variables and the optimizer's slots before the first attempt: a first
+        attempt that runs out of memory must not leave them half made (the retry would see empty slots)."""
+        model = self.model
+        optimizer = model.optimizer
+        if self._built_for is optimizer:  # checked once per optimizer (compile), not per step
+            return
+        inner = getattr(model, "inner", model)
+        if all(layer.built for layer in inner._flatten_layers()) and inner.variables and (
+                optimizer is None or optimizer.built):
+            self._built_for = optimizer
+            return
+        from keras.src.trainers.data_adapters import data_adapter_utils
+
+        strategy = model.distribute_strategy
+        x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(batch)
+        one = tf.nest.map_structure(lambda t: strategy.experimental_local_results(t)[0][:1], x)
+        with strategy.scope():
+            if not all(layer.built for layer in inner._flatten_layers()) or not inner.variables:
+                inner(one, training=False)
+                model.built = True
+            if optimizer is not None and not optimizer.built and model.trainable_variables:
+                optimizer.build(model.trainable_variables)
+        self._built_for = optimizer
+
+    def _use(self, accum: int) -> None:
+        """Place the composed function for ``accum`` micro-batches (traced once per value, then cached)."""
+        model = self.model
+        self.step.configure(accum=accum)
+        object.__setattr__(model, "accum", accum)
+        previous = model.train_function  # this object, or a callback's wrapper around it (ChiefCheckpoint)
+        self.step.place_train_function()  # binds the function here
+        if previous is not None:
+            model.train_function = previous
 
     # ---------------------------------------------------------------- recovery
     def _state_variables(self) -> List[Any]:
@@ -220,7 +296,8 @@ class AutoAccum:
         """On-device copies of what a failed attempt may have changed, and ``optimizer.iterations``.
 
         The list of variables is made once per bound function (and again after its first call); each step then
-        costs one small traced call that copies them on their devices.
+        costs one small traced call that copies them on their devices. The variables are the traced function's
+        argument (one trace per list of shapes), not captures (a new function per list would re-trace).
         """
         strategy = self.model.distribute_strategy
         if self._snapshot_fn is None:
@@ -228,27 +305,21 @@ class AutoAccum:
             # the last entry: optimizer.iterations (fit needs a compiled model), compared, never restored
             components = _components(variables, strategy)
             components.append(_components([self.model.optimizer.iterations], strategy)[0])
-
-            @tf.function(autograph=False)
-            def snapshot() -> List[tf.Tensor]:
-                copies = []
-                for c in components:
-                    with tf.device(c.device):
-                        copies.append(tf.identity(c))
-                return copies
-
-            self._snapshot_fn, self._snapshot_components = snapshot, components
-        return self._snapshot_components, self._snapshot_fn()
+            self._snapshot_fn, self._snapshot_components = _copy_fn(), components
+        components = self._snapshot_components
+        return components, self._snapshot_fn(components)
 
     def _recover(self, err: tf.errors.ResourceExhaustedError, snapshot: Tuple[Any, List[tf.Tensor]],
-                 size: int) -> None:
+                 size: int) -> int:
+        """Undo the failed attempt, agree on a smaller micro-batch size and return it (or give up)."""
         components, values = snapshot
         before, after = int(values[-1].numpy()), int(components[-1].numpy())
         if after != before:  # cannot happen with the composed step's atomic update; never apply a step twice
             raise RuntimeError(
                 f"keras_scale accum='auto': the device ran out of memory AFTER the optimizer applied this "
                 f"step's update (iterations {before} -> {after}), so retrying would apply it twice. The batch "
-                f"trained; set max_micro_batch_size lower to avoid the late allocation.") from err
+                f"trained; set max_micro_batch_size lower to avoid the late allocation. The error: "
+                f"{_key_line(err)}") from err
         for c, value in zip(components[:-1], values[:-1]):
             c.assign(value)
         # metrics built by the failed attempt's trace (Keras builds compile metrics lazily) started at zero
@@ -258,58 +329,139 @@ class AutoAccum:
                 c.assign(tf.zeros_like(c))
         self._snapshot_fn = None  # list the state again (the failed trace may have created some)
         old = self.accum
-        proposal = next_accum(size, old) if size else None
-        agreed = self._agree(_GIVE_UP if proposal is None else proposal)
-        if agreed >= _GIVE_UP:
+        old_micro = micro_batch_size(size, old)
+        proposal = (old_micro + 1) // 2 if size and old_micro > 1 else 0
+        agreed = self._agree(proposal)
+        if agreed <= 0:
             raise AutoAccumGaveUp(
                 f"keras_scale accum='auto': out of device memory even with one sample per micro-batch "
                 f"(per-replica batch {size}, accum={old}). Splitting the batch cannot help any more. "
-                f"{_ADVICE}") from err
+                f"{_ADVICE} The error: {_key_line(err)}") from err
         self.recoveries += 1
-        self._switch(agreed, size, reason="out of memory")
+        self._size_var.assign(agreed)
+        self._ran = None if self._ran is None else min(self._ran, agreed)
+        new = accum_for(size, agreed)
+        self._announce(old, new, size, agreed)
+        return agreed
+
+    def _exchange_sizes(self, size: int) -> List[int]:
+        """Multi-worker: every worker's per-replica batch size (one small collective per step)."""
+        strategy = self.model.distribute_strategy
+        if self._sizes_fn is None:
+            @tf.function
+            def gather(value: tf.Tensor) -> Any:
+                def fn(v):
+                    return tf.distribute.get_replica_context().all_gather(tf.reshape(v, [1]), axis=0)
+                return strategy.run(fn, args=(value,))
+
+            self._sizes_fn = gather
+        result = self._sizes_fn(tf.constant(size, tf.int64))
+        self.size_exchanges += 1
+        return [int(v) for v in strategy.experimental_local_results(result)[0].numpy()]
 
     def _agree(self, proposal: int) -> int:
-        """Multi-worker: the MAX of every worker's proposed accum (one small collective); else ``proposal``."""
+        """Multi-worker: the MIN of every worker's proposed micro-batch size (0: give up; one small collective,
+        with a time limit: a worker that ran out of memory alone finds the others waiting in the step's
+        all-reduce, and says so instead of hanging); else ``proposal``."""
         strategy = self.model.distribute_strategy
         if not _is_multi_worker(strategy):
             return proposal
         if self._agree_fn is None:
+            options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=AGREE_TIMEOUT_S)
+
             @tf.function
             def agree(value: tf.Tensor) -> Any:
-                def fn(v):  # tf.distribute has no MAX all-reduce: gather every replica's proposal, take the max
-                    gathered = tf.distribute.get_replica_context().all_gather(tf.reshape(v, [1]), axis=0)
-                    return tf.reduce_max(gathered)
+                def fn(v):  # tf.distribute has no MIN all-reduce: gather every replica's proposal, take the min
+                    gathered = tf.distribute.get_replica_context().all_gather(tf.reshape(v, [1]), axis=0,
+                                                                              options=options)
+                    return tf.reduce_min(gathered)
                 return strategy.run(fn, args=(value,))
 
             self._agree_fn = agree
-        result = self._agree_fn(tf.constant(proposal, tf.int64))
+        try:
+            result = self._agree_fn(tf.constant(proposal, tf.int64))
+            values = [int(r.numpy()) for r in strategy.experimental_local_results(result)]
+        except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError, tf.errors.CancelledError) as err:
+            raise RuntimeError(
+                f"keras_scale accum='auto': this worker ran out of device memory but the other workers did not "
+                f"join the agreement on a smaller micro-batch within {AGREE_TIMEOUT_S:.0f} s: they are waiting "
+                f"in the step's all-reduce, so only this worker ran out of memory (different hardware, or memory "
+                f"used by something else on this device). Pass max_micro_batch_size= (e.g. from "
+                f"ks.find_micro_batch on the smallest device) so that every worker splits alike.") from err
         self.agreements += 1
-        return int(max(int(r.numpy()) for r in strategy.experimental_local_results(result)))
+        return min(values)
 
-    def _switch(self, new: int, size: int, reason: str) -> None:
+    def _announce(self, old: int, new: int, size: int, micro_limit: int) -> None:
         from keras_scale.distribute import chief_print
 
-        old = self.accum
         model = self.model
-        self.step.configure(accum=new)
-        object.__setattr__(model, "accum", new)
-        previous = model.train_function  # this object, or a callback's wrapper around it (ChiefCheckpoint)
-        self.step.place_train_function()  # cached per accum: traced once per value; binds it here
-        if previous is not None:
-            model.train_function = previous
         iteration = int(model.optimizer.iterations.numpy()) if model.optimizer is not None else 0
         self.changes.append((iteration, old, new, size))
         micro = micro_batch_size(size, new)
-        chief_print(f"keras_scale accum='auto': {reason} at optimizer step {iteration} (per-replica batch {size}, "
-                    f"accum={old}, micro-batches of {micro_batch_size(size, old)}); training with accum={new} "
-                    f"(micro-batches of {micro}) from the same batch on.",
+        chief_print(f"keras_scale accum='auto': out of memory at optimizer step {iteration} (per-replica batch "
+                    f"{size}, accum={old}, micro-batches of {micro_batch_size(size, old)}); training with "
+                    f"accum={new} (micro-batches of {micro}) from the same batch on; every later batch is split "
+                    f"into micro-batches of at most {micro_limit} samples.",
                     strategy=model.distribute_strategy, verbose=self.verbose, incident=True)
-        if self.log_dir is not None:
-            if self._scalars is None:
-                from keras_scale.callbacks._scalars import ChiefScalars
+        if self.log_dir is not None and not self._scalars_failed:
+            try:
+                if self._scalars is None:
+                    from keras_scale.callbacks._scalars import ChiefScalars
 
-                self._scalars = ChiefScalars(self.log_dir, strategy=model.distribute_strategy)
-            self._scalars.write({"auto_accum/accum": new, "auto_accum/micro_batch_size": micro}, step=iteration)
+                    self._scalars = ChiefScalars(self.log_dir, strategy=model.distribute_strategy)
+                self._scalars.write({"auto_accum/accum": new, "auto_accum/micro_batch_size": micro_limit},
+                                    step=iteration)
+            except (tf.errors.OpError, OSError, TypeError, ValueError) as e:  # never let logging stop training
+                self._scalars_failed = True
+                warnings.warn(f"keras_scale accum='auto': cannot write TensorBoard scalars to "
+                              f"log_dir={self.log_dir!r} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                              f"training goes on without them.", RuntimeWarning, stacklevel=2)
+
+
+AGREE_TIMEOUT_S = 120.0  # multi-worker: how long a worker that ran out of memory waits for the others
+
+
+def accum_for(batch_size: int, micro_limit: Optional[int]) -> int:
+    """Micro-batches for ``batch_size`` samples so that none holds more than ``micro_limit`` (``None``: 1).
+
+    Example:
+        >>> accum_for(64, 8), accum_for(8, 8), accum_for(5, 4), accum_for(64, None)
+        (8, 1, 2, 1)
+    """
+    if not micro_limit or batch_size <= micro_limit:
+        return 1
+    return int(math.ceil(batch_size / micro_limit))
+
+
+def _key_line(err: BaseException) -> str:
+    """The line of an OOM error that says what could not be allocated."""
+    lines = [line.strip() for line in str(err).splitlines()
+             if line.strip() and not line.strip().startswith(("File ", "Detected at node"))]
+    for wanted in ("OOM ", "out of memory", "ResourceExhausted", "failed to allocate"):
+        for line in lines:
+            if wanted in line:
+                return line[:300]
+    return lines[0][:300] if lines else type(err).__name__
+
+
+_COPY_FN: Any = None
+
+
+def _copy_fn() -> Any:
+    """One traced function copying a list of variables on their devices (variables are arguments: it traces
+    once per list of shapes and dtypes, never per model or per call)."""
+    global _COPY_FN
+    if _COPY_FN is None:
+        @tf.function(autograph=False, reduce_retracing=True)
+        def copy(components: List[tf.Variable]) -> List[tf.Tensor]:
+            copies = []
+            for c in components:
+                with tf.device(c.device):
+                    copies.append(tf.identity(c))
+            return copies
+
+        _COPY_FN = copy
+    return _COPY_FN
 
 
 def find_micro_batch(model: keras.Model, sample_batch: Any, max_size: Optional[int] = None) -> int:
@@ -336,12 +488,18 @@ def find_micro_batch(model: keras.Model, sample_batch: Any, max_size: Optional[i
     """
     from keras.src.trainers.data_adapters import data_adapter_utils
 
+    from keras_scale._validate import check_int
     from keras_scale.accumulation import unwrap
 
     inner = unwrap(model)
     if getattr(model, "_compile_loss", None) is None and getattr(model, "loss", None) is None:
         raise ValueError("find_micro_batch needs a compiled model (model.compile(optimizer=..., loss=...)) to "
                          "run its loss and backward pass.")
+    if isinstance(sample_batch, (tf.data.Dataset, keras.utils.PyDataset)) or hasattr(sample_batch, "__next__"):
+        raise TypeError(f"find_micro_batch takes one batch, not a {type(sample_batch).__name__}: pass one batch, "
+                        f"e.g. ks.find_micro_batch(model, next(iter(ds))).")
+    if max_size is not None:
+        check_int("max_size", max_size, hint="Example: ks.find_micro_batch(model, batch, max_size=64).")
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(tuple(sample_batch)
                                                                       if isinstance(sample_batch, list)
                                                                       else sample_batch)

@@ -631,7 +631,8 @@ def _model_accum(model: keras.Model) -> Optional[Tuple[Optional[int], Optional[i
     return None
 
 
-def _build(model_or_builder: Any, plan: _Plan, sync_bn: Any, jit_compile: Any, lr_scaling: Any) -> keras.Model:
+def _build(model_or_builder: Any, plan: _Plan, sync_bn: Any, jit_compile: Any, lr_scaling: Any,
+           log_dir: Optional[str] = None) -> keras.Model:
     """The model inside the strategy scope: float32 outputs, synchronized BatchNorm, XLA choice, LR scaling, wrap."""
     from keras_scale.precision import check_float32_outputs
 
@@ -662,7 +663,11 @@ def _build(model_or_builder: Any, plan: _Plan, sync_bn: Any, jit_compile: Any, l
         from keras_scale.accumulation import wrap
 
         with strategy.scope():
-            wrapped = wrap(model, accum="auto" if plan.auto_accum else plan.accum)
+            if plan.auto_accum:  # each change of the split goes to TensorBoard beside the training curves
+                wrapped = wrap(model, accum="auto", log_dir=None if log_dir is None else str(log_dir),
+                               verbose=0 if plan.verbose == 0 else 1)
+            else:
+                wrapped = wrap(model, accum=plan.accum)
             _compile_like(wrapped, model)
             wrapped.jit_compile = model.jit_compile
         model = wrapped
@@ -823,7 +828,7 @@ def fit(
     plan = _plan(model_or_builder, strategy, all_reduce, precision, per_replica_batch_size, global_batch_size, accum,
                  fit_kwargs)
     plan.auto_accum = auto_accum
-    model = _build(model_or_builder, plan, sync_bn, jit_compile, lr_scaling)
+    model = _build(model_or_builder, plan, sync_bn, jit_compile, lr_scaling, log_dir)
     dataset, epoch_variable, how = _data(x, y, model, plan, fit_kwargs)
     _say(_batch_line(plan, model, dataset, epochs, fit_kwargs), plan.verbose, plan.strategy)
     _say(f"data: {how}", plan.verbose, plan.strategy)

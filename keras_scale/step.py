@@ -365,7 +365,11 @@ class ComposedStep:
             >>> sorted(get_step(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])).variables())
             ['skipped_steps']
         """
-        return {"skipped_steps": self.skipped_steps}
+        state = {"skipped_steps": self.skipped_steps}
+        auto = vars(self.model).get("_keras_scale_auto")  # accum="auto": the learned micro-batch size
+        if auto is not None:
+            state.update(auto.state_variables())
+        return state
 
     @property
     def splits(self) -> bool:
@@ -488,16 +492,29 @@ class ComposedStep:
         if not self.guard:  # (guarded: the update sits in a cond on all reduced gradients, atomic already)
             barrier = [g.values if isinstance(g, tf.IndexedSlices) else g
                        for g in reduced_grads if g is not None] if self.atomic_update else []
+            if self.atomic_update:  # and on the metric updates: an OOM in a metric must come before the update
+                barrier += [tf.identity(v) for v in self._metric_reads()]
             with _ThreadFlag("already_reduced", True), tf.control_dependencies(barrier):
                 optimizer.apply(reduced_grads, trainable)
             return model.get_metrics_result()
 
+        if self.atomic_update:
+            with tf.control_dependencies(self._metric_reads()):
+                any_loss_bad = tf.identity(any_loss_bad)
         bad = self._decide_bad(optimizer, any_loss_bad, [g for g in reduced_grads if g is not None])
         apply_now = tf.logical_and(tf.logical_not(bad), tf.logical_not(self.halted.read_value() > 0))
         self._conditional_apply(lambda g: optimizer.apply(g, trainable), reduced_grads, apply_now, snapshot,
                                 already_reduced=True)
         self._record(bad, x, y, sample_weight, pred_bad, loss_bad, local, present, trainable)
         return self._logs(model.get_metrics_result())
+
+    def _metric_reads(self) -> List[tf.Tensor]:
+        """This replica's metric (and loss tracker) values, read after this step's updates of them."""
+        reads = []
+        for v in self.model.metrics_variables:
+            tv = getattr(v, "_value", v)
+            reads.append(tv.read_value() if hasattr(tv, "read_value") else tf.convert_to_tensor(tv))
+        return reads
 
     def _all_reduce(self, grads: List[Any], share: Optional[tf.Tensor], loss_bad: tf.Tensor,
                     batch_size: tf.Tensor) -> Tuple[List[Any], tf.Tensor, List[int], List[Any]]:

@@ -205,7 +205,8 @@ def test_gives_up_with_advice_when_one_sample_does_not_fit():
     ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(8)
     model = compile_(ks.wrap(build(threshold=0), accum="auto"))
     before = weights(model)
-    with pytest.raises(AutoAccumGaveUp, match=r"one sample per micro-batch.*mixed precision.*ks\.remat.*smaller model"):
+    with pytest.raises(AutoAccumGaveUp, match=r"(?s)one sample per micro-batch.*mixed precision.*ks\.remat.*smaller "
+                                              r"model.*The error: .*OOM"):
         model.fit(ds, epochs=1, verbose=0)
     assert model.accum == 8
     assert int(model.optimizer.iterations.numpy()) == 0
@@ -320,3 +321,216 @@ def test_ks_fit_accum_auto(capsys):
            "memory (accum auto)" in capsys.readouterr().out
     assert history.model.accum == 4
     assert_close(weights(history.model), ref_w)
+
+
+# ---------------------------------------------------------------- what auto learns is a SIZE, not a count
+def _mixed_sizes():
+    """2 batches of 16 (they run out of memory above 4 samples), then 5 batches of 6."""
+    return tf.data.Dataset.from_tensor_slices((X[:32], Y[:32])).batch(16).concatenate(
+        tf.data.Dataset.from_tensor_slices((X[32:62], Y[32:62])).batch(6))
+
+
+@pytest.mark.parametrize("how", ["oom", "max_micro_batch_size"])
+def test_later_smaller_batches_are_split_by_size_not_by_count(how):
+    """After an OOM on 16 samples (micro-batches of 4 fit), a batch of 6 is split into 2 x 3, not 4 x ~1; with
+    BatchNorm + Dropout the run equals wrap(micro_batch_size=4), which splits every batch that way."""
+    ds = _mixed_sizes()
+    reference = compile_(ks.wrap(build(batchnorm=True, dropout=True), micro_batch_size=4))
+    ref_hist = reference.fit(ds, epochs=2, verbose=0).history
+    kwargs = dict(max_micro_batch_size=4) if how == "max_micro_batch_size" else {}
+    model = compile_(ks.wrap(build(threshold=4, batchnorm=True, dropout=True), accum="auto", **kwargs))
+    seen = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(self.model.accum)
+
+    history = model.fit(ds, epochs=2, verbose=0, callbacks=[Record()]).history
+    assert model.auto_micro_batch_size == 4
+    assert seen == [4, 4, 2, 2, 2, 2, 2] * 2  # 16 samples: 4 x 4; 6 samples: 2 x 3 (never 4 micro-batches)
+    assert model._keras_scale_auto.recoveries == (2 if how == "oom" else 0)
+    assert_close(weights(model), weights(reference), atol=0)  # BatchNorm statistics included
+    np.testing.assert_allclose(history["loss"], ref_hist["loss"], rtol=1e-6)
+
+
+def test_a_batch_that_fits_is_not_split_after_an_oom_on_a_larger_one():
+    """A batch of 4 after the OOM on 16 (micro-batches of 4 fit) runs unsplit: the same update as plain Keras."""
+    ds = tf.data.Dataset.from_tensor_slices((X[:16], Y[:16])).batch(16).concatenate(
+        tf.data.Dataset.from_tensor_slices((X[16:32], Y[16:32])).batch(4))
+    ref_w, ref_hist, _ = plain_reference(ds, epochs=1)
+    model = compile_(ks.wrap(build(threshold=4), accum="auto"))
+    model.fit(ds, epochs=1, verbose=0)
+    assert model.accum == 1 and model.auto_micro_batch_size == 4
+    assert_close(weights(model), ref_w)
+
+
+def test_a_resume_restores_the_learned_micro_batch_size_and_is_exact(tmp_path):
+    """Killed in epoch 2 among the batches of 6, after an OOM on 16 taught micro-batches of 4: a fresh model
+    restored from ChiefCheckpoint splits the 6-sample batches 2 x 3 as the interrupted run did (a fresh
+    model without the learned size would run them unsplit: 6 fits). BatchNorm + Dropout: bitwise equal."""
+    ds = _mixed_sizes()
+    full = compile_(ks.wrap(build(threshold=4, batchnorm=True, dropout=True), accum="auto"))
+    full.fit(ds, epochs=2, verbose=0, callbacks=[ks.NanGuard(verbose=0)])
+
+    d = str(tmp_path / "ckpt")
+    first = compile_(ks.wrap(build(threshold=4, batchnorm=True, dropout=True), accum="auto"))
+    first.fit(ds, epochs=2, verbose=0, callbacks=[ks.NanGuard(verbose=0), ks.ChiefCheckpoint(d, save_freq=2,
+                                                                                               verbose=0),
+                                                   StopAfter(10)])
+    assert int(first.optimizer.iterations.numpy()) == 10  # epoch 2, the first batch of 6 done
+
+    resumed = compile_(ks.wrap(build(threshold=4, batchnorm=True, dropout=True), accum="auto"))
+    assert resumed.auto_micro_batch_size is None
+    resumed.fit(ds, epochs=2, verbose=0, callbacks=[ks.NanGuard(verbose=0), ks.ChiefCheckpoint(d, save_freq=2,
+                                                                                                 verbose=0)])
+    assert resumed.auto_micro_batch_size == 4 and resumed._keras_scale_auto.recoveries == 0
+    assert int(resumed.optimizer.iterations.numpy()) == 14
+    assert_close(weights(resumed), weights(full), atol=0)
+
+
+class SubclassedNet(keras.Model):
+    def __init__(self, threshold, **kwargs):
+        super().__init__(**kwargs)
+        self.d1 = keras.layers.Dense(8, activation="tanh", kernel_initializer=keras.initializers.Constant(0.1))
+        self.oom = OomAbove(threshold)
+        self.d2 = keras.layers.Dense(1, kernel_initializer=keras.initializers.Constant(-0.2))
+
+    def call(self, x):
+        return self.d2(self.oom(self.d1(x)))
+
+
+@pytest.mark.parametrize("make", [
+    lambda t: SubclassedNet(t),
+    lambda t: keras.Sequential([keras.layers.Dense(8, activation="tanh",
+                                                   kernel_initializer=keras.initializers.Constant(0.1)),
+                                OomAbove(t),
+                                keras.layers.Dense(1, kernel_initializer=keras.initializers.Constant(-0.2))]),
+], ids=["subclassed", "sequential_without_input"])
+def test_an_unbuilt_model_with_adam_recovers_from_an_oom_at_the_first_step(make):
+    ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(16)
+    reference = make(NEVER)
+    reference.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+    reference.fit(ds, epochs=1, verbose=0)
+    model = ks.wrap(make(4), accum="auto")
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+    model.fit(ds, epochs=1, verbose=0)
+    assert model.accum == 4 and int(model.optimizer.iterations.numpy()) == 4
+    assert_close(weights(model), [np.array(w) for w in reference.get_weights()])
+
+
+class OomMetric(keras.metrics.Metric):
+    """Mean prediction; its update runs out of memory on batches larger than ``threshold``."""
+
+    def __init__(self, threshold=NEVER, name="mean_pred", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.threshold = threshold
+        self.total = self.add_variable(shape=(), initializer="zeros", name="total")
+        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        n = tf.shape(y_pred)[0]
+        self.total.assign_add(tf.reduce_sum(y_pred) + _oom_if(n, self.threshold))
+        self.count.assign_add(tf.cast(n, "float32"))
+
+    def result(self):
+        return self.total / self.count
+
+
+def test_an_oom_in_a_metric_of_an_unsplit_step_is_retried_before_the_update():
+    ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(16)
+    reference = ks.wrap(build(), accum=4)
+    reference.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=[OomMetric()])
+    ref_hist = reference.fit(ds, epochs=2, verbose=0).history
+    model = ks.wrap(build(), accum="auto")
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=[OomMetric(4)])
+    history = model.fit(ds, epochs=2, verbose=0).history
+    assert model.accum == 4 and int(model.optimizer.iterations.numpy()) == 8
+    assert_close(weights(model), weights(reference), atol=0)
+    np.testing.assert_allclose(history["mean_pred"], ref_hist["mean_pred"], rtol=1e-6)
+
+
+def test_ks_fit_accum_auto_writes_the_changes_to_its_log_dir(tmp_path):
+    model = compile_(build(threshold=4))
+    ks.fit(model, X, Y, per_replica_batch_size=16, accum="auto", epochs=1, strategy="default", shuffle=False,
+           default_callbacks=False, log_dir=str(tmp_path / "tb"), verbose=0)
+    events = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path / "tb") for f in fs if "tfevents" in f]
+    tags = [v.tag for e in events for ev in tf.compat.v1.train.summary_iterator(e) for v in ev.summary.value]
+    assert tags.count("auto_accum/accum") == 2 and tags.count("auto_accum/micro_batch_size") == 2
+
+
+def test_log_dir_is_checked_at_wrap_and_an_unwritable_one_only_warns(tmp_path):
+    with pytest.raises(TypeError, match="log_dir must be a directory path"):
+        ks.wrap(build(), accum="auto", log_dir=123)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    model = compile_(ks.wrap(build(threshold=4), accum="auto", log_dir=str(blocker / "tb"), verbose=0))
+    with pytest.warns(RuntimeWarning, match="cannot write TensorBoard scalars"):
+        model.fit(tf.data.Dataset.from_tensor_slices((X, Y)).batch(16), epochs=1, verbose=0)
+    assert model.accum == 4 and int(model.optimizer.iterations.numpy()) == 4
+
+
+def test_verbose_0_prints_no_change(capsys):
+    model = compile_(ks.wrap(build(threshold=4), accum="auto", verbose=0))
+    model.fit(tf.data.Dataset.from_tensor_slices((X, Y)).batch(16), epochs=1, verbose=0)
+    assert model.accum == 4 and "accum='auto'" not in capsys.readouterr().err
+
+
+def test_an_oom_in_validation_says_to_lower_the_validation_batch():
+    model = compile_(ks.wrap(build(threshold=4), accum="auto"))
+    with pytest.raises(tf.errors.ResourceExhaustedError, match="validation during fit.*validation_batch_size"):
+        model.fit(X, Y, batch_size=16, epochs=1, verbose=0, validation_data=(X[:16], Y[:16]),
+                  validation_batch_size=16)
+    assert model.accum == 4 and int(model.optimizer.iterations.numpy()) == 4  # training itself recovered
+    history = model.fit(X, Y, batch_size=16, epochs=1, verbose=0, validation_data=(X[:16], Y[:16]),
+                        validation_batch_size=4)
+    assert "val_loss" in history.history
+
+
+def test_wrapped_weights_files_hold_the_optimizer_like_a_plain_models(tmp_path):
+    """Keras's BackupAndRestore (and any save_weights/load_weights resume) gets Adam's state back, and the file
+    is a plain model's file: it loads into the unwrapped model, optimizer included."""
+    ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(16)
+    trained = compile_(ks.wrap(build(threshold=4), accum="auto"))
+    trained.fit(ds, epochs=1, verbose=0)
+    path = str(tmp_path / "w.weights.h5")
+    trained.save_weights(path)
+    for fresh in (ks.wrap(build(threshold=4), accum="auto"), build()):
+        compile_(fresh)
+        fresh.optimizer.build(fresh.trainable_variables)
+        fresh.load_weights(path)
+        assert int(fresh.optimizer.iterations.numpy()) == 4
+        assert_close([np.array(v) for v in fresh.optimizer.variables],
+                     [np.array(v) for v in trained.optimizer.variables], atol=0)
+        assert_close(weights(fresh), weights(trained), atol=0)
+    assert "optimizer" not in vars(trained.inner)  # the inner model only held it while the file was written
+
+
+def test_embedding_with_adam_warns_once_that_a_split_sums_sparse_rows():
+    tokens = np.random.RandomState(1).randint(0, 5, size=(32, 6))
+    target = np.random.RandomState(2).rand(32, 1).astype("float32")
+
+    def make():
+        return keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(5, 3),
+                                 keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
+
+    model = ks.wrap(make(), accum="auto")
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+    with pytest.warns(UserWarning, match="Embedding.*sparse gradient.*Adam"):
+        model.fit(tokens, target, batch_size=16, epochs=1, verbose=0)
+    sgd = ks.wrap(make(), accum=2)
+    sgd.compile(optimizer=keras.optimizers.SGD(1e-2, momentum=0.9), loss="mse", metrics=["mae"])
+    import warnings as _warnings
+    with _warnings.catch_warnings(record=True) as caught:
+        _warnings.simplefilter("always")
+        sgd.fit(tokens, target, batch_size=16, epochs=1, verbose=0)
+    assert not [w for w in caught if "sparse gradient" in str(w.message)]
+
+
+def test_find_micro_batch_refuses_a_dataset_and_a_bad_max_size():
+    model = compile_(build(threshold=5))
+    ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(16)
+    with pytest.raises(TypeError, match=r"pass one batch, e\.g\. ks\.find_micro_batch\(model, next\(iter\(ds\)\)\)"):
+        ks.find_micro_batch(model, ds)
+    with pytest.raises(ValueError, match="max_size must be an integer >= 1, got 0"):
+        ks.find_micro_batch(model, (X[:8], Y[:8]), max_size=0)
+    assert ks.find_micro_batch(model, next(iter(ds))) == 5

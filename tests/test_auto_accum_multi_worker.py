@@ -59,7 +59,8 @@ index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
 with open(f"out_{index}.json", "w") as f:
     json.dump({"weights": [w.tolist() for w in inner.get_weights()], "accum": model.accum,
                "changes": model._keras_scale_auto.changes,
-               "agreements": model._keras_scale_auto.agreements, "loss": history.history["loss"],
+               "agreements": model._keras_scale_auto.agreements,
+               "size_exchanges": model._keras_scale_auto.size_exchanges, "loss": history.history["loss"],
                "iterations": int(model.optimizer.iterations.numpy())}, f)
 '''
 
@@ -71,6 +72,7 @@ def test_workers_agree_on_the_new_accum_and_equal_big_batch(run_workers, tmp_pat
         assert out["accum"] == 4  # per-replica batch 16 -> 8 -> 4
         assert [tuple(c) for c in out["changes"]] == [(0, 1, 2, 16), (0, 2, 4, 16)]
         assert out["agreements"] == 2  # one collective per change, on both workers
+        assert out["size_exchanges"] == 8  # one per step (the batch sizes, so that uneven batches split alike)
         assert out["iterations"] == 8  # 4 batches x 2 epochs, each applied once
     for a, b in zip(outs[0]["weights"], outs[1]["weights"]):
         np.testing.assert_array_equal(np.array(a), np.array(b))
@@ -88,3 +90,102 @@ def test_workers_agree_on_the_new_accum_and_equal_big_batch(run_workers, tmp_pat
     for a, b in zip(ref.get_weights(), outs[0]["weights"]):
         np.testing.assert_allclose(a, np.array(b), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(history.history["loss"], outs[0]["loss"], rtol=1e-5)
+
+
+UNEVEN = r'''
+import json, os, sys
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import tensorflow as tf
+tf.config.threading.set_inter_op_parallelism_threads(1)
+tf.config.threading.set_intra_op_parallelism_threads(1)
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+import numpy as np, keras
+import keras_scale as ks
+import keras_scale.auto_accum
+from keras_scale.distribute import patch_keras_multi_worker
+patch_keras_multi_worker()
+keras_scale.auto_accum.AGREE_TIMEOUT_S = 10.0
+first_uneven = sys.argv[1] == "first"
+
+
+class OomAbove(keras.layers.Layer):
+    def __init__(self, threshold, **kwargs):
+        super().__init__(**kwargs)
+        self.threshold = threshold
+
+    def call(self, x):
+        b = tf.shape(x)[0]
+
+        def allocate():
+            value = tf.random.uniform([]) * 0.0
+            return tf.reduce_sum(tf.fill(tf.reshape(tf.cast(b, tf.int64) * (2 ** 35), [1]), value)) * 0.0
+
+        return x + tf.cond(b > self.threshold, allocate, lambda: tf.constant(0.0))
+
+
+rng = np.random.default_rng(0)
+X = rng.normal(size=(41, 6)).astype("float32")
+Y = (X @ rng.normal(size=(6, 1))).astype("float32")
+with strategy.scope():
+    inner = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), OomAbove(4),
+                              keras.layers.Dense(1)])
+    inner.set_weights([np.linspace(-0.4, 0.4, w.size, dtype="float32").reshape(w.shape) for w in inner.get_weights()])
+    model = ks.wrap(inner, accum="auto")
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+options = tf.data.Options()
+options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+full = tf.data.Dataset.from_tensor_slices((X[:32], Y[:32])).batch(8)       # 4 per worker: fits
+last = tf.data.Dataset.from_tensor_slices((X[32:], Y[32:])).batch(9)       # 5 / 4: only 5 runs out of memory
+ds = (last.concatenate(full) if first_uneven else full.concatenate(last)).with_options(options)
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+seen = []
+
+
+class Record(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        seen.append(self.model.accum)
+
+
+model.fit(ds, epochs=2, verbose=0, callbacks=[Record()])
+with open(f"out_{index}.json", "w") as f:
+    json.dump({"weights": [w.tolist() for w in inner.get_weights()], "seen": seen,
+               "recoveries": model._keras_scale_auto.recoveries,
+               "size_exchanges": model._keras_scale_auto.size_exchanges,
+               "iterations": int(model.optimizer.iterations.numpy())}, f)
+'''
+
+
+def test_an_uneven_last_batch_does_not_make_one_worker_run_out_of_memory_alone(run_workers, tmp_path):
+    """4 samples per worker fit; the last global batch of 9 gives 5 / 4: the worker with 5 splits it (no
+    micro-batch larger than one every worker trained with), so no worker runs out of memory alone and waits
+    forever; the weights equal one process training the unwrapped model on the same global batches."""
+    run_workers(UNEVEN, num_workers=2, args=("last",), timeout_s=240)
+    outs = [json.loads((tmp_path / f"out_{i}.json").read_text()) for i in range(2)]
+    assert outs[0]["seen"] == [1, 1, 1, 1, 2] * 2 and outs[1]["seen"] == [1] * 10
+    assert outs[0]["recoveries"] == outs[1]["recoveries"] == 0
+    assert outs[0]["size_exchanges"] == outs[1]["size_exchanges"] == 10
+    assert outs[0]["iterations"] == outs[1]["iterations"] == 10
+    for a, b in zip(outs[0]["weights"], outs[1]["weights"]):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(41, 6)).astype("float32")
+    Y = (X @ rng.normal(size=(6, 1))).astype("float32")
+    ref = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+    ref.set_weights([np.linspace(-0.4, 0.4, w.size, dtype="float32").reshape(w.shape) for w in ref.get_weights()])
+    ref.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+    import tensorflow as tf
+    ds = tf.data.Dataset.from_tensor_slices((X[:32], Y[:32])).batch(8).concatenate(
+        tf.data.Dataset.from_tensor_slices((X[32:], Y[32:])).batch(9))
+    ref.fit(ds, epochs=2, verbose=0)
+    for a, b in zip(ref.get_weights(), outs[0]["weights"]):
+        np.testing.assert_allclose(a, np.array(b), rtol=1e-5, atol=1e-6)
+
+
+def test_a_worker_out_of_memory_alone_fails_clearly_instead_of_hanging(run_workers):
+    """The first batch is the uneven one (nothing trained yet to bound it): the worker with 5 samples runs out
+    of memory alone; it says so within the agreement's time limit instead of waiting forever."""
+    results = run_workers(UNEVEN, num_workers=2, args=("first",), timeout_s=240, check=False)
+    assert results[0].returncode != 0
+    assert "ran out of device memory but the other workers did not join" in results[0].stderr
+    assert "max_micro_batch_size" in results[0].stderr
