@@ -89,7 +89,7 @@ def _host_buffer(variable: Any) -> Tuple[np.ndarray, memoryview]:
     """The variable's value as a host numpy array and a byte view of it, without a copy on CPU."""
     value = variable.read_value() if hasattr(variable, "read_value") else tf.convert_to_tensor(variable)
     array = np.asarray(value)  # zero-copy for a CPU tensor (TensorFlow's __array__); device tensors come to the host
-    return array, memoryview(np.ascontiguousarray(array)).cast("B")
+    return array, memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))  # any dtype, as bytes
 
 
 def _take_spare(directory: str) -> Optional[str]:
