@@ -342,12 +342,14 @@ class ChiefCheckpoint(keras.callbacks.Callback):
     """Crash- and preemption-safe checkpoints of everything training needs, written by the chief only, resumed
     exactly.
 
-    One ``tf.train.Checkpoint`` per save holds the model, the optimizer (moments, iterations, loss scale),
+    One checkpoint per save holds the model, the optimizer (moments, iterations, loss scale),
     keras_scale's persistent step state (NanGuard's skipped-step count, the LR multiplier), the epoch's metric
     state and the position in the data (epoch, batch, batches read from the current iterator, samples per
-    batch). A checkpoint counts only once TensorFlow has finished writing it and recorded it in
-    ``directory/checkpoint``, so a kill at any moment leaves the previous one usable; a newest checkpoint that
-    fails to load is reported and the one before it is used.
+    batch). A checkpoint counts only once its files are complete and ``tf.train.CheckpointManager`` has recorded
+    it in ``directory/checkpoint``, so a kill at any moment leaves the previous one usable; a newest checkpoint that
+    fails to load (size or CRC check) is reported and the one before it is used. Synchronous saves are written by
+    ``_checkpoint_io`` (raw tensor bytes + a JSON index, into a recycled file; nothing fsynced), async ones by
+    TensorFlow; :func:`load_checkpoint` reads both (docs/checkpoint.md, "File format and durability").
 
     On ``fit`` start (``restore=True``) the newest checkpoint that loads is restored and training continues at
     the same epoch *and* batch: the already-applied batches of the interrupted epoch are read from the data and
