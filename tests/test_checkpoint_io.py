@@ -141,3 +141,12 @@ def test_tensorflow_written_checkpoints_are_resumed_by_sync_saves(tmp_path):
     assert io.is_raw(list_checkpoints(d)[0][1])
     for a, b in zip(weights(resumed), weights(reference)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_an_async_run_removes_the_spare_a_sync_run_left(tmp_path):
+    d = str(tmp_path / "ckpt")
+    fit(make_model(), [ks.ChiefCheckpoint(d, save_freq=1, max_to_keep=1), StopAfter(5)])
+    assert len(glob.glob(os.path.join(d, io.SPARE_PREFIX + "*"))) == 1
+    fit(make_model(), [ks.ChiefCheckpoint(d, save_freq=1, max_to_keep=1, async_save=True), StopAfter(8)])
+    assert glob.glob(os.path.join(d, io.SPARE_PREFIX + "*")) == []  # TensorFlow's writer never reuses it
+    assert [n for n, _ in list_checkpoints(d)] == [8]
