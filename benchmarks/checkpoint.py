@@ -28,6 +28,8 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's keras_scale
+
 
 def _build(args):
     import keras
@@ -238,6 +240,11 @@ def main(argv: list | None = None) -> int:
     for variant, name in SAVERS:
         print(f"{name:44s}{blocked[variant]:16.3f} s{blocked[variant] / blocked['backup']:20.2f}"
               f"{blocked[variant] / blocked['modelcheckpoint']:19.2f}")
+    if warm:  # the first saves of a run write new files (ChiefCheckpoint recycles a retired one from then on)
+        first = {v: statistics.median([b for run in runs[v] for b in run["blocked_s"][:warm]]) for v, _ in SAVERS}
+        print(f"first {warm} saves of a run (new files): " + "; ".join(
+            f"{name.split('(')[0].replace('keras ', '')}{'(async)' if v == 'async' else '(sync)' if v == 'sync' else ''} "
+            f"{first[v]:.3f} s ({first[v] / first['backup']:.2f}x)" for v, name in SAVERS))
     print(f"{'restore':44s}{'seconds':>18s}{'÷ BackupAndRestore':>20s}")
     for source, name in (("sync", "ks.ChiefCheckpoint (fit start)"), ("backup", "keras BackupAndRestore"),
                          ("modelcheckpoint", "keras model.load_weights(.weights.h5)")):

@@ -27,10 +27,15 @@ import keras
 import tensorflow as tf
 
 from keras_scale._validate import check_int
+from keras_scale.callbacks import _checkpoint_io as _io
 from keras_scale.distribute import is_chief, is_multi_worker
 
-__all__ = ["ChiefCheckpoint", "CheckpointMismatchError", "list_checkpoints", "checkpoint_for",
+__all__ = ["ChiefCheckpoint", "CheckpointMismatchError", "list_checkpoints", "checkpoint_for", "load_checkpoint",
            "PREEMPTION_EXIT_CODE"]
+
+#: A reader (``has_tensor``, ``get_tensor``, ``get_variable_to_shape_map``) for a checkpoint prefix in either
+#: format: synchronous saves are raw bytes + a JSON index (``_checkpoint_io``), async ones TensorFlow's bundle.
+load_checkpoint = _io.load_checkpoint
 
 log = logging.getLogger("keras_scale.checkpoint")
 
@@ -355,12 +360,14 @@ class ChiefCheckpoint(keras.callbacks.Callback):
     """Crash- and preemption-safe checkpoints of everything training needs, written by the chief only, resumed
     exactly.
 
-    One ``tf.train.Checkpoint`` per save holds the model, the optimizer (moments, iterations, loss scale),
+    One checkpoint per save holds the model, the optimizer (moments, iterations, loss scale),
     keras_scale's persistent step state (NanGuard's skipped-step count, the LR multiplier), the epoch's metric
     state and the position in the data (epoch, batch, batches read from the current iterator, samples per
-    batch). A checkpoint counts only once TensorFlow has finished writing it and recorded it in
-    ``directory/checkpoint``, so a kill at any moment leaves the previous one usable; a newest checkpoint that
-    fails to load is reported and the one before it is used.
+    batch). A checkpoint counts only once its files are complete and ``tf.train.CheckpointManager`` has recorded
+    it in ``directory/checkpoint``, so a kill at any moment leaves the previous one usable; a newest checkpoint that
+    fails to load (size or CRC check) is reported and the one before it is used. Synchronous saves are written by
+    ``_checkpoint_io`` (raw tensor bytes + a JSON index, into a recycled file; nothing fsynced), async ones by
+    TensorFlow; :func:`load_checkpoint` reads both (docs/checkpoint.md, "File format and durability").
 
     On ``fit`` start (``restore=True``) the newest checkpoint that loads is restored and training continues at
     the same epoch *and* batch: the already-applied batches of the interrupted epoch are read from the data and
@@ -556,9 +563,9 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         if self._checkpoint is None:
             self._write_dir = self._write_dir or self.directory
             self._build_checkpoint(with_manager=False)
-        reader = tf.train.load_checkpoint(prefix)
+        reader = _io.load_checkpoint(prefix)
         self._check_signature(prefix, reader)
-        self._weights_only.read(prefix).expect_partial()
+        _io.read_into(prefix, self._flat_weights, self._weights_only)
         return self._read_position(prefix)["global_step"]
 
     def wait(self) -> None:
@@ -1216,16 +1223,26 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             items["keras_scale_state"] = {k: _tf_variable(v) for k, v in state.items()}
         self._checkpoint = tf.train.Checkpoint(**items)
         # Same paths, model and optimizer only: for a mid-training rollback that keeps keras_scale's counters.
-        self._weights_only = tf.train.Checkpoint(model_variables=items["model_variables"],
-                                                 optimizer_variables=items["optimizer_variables"])
+        weights = {"model_variables": items["model_variables"], "optimizer_variables": items["optimizer_variables"]}
+        self._weights_only = tf.train.Checkpoint(**weights)
+        # Synchronous saves are written by _checkpoint_io (raw bytes + JSON index); these are the same variables
+        # under the same keys, for its writer and for restoring either format.
+        self._flat, self._flat_weights = _io.flatten(items), _io.flatten(weights)
         if not with_manager:
             return
         if self._chief:
             self._sanitize_state_file()
 
+        if self.async_save:  # TensorFlow's async checkpoint; spares kept by earlier synchronous runs go
+            _io.remove_spares(self._write_dir)
+
         def manager():
-            return tf.train.CheckpointManager(
-                self._checkpoint, self._write_dir, max_to_keep=self.max_to_keep if self._chief else 1,
+            if self.async_save:
+                cls, target = tf.train.CheckpointManager, self._checkpoint
+            else:  # same numbering, state file and rotation; the bytes written by _checkpoint_io
+                cls, target = _io.RecyclingCheckpointManager, _io.RawCheckpoint(self._checkpoint, self._flat)
+            return cls(
+                target, self._write_dir, max_to_keep=self.max_to_keep if self._chief else 1,
                 keep_checkpoint_every_n_hours=self.keep_every_n_hours if self._chief else None,
                 checkpoint_name=_NAME,
             )
@@ -1300,15 +1317,16 @@ class ChiefCheckpoint(keras.callbacks.Callback):
 
     def _restore_newest(self, everything: bool = True) -> Optional[str]:
         target = self._checkpoint if everything else self._weights_only
+        flat = self._flat if everything else self._flat_weights
         candidates = list_checkpoints(self.directory)
         failures: List[str] = []
         for number, prefix in candidates:
             reader = None
             try:
-                reader = tf.train.load_checkpoint(prefix)
+                reader = _io.load_checkpoint(prefix)
                 self._check_signature(prefix, reader)  # a different model is an error, not a reason to fall back
                 # expect_partial: older checkpoints may hold objects this version no longer restores
-                target.read(prefix).expect_partial()
+                _io.read_into(prefix, flat, target)
             except CheckpointMismatchError:
                 raise
             except ValueError as e:
@@ -1346,7 +1364,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
 
     @staticmethod
     def _read_position(prefix: str) -> Dict[str, int]:
-        reader = tf.train.load_checkpoint(prefix)
+        reader = _io.load_checkpoint(prefix)
         out = {}
         for name in _POSITION:
             key = f"keras_scale_position/{name}/.ATTRIBUTES/VARIABLE_VALUE"
@@ -1358,7 +1376,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         failures: List[str] = []
         for _, prefix in list_checkpoints(self.directory):
             try:
-                reader = tf.train.load_checkpoint(prefix)
+                reader = _io.load_checkpoint(prefix)
                 for key in reader.get_variable_to_shape_map():
                     reader.get_tensor(key)
                 self._read_position(prefix)
@@ -1385,9 +1403,9 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._build_from_data(iterator, f"to restore {prefix!r} before the first step")
         self._ensure_built()
         self._build_checkpoint()
-        reader = tf.train.load_checkpoint(prefix)
+        reader = _io.load_checkpoint(prefix)
         self._check_signature(prefix, reader)
-        self._checkpoint.read(prefix).expect_partial()
+        _io.read_into(prefix, self._flat, self._checkpoint)
         self._restored_from = prefix
         self._say(f"ChiefCheckpoint: restored {prefix}")
         self._reconcile_learning_rate(prefix)
@@ -1401,7 +1419,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             return
         restored = float(var.numpy())
         try:
-            raw = tf.train.load_checkpoint(prefix).get_tensor(_RUN_CONFIG_KEY)
+            raw = _io.load_checkpoint(prefix).get_tensor(_RUN_CONFIG_KEY)
             started = json.loads(raw.decode() if isinstance(raw, bytes) else raw).get("learning_rate")
         except Exception:  # noqa: BLE001 - written by an older version: the run's starting value is unknown
             started = None
@@ -1427,7 +1445,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
 
     def _restore_metrics(self, prefix: str) -> bool:
         """Continue the interrupted epoch's metrics (loss included) from their saved state."""
-        reader = tf.train.load_checkpoint(prefix)
+        reader = _io.load_checkpoint(prefix)
         variables = _metric_variables(self.model)
         keys = [_METRIC_KEY.format(i) for i in range(len(variables))]
         if not variables or not all(reader.has_tensor(k) for k in keys) or reader.has_tensor(
@@ -1450,7 +1468,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._batch_size = 0  # measured again in this run (it may differ: the position is kept in samples)
         epochs = (self.params or {}).get("epochs")
         try:
-            raw = tf.train.load_checkpoint(prefix).get_tensor(_EPOCH_LOGS_KEY)
+            raw = _io.load_checkpoint(prefix).get_tensor(_EPOCH_LOGS_KEY)
             self._saved_epoch_logs = json.loads(raw.decode() if isinstance(raw, bytes) else raw) if raw else None
         except Exception:  # noqa: BLE001 - older checkpoints have no epoch logs
             self._saved_epoch_logs = None
