@@ -348,7 +348,8 @@ class ComposedStep:
             >>> import keras
             >>> get_step(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])).reset_transient()
         """
-        for var in (self.halted, self.consecutive_bad, self.incidents, self.epoch_skipped):
+        # (epoch_skipped is not: NanGuard zeroes it at each epoch begin, and a save at train end must hold it)
+        for var in (self.halted, self.consecutive_bad, self.incidents):
             var.assign(0)
         self.diag.assign(tf.zeros_like(self.diag))
 

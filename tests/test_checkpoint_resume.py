@@ -78,6 +78,26 @@ def test_resumed_epoch_metrics_are_exact_after_a_mid_epoch_stop_with_validation(
         np.testing.assert_allclose(history[key], expected[key][1:], rtol=1e-6, err_msg=key)
 
 
+@pytest.mark.parametrize("stop_at", [14, 20])
+def test_resumed_epoch_logs_the_nan_skipped_count_of_the_whole_epoch(tmp_path, stop_at):
+    """A NaN batch in epoch 2 before the stop (batch 2 = update 12): NanGuard skips it; the resumed epoch's
+    ``nan_skipped`` counts it as the uninterrupted run's does; an epoch-boundary resume (20) starts epoch 3 at 0."""
+    x = X.copy()
+    x[2 * BATCH, 0] = np.nan  # batch 2 of every epoch: NanGuard skips it (updates 2, 11, 20 are not applied)
+    ref = make_model()
+    expected = fit(ref, [ks.NanGuard(verbose=0)], x=x).history
+    d = str(tmp_path / "ckpt")
+    fit(make_model(), [ks.NanGuard(verbose=0), ks.ChiefCheckpoint(d, save_freq=3), StopAfter(stop_at)], x=x)
+    resumed = make_model()
+    history = fit(resumed, [ks.ChiefCheckpoint(d, save_freq=3), ks.NanGuard(verbose=0)], x=x).history
+    assert_same(weights(resumed), weights(ref))
+    first = 1 if stop_at == 14 else 2
+    assert expected["nan_skipped"] == [1, 1, 1]
+    assert history["nan_skipped"] == expected["nan_skipped"][first:]
+    for key in expected:
+        np.testing.assert_allclose(history[key], expected[key][first:], rtol=1e-6, err_msg=key)
+
+
 def test_wrapped_model_with_metrics_resumes_with_exact_metrics(tmp_path):
     def model():
         keras.utils.set_random_seed(7)

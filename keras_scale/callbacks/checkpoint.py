@@ -46,6 +46,7 @@ _SIGNATURE_KEY = "keras_scale_signature/.ATTRIBUTES/VARIABLE_VALUE"
 _EPOCH_LOGS_KEY = "keras_scale_epoch_logs/.ATTRIBUTES/VARIABLE_VALUE"
 _RUN_CONFIG_KEY = "keras_scale_run_config/.ATTRIBUTES/VARIABLE_VALUE"
 _METRIC_KEY = "metrics_variables/{}/.ATTRIBUTES/VARIABLE_VALUE"
+_EPOCH_SKIPPED_KEY = "keras_scale_epoch_skipped/.ATTRIBUTES/VARIABLE_VALUE"
 _POSITION = ("epoch", "step_in_epoch", "stream_pos", "global_step", "batch_size")
 # Guard state that describes the moment, not the run: never saved, never restored (a restored "halted" flag
 # would freeze the resumed run).
@@ -1221,6 +1222,9 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         state = self._state_variables()
         if state:
             items["keras_scale_state"] = {k: _tf_variable(v) for k, v in state.items()}
+        epoch_skipped = self._epoch_skipped_variable()
+        if epoch_skipped is not None:  # the interrupted epoch's NaN-skipped count (its logs' nan_skipped)
+            items["keras_scale_epoch_skipped"] = epoch_skipped
         self._checkpoint = tf.train.Checkpoint(**items)
         # Same paths, model and optimizer only: for a mid-training rollback that keeps keras_scale's counters.
         weights = {"model_variables": items["model_variables"], "optimizer_variables": items["optimizer_variables"]}
@@ -1443,6 +1447,21 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             f"{new:g} (everything else resumes exactly). To continue with the checkpoint's value, pass the "
             f"learning rate as before ({float(started):g}).", RuntimeWarning, stacklevel=3)
 
+    def _epoch_skipped_variable(self) -> Optional[tf.Variable]:
+        from keras_scale import step as ks_step
+
+        step = ks_step.get_step(self.model, create=False)
+        return None if step is None else step.epoch_skipped
+
+    def _restore_epoch_skipped(self, prefix: str, mid_epoch: bool) -> None:
+        """The resumed epoch's NaN-skipped count continues from the saved one (a fresh epoch starts at 0)."""
+        var = self._epoch_skipped_variable()
+        if var is None:
+            return
+        reader = _io.load_checkpoint(prefix)
+        value = reader.get_tensor(_EPOCH_SKIPPED_KEY) if mid_epoch and reader.has_tensor(_EPOCH_SKIPPED_KEY) else 0
+        var.assign(tf.cast(value, var.dtype))
+
     def _restore_metrics(self, prefix: str) -> bool:
         """Continue the interrupted epoch's metrics (loss included) from their saved state."""
         reader = _io.load_checkpoint(prefix)
@@ -1564,6 +1583,9 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                 log.info("ChiefCheckpoint: no metric state to restore; the resumed epoch's metrics cover the "
                          "batches trained after the resume")
             self._plan_for_batch_size(iterator)
+        if position is not None and self._restored_from is not None:
+            self._restore_epoch_skipped(self._restored_from, bool(
+                position["step_in_epoch"] and (self._skip_calls or self._skip_prefix)))
         if position is not None and (position["epoch"] or self._skip_prefix):
             if any(_reshuffling_seeded_shuffle(ds) for ds in _datasets_of(iterator)):
                 warnings.warn(
