@@ -85,6 +85,8 @@ class AccumulatingModel(keras.Model):
                                 f"{type(log_dir).__name__} {log_dir!r}. Example: keras_scale.wrap(model, "
                                 f"accum='auto', log_dir='runs/exp1').")
             log_dir = os.fspath(log_dir)
+            if not log_dir:
+                raise ValueError("log_dir='' is not a directory; pass a path (e.g. log_dir='runs/exp1') or None.")
         if verbose not in (0, 1, True, False):
             raise ValueError(f"verbose must be 0 (silent) or 1 (print each change of the split, chief only), "
                              f"got {verbose!r}.")
@@ -175,7 +177,7 @@ class AccumulatingModel(keras.Model):
             f"{type(inner_optimizer(optimizer)).__name__}. When a batch is split, the micro-batches' gradients are "
             f"summed densely (each embedding row once: the true batch gradient), while unsplit Keras hands the "
             f"optimizer one sparse row per looked-up token and {type(inner_optimizer(optimizer)).__name__} "
-            f"squares repeated rows separately, so the weights differ slightly from unsplit training "
+            f"squares repeated rows separately, so the weights differ from unsplit training "
             f"(docs: README 'Embeddings and adaptive optimizers'). Plain SGD is identical either way.",
             UserWarning, stacklevel=3)
 
@@ -191,7 +193,8 @@ class AccumulatingModel(keras.Model):
                 err.node_def, err.op,
                 f"keras_scale.wrap splits training batches only, not evaluation ones: "
                 f"{'validation during fit' if in_fit else 'evaluate'} ran out of device memory; {hint}. "
-                f"Training itself recovered and its weights are intact. Original error: {err.message}") from err
+                f"{'Training itself recovered and its weights are intact. ' if in_fit else ''}"
+                f"Original error: {err.message}") from err
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:
         try:

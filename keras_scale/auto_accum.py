@@ -98,9 +98,11 @@ def _per_replica_batch_size(batch: Any, strategy: Any) -> int:
     sizes = [0]
     for t in tf.nest.flatten(batch, expand_composites=False):
         for local in strategy.experimental_local_results(t):
-            shape = getattr(local, "shape", None)
-            if shape is not None and shape.rank and shape[0] is not None:
-                sizes.append(int(shape[0]))
+            shape = getattr(local, "shape", None)  # a TensorShape, or a tuple for NumPy (train_on_batch)
+            dims = None if shape is None else tf.TensorShape(shape).as_list() if tf.TensorShape(
+                shape).rank is not None else None
+            if dims and dims[0] is not None:
+                sizes.append(int(dims[0]))
         if len(sizes) > 1:
             break
     return max(sizes)
@@ -194,6 +196,9 @@ class AutoAccum:
     def micro_batch_size(self) -> Optional[int]:
         """The largest per-replica micro-batch known to fit (``None``: no limit found yet)."""
         value = int(self._size_var.numpy())
+        cap = self.max_micro_batch_size  # the user's limit holds whatever a restored checkpoint learned
+        if cap:
+            value = min(value, cap) if value else cap
         return value or None
 
     def state_variables(self) -> Dict[str, tf.Variable]:
@@ -225,8 +230,12 @@ class AutoAccum:
             # others' must not try a micro-batch no worker has trained with yet, or it would run out of memory
             # alone while the others wait in the step's all-reduce
             sizes = self._exchange_sizes(size)
-            if min(sizes) != max(sizes) and self._ran is not None:
-                limit = min(limit or self._ran, self._ran)
+            if min(sizes) != max(sizes):
+                # nothing trained yet: no worker goes beyond the smallest worker's batch, so all of them run out
+                # of memory together or none does
+                known = self._ran if self._ran is not None else min([s for s in sizes if s > 0] or [0])
+                if known:
+                    limit = min(limit or known, known)
         while True:
             wanted = accum_for(size, limit)
             if wanted != self.accum:

@@ -309,7 +309,10 @@ def chief_print(message: str, strategy: Any = None, verbose: int = 1, incident: 
     if incident:
         import sys
 
-        print(message, file=sys.stderr, flush=True)
+        # on a terminal Keras's progress bar may be mid-line on stdout: start the incident on a line of its own
+        lead = "\n" if getattr(sys.stdout, "isatty", lambda: False)() else ""
+        sys.stdout.flush()
+        print(lead + message, file=sys.stderr, flush=True)
         return
     from keras.src.utils import io_utils
 

@@ -388,6 +388,29 @@ def test_a_resume_restores_the_learned_micro_batch_size_and_is_exact(tmp_path):
     assert_close(weights(resumed), weights(full), atol=0)
 
 
+def test_max_micro_batch_size_of_a_resumed_run_caps_what_the_checkpoint_learned(tmp_path):
+    """The first run learned micro-batches of 4 (or none); the rerun asks for at most 2: the cap holds after the
+    restore, so no micro-batch exceeds 2 (the README's remedy for a worker that runs out of memory alone)."""
+    ds = _mixed_sizes()
+    d = str(tmp_path / "ckpt")
+    first = compile_(ks.wrap(build(threshold=4), accum="auto"))
+    first.fit(ds, epochs=1, verbose=0, callbacks=[ks.ChiefCheckpoint(d, save_freq=2, verbose=0), StopAfter(4)])
+    assert first.auto_micro_batch_size == 4
+    resumed = compile_(ks.wrap(build(threshold=2), accum="auto", max_micro_batch_size=2))
+    resumed.fit(ds, epochs=2, verbose=0, callbacks=[ks.ChiefCheckpoint(d, save_freq=2, verbose=0)])
+    assert resumed.auto_micro_batch_size == 2 and resumed._keras_scale_auto.recoveries == 0
+
+
+def test_train_on_batch_with_numpy_arrays():
+    wrapped = compile_(ks.wrap(build(threshold=8), accum="auto"))
+    plain = compile_(build())
+    for start in range(0, 48, 16):
+        wrapped.train_on_batch(X[start:start + 16], Y[start:start + 16])
+        plain.train_on_batch(X[start:start + 16], Y[start:start + 16])
+    assert wrapped.auto_micro_batch_size == 8
+    assert_close(weights(wrapped), weights(plain))
+
+
 class SubclassedNet(keras.Model):
     def __init__(self, threshold, **kwargs):
         super().__init__(**kwargs)
@@ -461,6 +484,8 @@ def test_ks_fit_accum_auto_writes_the_changes_to_its_log_dir(tmp_path):
 def test_log_dir_is_checked_at_wrap_and_an_unwritable_one_only_warns(tmp_path):
     with pytest.raises(TypeError, match="log_dir must be a directory path"):
         ks.wrap(build(), accum="auto", log_dir=123)
+    with pytest.raises(ValueError, match="log_dir='' is not a directory"):
+        ks.wrap(build(), accum="auto", log_dir="")
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
     model = compile_(ks.wrap(build(threshold=4), accum="auto", log_dir=str(blocker / "tb"), verbose=0))

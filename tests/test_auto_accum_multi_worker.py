@@ -46,7 +46,7 @@ rng = np.random.default_rng(0)
 X = rng.normal(size=(128, 6)).astype("float32")
 Y = (X @ rng.normal(size=(6, 1))).astype("float32")
 with strategy.scope():
-    inner = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), OomAbove(4),
+    inner = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), OomAbove(threshold),
                               keras.layers.Dense(1)])
     inner.set_weights([np.linspace(-0.4, 0.4, w.size, dtype="float32").reshape(w.shape) for w in inner.get_weights()])
     model = ks.wrap(inner, accum="auto")
@@ -106,6 +106,9 @@ from keras_scale.distribute import patch_keras_multi_worker
 patch_keras_multi_worker()
 keras_scale.auto_accum.AGREE_TIMEOUT_S = 10.0
 first_uneven = sys.argv[1] == "first"
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+# "weak0": worker 0's device holds less (it runs out of memory above 2 per replica, the other above 4)
+threshold = 2 if (sys.argv[2:] == ["weak0"] and index == 0) else 4
 
 
 class OomAbove(keras.layers.Layer):
@@ -127,7 +130,7 @@ rng = np.random.default_rng(0)
 X = rng.normal(size=(41, 6)).astype("float32")
 Y = (X @ rng.normal(size=(6, 1))).astype("float32")
 with strategy.scope():
-    inner = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), OomAbove(4),
+    inner = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), OomAbove(threshold),
                               keras.layers.Dense(1)])
     inner.set_weights([np.linspace(-0.4, 0.4, w.size, dtype="float32").reshape(w.shape) for w in inner.get_weights()])
     model = ks.wrap(inner, accum="auto")
@@ -137,7 +140,6 @@ options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoSha
 full = tf.data.Dataset.from_tensor_slices((X[:32], Y[:32])).batch(8)       # 4 per worker: fits
 last = tf.data.Dataset.from_tensor_slices((X[32:], Y[32:])).batch(9)       # 5 / 4: only 5 runs out of memory
 ds = (last.concatenate(full) if first_uneven else full.concatenate(last)).with_options(options)
-index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
 seen = []
 
 
@@ -155,18 +157,9 @@ with open(f"out_{index}.json", "w") as f:
 '''
 
 
-def test_an_uneven_last_batch_does_not_make_one_worker_run_out_of_memory_alone(run_workers, tmp_path):
-    """4 samples per worker fit; the last global batch of 9 gives 5 / 4: the worker with 5 splits it (no
-    micro-batch larger than one every worker trained with), so no worker runs out of memory alone and waits
-    forever; the weights equal one process training the unwrapped model on the same global batches."""
-    run_workers(UNEVEN, num_workers=2, args=("last",), timeout_s=240)
-    outs = [json.loads((tmp_path / f"out_{i}.json").read_text()) for i in range(2)]
-    assert outs[0]["seen"] == [1, 1, 1, 1, 2] * 2 and outs[1]["seen"] == [1] * 10
-    assert outs[0]["recoveries"] == outs[1]["recoveries"] == 0
-    assert outs[0]["size_exchanges"] == outs[1]["size_exchanges"] == 10
-    assert outs[0]["iterations"] == outs[1]["iterations"] == 10
-    for a, b in zip(outs[0]["weights"], outs[1]["weights"]):
-        np.testing.assert_array_equal(np.array(a), np.array(b))
+def _reference_weights(first_uneven):
+    """One process training the unwrapped model on the same global batches."""
+    import tensorflow as tf
 
     rng = np.random.default_rng(0)
     X = rng.normal(size=(41, 6)).astype("float32")
@@ -174,18 +167,35 @@ def test_an_uneven_last_batch_does_not_make_one_worker_run_out_of_memory_alone(r
     ref = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
     ref.set_weights([np.linspace(-0.4, 0.4, w.size, dtype="float32").reshape(w.shape) for w in ref.get_weights()])
     ref.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
-    import tensorflow as tf
-    ds = tf.data.Dataset.from_tensor_slices((X[:32], Y[:32])).batch(8).concatenate(
-        tf.data.Dataset.from_tensor_slices((X[32:], Y[32:])).batch(9))
-    ref.fit(ds, epochs=2, verbose=0)
-    for a, b in zip(ref.get_weights(), outs[0]["weights"]):
+    full = tf.data.Dataset.from_tensor_slices((X[:32], Y[:32])).batch(8)
+    last = tf.data.Dataset.from_tensor_slices((X[32:], Y[32:])).batch(9)
+    ref.fit(last.concatenate(full) if first_uneven else full.concatenate(last), epochs=2, verbose=0)
+    return ref.get_weights()
+
+
+@pytest.mark.parametrize("where", ["last", "first"])
+def test_an_uneven_batch_does_not_make_one_worker_run_out_of_memory_alone(run_workers, tmp_path, where):
+    """4 samples per worker fit; a global batch of 9 gives 5 / 4: the worker with 5 splits it (no micro-batch
+    larger than one every worker trained with or, before any step, than the smallest worker's batch), so no worker
+    runs out of memory alone and waits forever; the weights equal one process training the unwrapped model on the
+    same global batches."""
+    run_workers(UNEVEN, num_workers=2, args=(where,), timeout_s=240)
+    outs = [json.loads((tmp_path / f"out_{i}.json").read_text()) for i in range(2)]
+    expected0 = [1, 1, 1, 1, 2] * 2 if where == "last" else [2, 1, 1, 1, 1] * 2
+    assert outs[0]["seen"] == expected0 and outs[1]["seen"] == [1] * 10
+    assert outs[0]["recoveries"] == outs[1]["recoveries"] == 0
+    assert outs[0]["size_exchanges"] == outs[1]["size_exchanges"] == 10
+    assert outs[0]["iterations"] == outs[1]["iterations"] == 10
+    for a, b in zip(outs[0]["weights"], outs[1]["weights"]):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    for a, b in zip(_reference_weights(where == "first"), outs[0]["weights"]):
         np.testing.assert_allclose(a, np.array(b), rtol=1e-5, atol=1e-6)
 
 
 def test_a_worker_out_of_memory_alone_fails_clearly_instead_of_hanging(run_workers):
-    """The first batch is the uneven one (nothing trained yet to bound it): the worker with 5 samples runs out
-    of memory alone; it says so within the agreement's time limit instead of waiting forever."""
-    results = run_workers(UNEVEN, num_workers=2, args=("first",), timeout_s=240, check=False)
+    """Worker 0's device holds less than worker 1's (it runs out of memory at 4 per replica, the other does not):
+    it runs out of memory alone; it says so within the agreement's time limit instead of waiting forever."""
+    results = run_workers(UNEVEN, num_workers=2, args=("last", "weak0"), timeout_s=240, check=False)
     assert results[0].returncode != 0
     assert "ran out of device memory but the other workers did not join" in results[0].stderr
     assert "max_micro_batch_size" in results[0].stderr
