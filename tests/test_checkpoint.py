@@ -18,14 +18,15 @@ from keras_scale.callbacks.checkpoint import CheckpointMismatchError, checkpoint
 from tests._helpers import BATCH, X, Y, StopAfter, assert_same, fit, make_model, weights
 
 def damage(directory, number, truncate=False):
-    """Corrupt checkpoint ``number``'s tensor data: flip bytes in its middle, or cut it to a third."""
+    """Corrupt checkpoint ``number``'s tensor data: overwrite 128 bytes in its middle (more than the 64-byte
+    alignment padding between tensors, so some tensor's bytes change), or cut it to a third."""
     data_file = glob.glob(os.path.join(directory, f"ckpt-{number}.data-*"))[0]
     with open(data_file, "r+b") as f:
         if truncate:
             f.truncate(os.path.getsize(data_file) // 3)
         else:
             f.seek(os.path.getsize(data_file) // 2)
-            f.write(b"\xff\x00\xff\x00\xff\x00\xff\x00")
+            f.write(b"\xff\x00" * 64)
 
 
 @pytest.fixture(scope="module")
