@@ -98,6 +98,48 @@ def test_resumed_epoch_logs_the_nan_skipped_count_of_the_whole_epoch(tmp_path, s
         np.testing.assert_allclose(history[key], expected[key][first:], rtol=1e-6, err_msg=key)
 
 
+class HalveLRAtEpochEnd(keras.callbacks.Callback):
+    """Stateless (so that the resumed process behaves as the uninterrupted one): halves the learning rate at
+    every epoch end, as ReduceLROnPlateau does on a plateau, also on a partial epoch's logs."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        lr = self.model.optimizer.learning_rate
+        lr.assign(lr * 0.5)
+
+
+@pytest.mark.parametrize("checkpoint_first", [True, False])
+@pytest.mark.parametrize("ending", ["stop", "sigterm"])
+def test_a_mid_epoch_stop_is_saved_before_epoch_end_and_train_end_callbacks_change_the_state(
+        tmp_path, checkpoint_first, ending):
+    """After a stop at update 14 (epoch 2, batch 4) Keras still runs the partial epoch's on_epoch_end (the LR is
+    halved) and EarlyStopping(restore_best_weights=True).on_train_end (epoch 1's weights are put back, though it
+    did not stop the run): the checkpoint holds the state at the stop, so the resume equals the uninterrupted run."""
+    import signal
+
+    def opt():
+        return keras.optimizers.Adam(1e-2)
+
+    def early():  # mode="max" on the loss: the best epoch is the first one, whose weights it restores at train end
+        return keras.callbacks.EarlyStopping(monitor="loss", mode="max", patience=100, restore_best_weights=True)
+
+    ref = make_model(opt)
+    fit(ref, [HalveLRAtEpochEnd()])
+
+    class Sigterm(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations.numpy()) == 14:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    d = str(tmp_path / "ckpt")
+    ckpt = ks.ChiefCheckpoint(d, save_freq=3, preemption_exit_code=None)
+    others = [HalveLRAtEpochEnd(), early(), StopAfter(14) if ending == "stop" else Sigterm()]
+    fit(make_model(opt), [ckpt, *others] if checkpoint_first else [*others, ckpt])
+    resumed = make_model(opt)
+    fit(resumed, [ks.ChiefCheckpoint(d, save_freq=3), HalveLRAtEpochEnd()])
+    assert float(resumed.optimizer.learning_rate.numpy()) == pytest.approx(float(ref.optimizer.learning_rate.numpy()))
+    assert_same(weights(resumed), weights(ref))
+
+
 def test_wrapped_model_with_metrics_resumes_with_exact_metrics(tmp_path):
     def model():
         keras.utils.set_random_seed(7)

@@ -642,6 +642,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             self._resume(position, found)
         self._install_wrapper()
         self._install_final_save_hook()
+        self._install_stop_save_hook()
 
     def on_epoch_begin(self, epoch, logs=None):
         if self._resume_pending:
@@ -700,11 +701,15 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         return freq != "epoch" and self._global_step // freq > self._last_saved_step // freq
 
     def on_test_begin(self, logs=None):
+        self._in_validation = True
         # Validation inside fit runs after the epoch's last (or interrupting) batch and resets the metric variables
         # that a mid-epoch save at train end must hold: keep this epoch's training metric state (a few scalars).
         if self._fit_thread is not None and self._checkpoint is not None:
             self._train_metric_values = [v.numpy() for v in _metric_variables(self.model)]
             self._stopped_before_validation = bool(self.model.stop_training)
+
+    def on_test_end(self, logs=None):
+        self._in_validation = False
 
     def on_test_batch_end(self, batch, logs=None):
         if self._preempting:  # no validation run after a preemption signal: save and go
@@ -783,6 +788,54 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         object.__setattr__(optimizer, "finalize_variable_values", finalize_variable_values)
         self._finalize_hook = (optimizer, finalize_variable_values)
 
+    def _install_stop_save_hook(self) -> None:
+        """A stop in the middle of an epoch (a callback's ``stop_training``, SIGTERM, NanGuard) is saved where the
+        training loop stops, before anything else runs: validation, ``on_epoch_end`` callbacks that would change the
+        learning rate on a partial epoch (ReduceLROnPlateau), or ``EarlyStopping(restore_best_weights=True)``
+        putting older weights back at train end. Keras's fit calls ``model._get_metrics_result_or_logs`` right
+        after its batch loop ends; the save runs there, on the first call after a mid-epoch stop."""
+        model = self.model
+        if not hasattr(type(model), "_get_metrics_result_or_logs"):
+            return  # another Keras: the stop is saved at train end, as before
+        previous = vars(model).get("_get_metrics_result_or_logs")
+        if getattr(previous, "_ks_checkpoint_hook", False):
+            previous = previous._ks_previous  # left by a fit that raised: replace it
+        me = weakref.ref(self)
+        keras_fn = previous if previous is not None else (
+            lambda logs: type(model)._get_metrics_result_or_logs(model, logs))
+
+        def _get_metrics_result_or_logs(logs):
+            cb = me()
+            if cb is not None and cb._in_this_fit() and cb._fit_thread == threading.get_ident():
+                cb._save_at_stop()
+            return keras_fn(logs)
+
+        _get_metrics_result_or_logs._ks_checkpoint_hook = True
+        _get_metrics_result_or_logs._ks_previous = previous
+        object.__setattr__(model, "_get_metrics_result_or_logs", _get_metrics_result_or_logs)
+        self._stop_hook = (model, _get_metrics_result_or_logs)
+
+    def _save_at_stop(self) -> None:
+        model = self.model
+        if not model.stop_training or self._already_complete is not None or self._in_validation:
+            return
+        steps = (self.params or {}).get("steps")
+        if steps and self._step_in_epoch >= steps:
+            return  # the epoch is complete: saved at its end with its logs, as without a stop
+        if self._global_step != self._last_saved_step:
+            self._save(self._epoch, self._step_in_epoch, self._stream_pos)
+
+    def _remove_stop_save_hook(self) -> None:
+        hook, self._stop_hook = self._stop_hook, None
+        if hook is None:
+            return
+        model, fn = hook
+        if vars(model).get("_get_metrics_result_or_logs") is fn:
+            if fn._ks_previous is not None:
+                object.__setattr__(model, "_get_metrics_result_or_logs", fn._ks_previous)
+            else:
+                object.__delattr__(model, "_get_metrics_result_or_logs")
+
     def _remove_final_save_hook(self) -> None:
         hook, self._finalize_hook = self._finalize_hook, None
         if hook is None:
@@ -815,6 +868,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
 
     def _active_cleanup(self) -> None:
         self._remove_final_save_hook()
+        self._remove_stop_save_hook()
         self._pending_epoch_save = False
         self._iterator = self._own_stream = self._prefix_skipped_on = None
         self._start_state = None
@@ -906,6 +960,8 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._lr_override: Optional[float] = None
         self._skipped_seen = 0.0
         self._finalize_hook: Optional[Tuple[Any, Any]] = None
+        self._stop_hook: Optional[Tuple[Any, Any]] = None
+        self._in_validation = False
         self._iter_backup: Optional[tf.Variable] = None
         self._own_stream: Any = None
         self._may_run_out = True
