@@ -248,6 +248,32 @@ def test_preemption_with_exit_code_none_returns_from_fit(tmp_path):
     assert signal.getsignal(signal.SIGTERM) == before
 
 
+def test_preemption_exits_after_every_callbacks_train_end(tmp_path):
+    """The exit status 42 comes once every callback's on_train_end ran, whatever the order: Goodput listed after
+    ChiefCheckpoint (ks.fit's default order) still reports, a user's cleanup still runs."""
+    ended = []
+
+    class SendSigterm(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    class Cleanup(keras.callbacks.Callback):
+        def on_train_end(self, logs=None):
+            ended.append("cleanup")
+
+    goodput = ks.Goodput(verbose=0)
+    d = str(tmp_path / "ckpt")
+    with pytest.raises(SystemExit) as exit_info:
+        fit(make_model(), [SendSigterm(), ks.ChiefCheckpoint(d), goodput, Cleanup()], epochs=2)
+    assert exit_info.value.code == checkpoint_module.PREEMPTION_EXIT_CODE
+    assert ended == ["cleanup"] and goodput.summary["steps"] == 4
+    assert list_checkpoints(d)[0][0] == 4
+    # a later fit of the same model is not affected by the exit hook
+    history = fit(make_model(), [], epochs=1)
+    assert len(history.epoch) == 1
+
+
 def test_keep_best_mode_and_missing_monitor(tmp_path):
     assert ks.ChiefCheckpoint(str(tmp_path), keep_best_k=1, monitor="val_accuracy").mode == "max"
     assert ks.ChiefCheckpoint(str(tmp_path), keep_best_k=1, monitor="val_loss").mode == "min"

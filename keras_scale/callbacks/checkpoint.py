@@ -748,8 +748,23 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                       f"{self._global_step}). " + (f"Exiting with status {code}: rerun the same command to resume."
                                                    if code is not None else "Rerun to resume."), routine=False)
             if code is not None:
-                raise SystemExit(code)
+                self._exit_after_train_end(code)
         # Files are never deleted here: a graceful stop (EarlyStopping, NanGuard halt) must keep them.
+
+    def _exit_after_train_end(self, code: int) -> None:
+        """Exit with ``code`` once every callback's ``on_train_end`` has run (Goodput's report, TensorBoard's
+        flush, a user's cleanup), not in the middle of them: Keras's own ``History``, which Keras appends after the
+        user's callbacks, raises it. Without that History (one passed in the list), exit now."""
+        history = getattr(self.model, "history", None)
+        if not isinstance(history, keras.callbacks.History) or "on_train_end" in vars(history):
+            raise SystemExit(code)
+
+        def on_train_end(logs=None):
+            del history.on_train_end  # the instance attribute: back to History's own method
+            keras.callbacks.History.on_train_end(history, logs)
+            raise SystemExit(code)
+
+        history.on_train_end = on_train_end
 
     def _final_save(self) -> None:
         if self._global_step != self._last_saved_step or self._pending_best is not None:
