@@ -140,6 +140,16 @@ def test_a_mid_epoch_stop_is_saved_before_epoch_end_and_train_end_callbacks_chan
     assert_same(weights(resumed), weights(ref))
 
 
+def test_switching_between_a_schedule_and_a_float_learning_rate_is_refused_with_the_reason(tmp_path):
+    from keras_scale.callbacks.checkpoint import CheckpointMismatchError
+
+    d = str(tmp_path / "ckpt")
+    schedule = keras.optimizers.schedules.ExponentialDecay(1e-2, 5, 0.5)
+    fit(make_model(lambda: keras.optimizers.Adam(schedule)), [ks.ChiefCheckpoint(d), StopAfter(14)])
+    with pytest.raises(CheckpointMismatchError, match="written with a schedule learning rate.*has a float"):
+        fit(make_model(lambda: keras.optimizers.Adam(3e-3)), [ks.ChiefCheckpoint(d)])
+
+
 def test_wrapped_model_with_metrics_resumes_with_exact_metrics(tmp_path):
     def model():
         keras.utils.set_random_seed(7)

@@ -1052,7 +1052,9 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                         f"Fix: if no run uses this directory, delete {path!r}; else give this run its own directory."
                     ) from None
                 try:
-                    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder.get("since", 0) or 0)))
+                    started = float(holder.get("since") or 0)
+                    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if started > 0 \
+                        else "an unknown time"
                 except (TypeError, ValueError, OverflowError, OSError):
                     since = "an unknown time"
                 raise RuntimeError(
@@ -1060,7 +1062,9 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                     f"{holder.get('pid')} on host {holder.get('host')!r}, since {since}; lock file {path!r}). Two "
                     "runs writing one directory replace each other's checkpoints. Fix: give this run its own "
                     "directory, or stop the other run. A lock whose process is gone is taken over automatically "
-                    f"(same host: at once; another host: after {_LOCK_STALE_S:.0f} s without its heartbeat)."
+                    f"(same host: at once; another host: after {_LOCK_STALE_S:.0f} s without its heartbeat). If that "
+                    f"run's fit just ended with an error in a process that is still alive (a notebook), its lock is "
+                    f"released within {_LOCK_HEARTBEAT_S:.0f} s: retry then."
                 ) from None
             else:
                 with os.fdopen(fd, "w") as f:
@@ -1379,6 +1383,19 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         for part, what in (("model", "model weights"), ("optimizer", "optimizer variables")):
             theirs, ours = saved.get(part, []), mine[part]
             if len(theirs) != len(ours):
+                def without_lr(entries):  # a float learning rate is one scalar variable ".../learning_rate"
+                    return [list(shape) for path, shape in entries
+                            if not (str(path).endswith("learning_rate") and not list(shape))]
+
+                if part == "optimizer" and without_lr(theirs) == without_lr(ours):
+                    kind = "a float" if len(theirs) > len(ours) else "a schedule"
+                    raise CheckpointMismatchError(
+                        f"checkpoint {prefix!r} was written with {kind} learning rate and this optimizer has "
+                        f"{'a schedule' if kind == 'a float' else 'a float'}: a float learning rate is an optimizer "
+                        f"variable, a schedule is not, so the two cannot be resumed into each other. Fix: keep the "
+                        f"first run's kind (a float can be changed between runs: the new value is used, with a "
+                        f"warning), or start over in a new directory."
+                    )
                 raise CheckpointMismatchError(
                     f"checkpoint {prefix!r} was written for a different {part}: it holds {len(theirs)} {what}, "
                     f"this {part} has {len(ours)}. {fix}"
