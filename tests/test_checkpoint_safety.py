@@ -274,6 +274,32 @@ def test_preemption_exits_after_every_callbacks_train_end(tmp_path):
     assert len(history.epoch) == 1
 
 
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_a_signal_in_an_epochs_last_step_never_records_a_cut_validation(tmp_path, epoch):
+    """SIGTERM during the last step of an epoch: its batches all trained, its validation is cut after one batch
+    (save and go). The rerun runs that validation again: History's val_loss equals the uninterrupted run's, and the
+    best checkpoint is ranked by the true value (last epoch: "already complete" with the true val_loss)."""
+    val = (X[:40] + 0.1, Y[:40])
+
+    class TermInLastStep(keras.callbacks.Callback):
+        def on_epoch_begin(self, e, logs=None):
+            self.epoch = e
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if self.epoch == epoch and batch == 9:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    expected = helpers.fit(make_model(), [], epochs=2, validation_data=val, validation_batch_size=8).history
+    d = str(tmp_path / "ckpt")
+    helpers.fit(make_model(), [ks.ChiefCheckpoint(d, preemption_exit_code=None, keep_best_k=2), TermInLastStep()],
+                epochs=2, validation_data=val, validation_batch_size=8)
+    again = ks.ChiefCheckpoint(d, preemption_exit_code=None, keep_best_k=2)
+    history = helpers.fit(make_model(), [again], epochs=2, validation_data=val, validation_batch_size=8).history
+    np.testing.assert_allclose(history["val_loss"], expected["val_loss"][epoch:], rtol=1e-6)
+    best = [value for value, _ in again.best_checkpoints]
+    assert best == sorted(best) and best[0] == pytest.approx(min(expected["val_loss"][epoch:]), rel=1e-6)
+
+
 def test_keep_best_mode_and_missing_monitor(tmp_path):
     assert ks.ChiefCheckpoint(str(tmp_path), keep_best_k=1, monitor="val_accuracy").mode == "max"
     assert ks.ChiefCheckpoint(str(tmp_path), keep_best_k=1, monitor="val_loss").mode == "min"

@@ -655,6 +655,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._epoch_complete = False
         self._train_metric_values = None
         self._stopped_before_validation = None
+        self._validation_cut = False
         self._skipped_seen = 0.0  # NanGuard's per-epoch count starts again
 
     def on_train_batch_begin(self, batch, logs=None):
@@ -714,6 +715,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
     def on_test_batch_end(self, batch, logs=None):
         if self._preempting:  # no validation run after a preemption signal: save and go
             self.model.stop_evaluating = True
+            self._validation_cut = True
 
     def on_epoch_end(self, epoch, logs=None):
         steps = (self.params or {}).get("steps")
@@ -723,6 +725,11 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         stopped = self.model.stop_training if self._stopped_before_validation is None else \
             self._stopped_before_validation
         self._epoch_complete = not stopped or bool(steps and self._step_in_epoch >= steps)
+        if self._epoch_complete and self._validation_cut:
+            # its batches all trained but its validation was cut short by the signal: saved as "the last batch,
+            # before the epoch's end", so the rerun runs validation and the epoch-end callbacks again, and a
+            # one-batch val_loss never becomes the epoch's result (nor ranks a best checkpoint)
+            self._epoch_complete = False
         if self._epoch_complete:
             self._last_epoch_logs = (int(epoch), logs)  # the dict itself: callbacks after us add keys to it
             if self.save_freq == "epoch" or self._save_due():
@@ -949,6 +956,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._epoch_complete = False
         self._train_metric_values: Optional[List[Any]] = None  # this epoch's metric state kept before validation
         self._stopped_before_validation: Optional[bool] = None
+        self._validation_cut = False  # a preemption signal cut this epoch's validation short
         self._restored_from: Optional[str] = None
         self._deferred_restore: Optional[str] = None
         self._resume_position: Optional[Dict[str, int]] = None
