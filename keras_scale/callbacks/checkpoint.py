@@ -1615,8 +1615,12 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                       "(validation, epoch-end callbacks) runs again with its saved metrics. Pass a larger epochs= to "
                       "train further, or a new directory to start over.", routine=False)
             return
+        maybe_done = (epochs is not None and not steps and step_in_epoch and epoch + 1 >= int(epochs))
         self._say(f"ChiefCheckpoint: resuming {_describe(epoch, self._skip_calls * spe)} from {prefix!r} "
-                  f"(global batch {self._global_step})")
+                  f"(global batch {self._global_step})" + (
+                      "; this is the last epoch and the data's length is unknown: if that was its last batch, the run "
+                      "is already complete and only the epoch's end (validation, epoch-end callbacks) runs again"
+                      if maybe_done else ""))
 
     def _fill_history(self) -> None:
         """A rerun of a finished run trains nothing: its History holds the last epoch's logs from the checkpoint."""
