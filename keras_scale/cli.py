@@ -19,6 +19,7 @@ import argparse
 import importlib.metadata
 import importlib.util
 import math
+import os
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -104,6 +105,13 @@ def plot_lr_cli(argv: Sequence[str]) -> int:
     for flag, value in (("--initial-lr", a.initial_lr), ("--final-lr", a.final_lr)):
         if not (value >= 0 and math.isfinite(value)):
             p.error(f"{flag} must be >= 0, got {value}")
+    output = a.output
+    if output.endswith(os.sep) or os.path.isdir(output):
+        output = os.path.join(output, "lr.png")  # a directory: the default file name in it
+    parent = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(parent):  # said before importing TensorFlow (seconds), not after
+        p.error(f"-o {a.output!r}: directory {parent!r} does not exist")
+    a.output = output
     if importlib.util.find_spec("matplotlib") is None:
         print("keras-scale plot-lr: error: matplotlib is not installed: pip install matplotlib "
               "(or pip install 'keras-scale[plot]')", file=sys.stderr)
@@ -154,7 +162,7 @@ def _help_usage() -> str:
 
 def _unknown(name: str) -> int:
     print(f"usage: keras-scale [--version] [--help] COMMAND [ARGS]\nkeras-scale: error: unknown command {name!r} "
-          f"(choose from {', '.join(COMMANDS)}; `keras-scale --help` lists them)", file=sys.stderr)
+          f"(choose from {', '.join([*COMMANDS, 'help'])}; `keras-scale --help` lists them)", file=sys.stderr)
     return 2
 
 

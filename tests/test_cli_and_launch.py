@@ -75,6 +75,7 @@ def test_python_m_keras_scale_still_runs_commands():
     (["--peak-lr", "0.1", "--total-steps", "ten"], "argument --total-steps: invalid int value"),
     (["--peak-lr", "0.1", "--total-steps", "10", "--warmup-steps", "50"], "--warmup-steps must be between 0 and"),
     (["--total-steps", "10"], "the following arguments are required: --peak-lr"),
+    (["--peak-lr", "0.1", "--total-steps", "10", "-o", "/no/such/dir/lr.png"], "directory '/no/such/dir' does not"),
 ])
 def test_plot_lr_bad_arguments_one_line_error_without_tensorflow(args, message):
     out = _cli("plot-lr", *args)
@@ -99,13 +100,18 @@ def test_plot_lr_writes_the_png(tmp_path):
                str(tmp_path / "lr.png"))
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "lr.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = _cli("plot-lr", "--peak-lr", "0.1", "--total-steps", "100", "-o", str(tmp_path / "plots") + "/")
+    assert out.returncode == 2  # a directory that does not exist: said before TF is imported
+    (tmp_path / "plots").mkdir()
+    out = _cli("plot-lr", "--peak-lr", "0.1", "--total-steps", "100", "-o", str(tmp_path / "plots") + "/")
+    assert out.returncode == 0 and (tmp_path / "plots" / "lr.png").exists(), out.stderr
 
 
 def test_unknown_command_fails_with_usage():
     out = _cli("nope")
     assert out.returncode == 2 and "keras-scale: error: unknown command 'nope'" in out.stderr
     out = _cli("help", "nope")
-    assert out.returncode == 2 and "unknown command 'nope'" in out.stderr
+    assert out.returncode == 2 and "unknown command 'nope'" in out.stderr and "help;" in out.stderr
 
 
 def test_import_registers_keras_classes_in_a_package_run_with_python_m(tmp_path):
