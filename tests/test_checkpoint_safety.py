@@ -16,7 +16,7 @@ import pytest
 
 import keras_scale as ks
 from keras_scale.callbacks import checkpoint as checkpoint_module
-from keras_scale.callbacks.checkpoint import list_checkpoints
+from keras_scale.callbacks.checkpoint import list_checkpoints, load_checkpoint
 from tests import _helpers as helpers
 from tests._helpers import X, Y, StopAfter, assert_same, make_model, weights
 from tests._helpers import load_weights_npz as _load, subprocess_env as _env
@@ -298,6 +298,88 @@ def test_a_signal_in_an_epochs_last_step_never_records_a_cut_validation(tmp_path
     np.testing.assert_allclose(history["val_loss"], expected["val_loss"][epoch:], rtol=1e-6)
     best = [value for value, _ in again.best_checkpoints]
     assert best == sorted(best) and best[0] == pytest.approx(min(expected["val_loss"][epoch:]), rel=1e-6)
+
+
+class _HistoryToDisk(keras.callbacks.History):
+    def on_train_end(self, logs=None):
+        self.written = True
+
+
+@pytest.mark.parametrize("order", ["user_history_first", "history_subclass_after"])
+def test_preemption_exit_with_a_users_history_anywhere_in_the_list(tmp_path, order):
+    """The exit comes after the LAST callback's on_train_end, whatever it is: a user History listed before
+    ChiefCheckpoint does not swallow it, a History subclass's own on_train_end still runs, and nothing is left
+    patched for a later fit."""
+    ended = []
+
+    class SendSigterm(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    class After(keras.callbacks.Callback):
+        def on_train_end(self, logs=None):
+            ended.append("after")
+
+    hist = keras.callbacks.History() if order == "user_history_first" else _HistoryToDisk()
+    ckpt = ks.ChiefCheckpoint(str(tmp_path / "ckpt"))
+    callbacks = [hist, ckpt, SendSigterm(), After()] if order == "user_history_first" else \
+        [ckpt, SendSigterm(), hist, After()]
+    model = make_model()
+    with pytest.raises(SystemExit) as exit_info:
+        helpers.fit(model, callbacks, epochs=2)
+    assert exit_info.value.code == checkpoint_module.PREEMPTION_EXIT_CODE and ended == ["after"]
+    if order == "history_subclass_after":
+        assert hist.written
+    assert all("on_train_end" not in vars(cb) for cb in callbacks)
+    helpers.fit(model, [hist, After()], epochs=1)  # a later plain fit with the same callbacks: no exit
+    assert ended == ["after", "after"]
+
+
+def test_after_a_fit_that_raised_evaluate_writes_no_checkpoint_and_the_next_fit_drops_the_hook(tmp_path):
+    d = str(tmp_path / "ckpt")
+
+    class StopThenRaise(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations.numpy()) == 6:
+                self.model.stop_training = True
+                raise KeyboardInterrupt
+
+    model = make_model()
+    with pytest.raises(KeyboardInterrupt):
+        helpers.fit(model, [ks.ChiefCheckpoint(d, save_freq=5), StopThenRaise()], epochs=2)
+    saved = [n for n, _ in list_checkpoints(d)]
+    model.set_weights([w * 0 for w in model.get_weights()])
+    model.evaluate(X, Y, verbose=0)
+    assert [n for n, _ in list_checkpoints(d)] == saved
+    helpers.fit(model, [], epochs=1)  # the next fit takes the died fit's hook away
+    assert [n for n, _ in list_checkpoints(d)] == saved
+    assert "_get_metrics_result_or_logs" not in vars(model)
+
+
+def test_early_stopping_restoring_weights_before_the_checkpoint_changes_no_checkpoint(tmp_path):
+    """EarlyStopping(restore_best_weights=True) puts its best epoch's weights back in on_train_end (Keras 3.15:
+    even when it did not stop the run). Listed before ChiefCheckpoint, the final save and the last epoch's best
+    checkpoint still hold the trained weights: the final save is taken before any on_train_end."""
+    d = str(tmp_path / "ckpt")
+    trained = {}
+
+    class Capture(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            trained[epoch] = weights(self.model)
+
+    early = keras.callbacks.EarlyStopping(monitor="val_loss", mode="max", patience=100, restore_best_weights=True)
+    ckpt = ks.ChiefCheckpoint(d, keep_best_k=3)
+    helpers.fit(make_model(), [Capture(), early, ckpt], epochs=3, validation_data=(X[:40], Y[:40]))
+    newest = load_checkpoint(list_checkpoints(d)[0][1])
+    saved = [newest.get_tensor(f"model_variables/{i}/.ATTRIBUTES/VARIABLE_VALUE") for i in range(4)]
+    assert_same(saved, trained[2])
+    assert len(ckpt.best_checkpoints) == 3
+    for _, path in ckpt.best_checkpoints:  # each best checkpoint holds its own epoch's trained weights
+        epoch = int(os.path.basename(path).split("-")[1]) // 10 - 1  # ckpt-10, -20, -30: epochs 0, 1, 2
+        reader = load_checkpoint(path)
+        assert_same([reader.get_tensor(f"model_variables/{i}/.ATTRIBUTES/VARIABLE_VALUE") for i in range(4)],
+                    trained[epoch])
 
 
 def test_keep_best_mode_and_missing_monitor(tmp_path):

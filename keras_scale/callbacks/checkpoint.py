@@ -760,18 +760,28 @@ class ChiefCheckpoint(keras.callbacks.Callback):
 
     def _exit_after_train_end(self, code: int) -> None:
         """Exit with ``code`` once every callback's ``on_train_end`` has run (Goodput's report, TensorBoard's
-        flush, a user's cleanup), not in the middle of them: Keras's own ``History``, which Keras appends after the
-        user's callbacks, raises it. Without that History (one passed in the list), exit now."""
-        history = getattr(self.model, "history", None)
-        if not isinstance(history, keras.callbacks.History) or "on_train_end" in vars(history):
+        flush, a user's cleanup), not in the middle of them: the last callback of Keras's ``CallbackList`` (the one
+        calling this hook) raises it right after its own ``on_train_end``; when this callback is the last, now."""
+        caller = sys._getframe(2).f_locals.get("self")  # CallbackList.on_train_end -> on_train_end -> here
+        callbacks = list(getattr(caller, "callbacks", None) or []) if isinstance(
+            caller, keras.callbacks.CallbackList) else []
+        if not callbacks or not any(cb is self for cb in callbacks) or callbacks[-1] is self:
             raise SystemExit(code)
+        last = callbacks[-1]
+        own = last.on_train_end  # bound: a subclass's own method runs
+        had_attribute = "on_train_end" in vars(last)
 
         def on_train_end(logs=None):
-            del history.on_train_end  # the instance attribute: back to History's own method
-            keras.callbacks.History.on_train_end(history, logs)
-            raise SystemExit(code)
+            if had_attribute:
+                last.on_train_end = own
+            else:
+                del last.on_train_end  # the instance attribute: back to the class's method
+            try:
+                own(logs)
+            finally:
+                raise SystemExit(code)
 
-        history.on_train_end = on_train_end
+        last.on_train_end = on_train_end
 
     def _final_save(self) -> None:
         if self._global_step != self._last_saved_step or self._pending_best is not None:
@@ -782,15 +792,13 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                 self._save_mid_epoch()
 
     def _install_final_save_hook(self) -> None:
-        """With ``use_ema=True`` Keras's fit overwrites the weights with their moving averages right before
-        ``on_train_end`` (``optimizer.finalize_variable_values``): the final save is taken just before that, so it
-        holds the weights training continues from (the averages are optimizer variables, saved too)."""
+        """Keras's fit calls ``optimizer.finalize_variable_values`` after its last epoch, right before any
+        ``on_train_end``: the final save is taken there, so it holds the state training continues from whatever
+        other callbacks do at train end (``EarlyStopping(restore_best_weights=True)`` puts an earlier epoch's weights
+        back, whatever the order) and whatever the optimizer does there (``use_ema=True`` overwrites the weights
+        with their moving averages; the averages are optimizer variables, saved too)."""
         optimizer = self.model.optimizer
         if optimizer is None:
-            return
-        from keras_scale.schedules import inner_optimizer
-
-        if not getattr(inner_optimizer(optimizer), "use_ema", False):
             return
         previous = vars(optimizer).get("finalize_variable_values")
         if getattr(previous, "_ks_checkpoint_hook", False):
@@ -828,8 +836,14 @@ class ChiefCheckpoint(keras.callbacks.Callback):
 
         def _get_metrics_result_or_logs(logs):
             cb = me()
-            if cb is not None and cb._in_this_fit() and cb._fit_thread == threading.get_ident():
-                cb._save_at_stop()
+            if cb is None or not cb._in_this_fit():  # left by a fit that raised: take it away
+                if vars(model).get("_get_metrics_result_or_logs") is _get_metrics_result_or_logs:
+                    if previous is not None:
+                        object.__setattr__(model, "_get_metrics_result_or_logs", previous)
+                    else:
+                        object.__delattr__(model, "_get_metrics_result_or_logs")
+            elif cb._fit_thread == threading.get_ident() and sys._getframe(1).f_code.co_name == "fit":
+                cb._save_at_stop()  # (only fit's own call after its batch loop; never evaluate's)
             return keras_fn(logs)
 
         _get_metrics_result_or_logs._ks_checkpoint_hook = True
