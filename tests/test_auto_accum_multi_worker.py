@@ -46,7 +46,7 @@ rng = np.random.default_rng(0)
 X = rng.normal(size=(128, 6)).astype("float32")
 Y = (X @ rng.normal(size=(6, 1))).astype("float32")
 with strategy.scope():
-    inner = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), OomAbove(threshold),
+    inner = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), OomAbove(4),
                               keras.layers.Dense(1)])
     inner.set_weights([np.linspace(-0.4, 0.4, w.size, dtype="float32").reshape(w.shape) for w in inner.get_weights()])
     model = ks.wrap(inner, accum="auto")

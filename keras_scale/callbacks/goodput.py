@@ -482,7 +482,8 @@ def summarize(ledger: Ledger, wall_s: float, probe_s: Sequence[float] = (), step
     executed_calls = L.calls + L.compile_calls
     out["step_time_s"] = compute / executed_calls / max(int(steps_per_call), 1) if executed_calls else None
     out["samples"] = None if L.samples is None else int(round(L.samples))
-    out["samples_per_s"] = L.samples / wall_s if L.samples and wall_s > 0 else None
+    shown_wall_s = out.get("wall_s", wall_s)  # the rounded figure the summary shows: ratios agree with it
+    out["samples_per_s"] = L.samples / shown_wall_s if L.samples and shown_wall_s > 0 else None
     out["flops_per_step"] = flops_per_step
     achieved = (flops_per_step * productive_steps / productive
                 if flops_per_step and productive > 0 and productive_steps > 0 else None)
