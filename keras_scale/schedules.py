@@ -247,6 +247,22 @@ def lr_multiplier(optimizer: keras.optimizers.Optimizer) -> Optional[tf.Variable
     return getattr(getattr(inner, "_learning_rate", None), "lr_multiplier", None)
 
 
+def learning_rate_variable(optimizer: Any) -> Optional[Any]:
+    """The optimizer's learning-rate variable for a float learning rate; ``None`` for a schedule (code, not state)
+    or no optimizer.
+
+    Example:
+        >>> float(learning_rate_variable(keras.optimizers.SGD(0.1)).numpy())
+        0.1...
+        >>> learning_rate_variable(keras.optimizers.SGD(WarmupCosine(0.1, total_steps=100))) is None
+        True
+    """
+    if optimizer is None:
+        return None
+    lr = getattr(inner_optimizer(optimizer), "_learning_rate", None)
+    return lr if isinstance(lr, keras.Variable) else None
+
+
 def inner_optimizer(optimizer: Any) -> Any:
     """The optimizer that owns the update and the learning rate: a ``LossScaleOptimizer``'s inner one, else itself.
 

@@ -25,7 +25,7 @@ from keras_scale import step as step_lib
 from keras_scale._validate import check_int
 from keras_scale.distribute import chief_print
 from keras_scale.callbacks._scalars import ChiefScalars
-from keras_scale.schedules import scale_learning_rate
+from keras_scale.schedules import learning_rate_variable, scale_learning_rate
 
 
 __all__ = ["NanGuard", "NanReport", "NanGuardGaveUp"]
@@ -261,14 +261,6 @@ class NanGuard(keras.callbacks.Callback):
     def _state_variables(self) -> List[Any]:
         return list(self.model.variables) + list(self.model.optimizer.variables)
 
-    def _learning_rate_variables(self) -> List[Any]:
-        """The plain learning-rate variable and any schedule multiplier (what a rollback lowers)."""
-        from keras_scale.schedules import inner_optimizer, lr_multiplier
-
-        inner = inner_optimizer(self.model.optimizer)
-        found = [lr_multiplier(inner), getattr(inner, "_learning_rate", None)]
-        return [v for v in found if isinstance(v, tf.Variable) or hasattr(v, "assign")]
-
     def _take_snapshot(self) -> None:
         self._snapshot = [np.array(v.numpy()) for v in self._state_variables()]
         self._snapshot_batch = self._batches
@@ -296,12 +288,12 @@ class NanGuard(keras.callbacks.Callback):
             if self._snapshot is None:
                 raise NanGuardGaveUp("NanGuard(policy='rollback') has no good state to roll back to.")
             # the learning rate in force now (earlier rollbacks may have lowered it) survives the restore
-            keep = [v for v in self._learning_rate_variables() if any(v is w for w in self._state_variables())]
-            kept = [np.array(v.numpy()) for v in keep]
+            lr = learning_rate_variable(self.model.optimizer)  # a float LR is an optimizer variable, in the snapshot
+            kept_lr = None if lr is None else np.array(lr.numpy())
             for var, value in zip(self._state_variables(), self._snapshot):
                 var.assign(value)
-            for var, value in zip(keep, kept):
-                var.assign(value)
+            if lr is not None:
+                lr.assign(kept_lr)
         if scale_learning_rate(self.model.optimizer, self.lr_factor):
             step_lib.rebuild(self.model)
         step.skipped_steps.assign(skipped)
