@@ -1,5 +1,6 @@
-"""Helpers shared by the ChiefCheckpoint tests (tests/test_checkpoint*.py): the data, the usual compiled model,
-a graceful stop at an update count, weight comparison, and the environment of training subprocesses."""
+"""Helpers shared by the ChiefCheckpoint tests (tests/test_checkpoint*.py; StopAfter by others too): the data, the
+usual compiled model, a graceful stop at an update count, weight comparison, and the environment of training
+subprocesses."""
 import os
 
 import keras

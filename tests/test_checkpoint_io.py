@@ -11,6 +11,7 @@ import tensorflow as tf
 import keras_scale as ks
 from keras_scale.callbacks import _checkpoint_io as io
 from keras_scale.callbacks.checkpoint import list_checkpoints, load_checkpoint
+from tests._helpers import StopAfter
 
 NUM_SAMPLES, BATCH = 80, 8  # 10 batches per epoch
 X = np.random.RandomState(0).rand(NUM_SAMPLES, 4).astype("float32")
@@ -26,16 +27,6 @@ def make_model():
 
 def fit(model, callbacks, epochs=3):
     return model.fit(X, Y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks)
-
-
-class StopAfter(keras.callbacks.Callback):
-    def __init__(self, num_steps):
-        super().__init__()
-        self.num_steps = num_steps
-
-    def on_train_batch_end(self, batch, logs=None):
-        if int(self.model.optimizer.iterations.numpy()) >= self.num_steps:
-            self.model.stop_training = True
 
 
 def weights(model):

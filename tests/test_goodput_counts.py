@@ -14,6 +14,7 @@ import pytest
 
 import keras_scale as ks
 from keras_scale.callbacks.goodput import CATEGORIES, Ledger, clean_seconds, format_summary, summarize
+from tests._helpers import StopAfter
 
 BATCH = 64
 FEATURES = 16
@@ -128,16 +129,6 @@ def test_accumulation_counts_batches_not_micro_batches():
     assert (s["steps"], s["productive_steps"], s["samples"]) == (40, 40, 2 * 20 * BATCH)
     assert int(model.optimizer.iterations.numpy()) == 40
     assert_consistent(s)
-
-
-class StopAfter(keras.callbacks.Callback):
-    def __init__(self, num_steps):
-        super().__init__()
-        self.num_steps = num_steps
-
-    def on_train_batch_end(self, batch, logs=None):
-        if int(self.model.optimizer.iterations.numpy()) >= self.num_steps:
-            self.model.stop_training = True
 
 
 def test_resumed_run_counts_only_what_it_trained(tmp_path):

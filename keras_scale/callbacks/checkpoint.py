@@ -192,13 +192,42 @@ def _metric_variables(model: keras.Model) -> List[Any]:
 
 def _lr_variable(model: keras.Model) -> Optional[Any]:
     """The optimizer's learning-rate variable (a float LR; ``None`` for a schedule, which is code, not state)."""
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is None:
-        return None
-    from keras_scale.schedules import inner_optimizer
+    from keras_scale.schedules import learning_rate_variable
 
-    lr = getattr(inner_optimizer(optimizer), "_learning_rate", None)
-    return lr if isinstance(lr, keras.Variable) else None
+    return learning_rate_variable(getattr(model, "optimizer", None))
+
+
+def _hook_method(obj: Any, name: str, before: Any) -> Tuple[Any, str, Any]:
+    """Make ``obj.<name>(...)`` run ``before(caller)`` first (``caller``: the calling function's name), then the
+    method it replaces; ``before`` returning ``False`` takes the hook away. Returns what :func:`_unhook` needs."""
+    previous = vars(obj).get(name)
+    if getattr(previous, "_ks_checkpoint_hook", False):
+        previous = previous._ks_previous  # left by a fit that raised: replace it
+    original = previous if previous is not None else (
+        lambda *args, **kwargs: getattr(type(obj), name)(obj, *args, **kwargs))
+
+    def hooked(*args: Any, **kwargs: Any) -> Any:
+        if before(sys._getframe(1).f_code.co_name) is False:
+            _unhook((obj, name, hooked))
+        return original(*args, **kwargs)
+
+    hooked._ks_checkpoint_hook = True
+    hooked._ks_previous = previous
+    object.__setattr__(obj, name, hooked)
+    return obj, name, hooked
+
+
+def _unhook(hook: Optional[Tuple[Any, str, Any]]) -> None:
+    """Give back what :func:`_hook_method` replaced (if the hook is still the one installed); returns ``None``."""
+    if hook is None:
+        return None
+    obj, name, fn = hook
+    if vars(obj).get(name) is fn:
+        if fn._ks_previous is not None:
+            object.__setattr__(obj, name, fn._ks_previous)
+        else:
+            object.__delattr__(obj, name)
+    return None
 
 
 def _signature(model: keras.Model) -> Dict[str, List[List[Any]]]:
@@ -800,23 +829,14 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         optimizer = self.model.optimizer
         if optimizer is None:
             return
-        previous = vars(optimizer).get("finalize_variable_values")
-        if getattr(previous, "_ks_checkpoint_hook", False):
-            previous = previous._ks_previous  # left by a fit that raised: replace it
         me = weakref.ref(self)
-        keras_finalize = previous if previous is not None else (
-            lambda var_list: type(optimizer).finalize_variable_values(optimizer, var_list))
 
-        def finalize_variable_values(var_list):
+        def before(caller: str) -> None:
             cb = me()
             if cb is not None and cb._in_this_fit() and cb._fit_thread == threading.get_ident():
                 cb._final_save()
-            return keras_finalize(var_list)
 
-        finalize_variable_values._ks_checkpoint_hook = True
-        finalize_variable_values._ks_previous = previous
-        object.__setattr__(optimizer, "finalize_variable_values", finalize_variable_values)
-        self._finalize_hook = (optimizer, finalize_variable_values)
+        self._finalize_hook = _hook_method(optimizer, "finalize_variable_values", before)
 
     def _install_stop_save_hook(self) -> None:
         """A stop in the middle of an epoch (a callback's ``stop_training``, SIGTERM, NanGuard) is saved where the
@@ -827,29 +847,17 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         model = self.model
         if not hasattr(type(model), "_get_metrics_result_or_logs"):
             return  # another Keras: the stop is saved at train end, as before
-        previous = vars(model).get("_get_metrics_result_or_logs")
-        if getattr(previous, "_ks_checkpoint_hook", False):
-            previous = previous._ks_previous  # left by a fit that raised: replace it
         me = weakref.ref(self)
-        keras_fn = previous if previous is not None else (
-            lambda logs: type(model)._get_metrics_result_or_logs(model, logs))
 
-        def _get_metrics_result_or_logs(logs):
+        def before(caller: str) -> Optional[bool]:
             cb = me()
-            if cb is None or not cb._in_this_fit():  # left by a fit that raised: take it away
-                if vars(model).get("_get_metrics_result_or_logs") is _get_metrics_result_or_logs:
-                    if previous is not None:
-                        object.__setattr__(model, "_get_metrics_result_or_logs", previous)
-                    else:
-                        object.__delattr__(model, "_get_metrics_result_or_logs")
-            elif cb._fit_thread == threading.get_ident() and sys._getframe(1).f_code.co_name == "fit":
+            if cb is None or not cb._in_this_fit():
+                return False  # left by a fit that raised: take it away
+            if cb._fit_thread == threading.get_ident() and caller == "fit":
                 cb._save_at_stop()  # (only fit's own call after its batch loop; never evaluate's)
-            return keras_fn(logs)
+            return None
 
-        _get_metrics_result_or_logs._ks_checkpoint_hook = True
-        _get_metrics_result_or_logs._ks_previous = previous
-        object.__setattr__(model, "_get_metrics_result_or_logs", _get_metrics_result_or_logs)
-        self._stop_hook = (model, _get_metrics_result_or_logs)
+        self._stop_hook = _hook_method(model, "_get_metrics_result_or_logs", before)
 
     def _save_at_stop(self) -> None:
         model = self.model
@@ -860,28 +868,6 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             return  # the epoch is complete: saved at its end with its logs, as without a stop
         if self._global_step != self._last_saved_step:
             self._save(self._epoch, self._step_in_epoch, self._stream_pos)
-
-    def _remove_stop_save_hook(self) -> None:
-        hook, self._stop_hook = self._stop_hook, None
-        if hook is None:
-            return
-        model, fn = hook
-        if vars(model).get("_get_metrics_result_or_logs") is fn:
-            if fn._ks_previous is not None:
-                object.__setattr__(model, "_get_metrics_result_or_logs", fn._ks_previous)
-            else:
-                object.__delattr__(model, "_get_metrics_result_or_logs")
-
-    def _remove_final_save_hook(self) -> None:
-        hook, self._finalize_hook = self._finalize_hook, None
-        if hook is None:
-            return
-        optimizer, fn = hook
-        if vars(optimizer).get("finalize_variable_values") is fn:
-            if fn._ks_previous is not None:
-                object.__setattr__(optimizer, "finalize_variable_values", fn._ks_previous)
-            else:
-                object.__delattr__(optimizer, "finalize_variable_values")
 
     def _save_mid_epoch(self) -> None:
         """Save the interrupted epoch's position with its *training* metric state: validation (which Keras runs
@@ -903,8 +889,8 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                 var.assign(value)
 
     def _active_cleanup(self) -> None:
-        self._remove_final_save_hook()
-        self._remove_stop_save_hook()
+        self._finalize_hook = _unhook(self._finalize_hook)
+        self._stop_hook = _unhook(self._stop_hook)
         self._pending_epoch_save = False
         self._iterator = self._own_stream = self._prefix_skipped_on = None
         self._start_state = None
@@ -996,8 +982,8 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._lr_at_start: Optional[float] = None
         self._lr_override: Optional[float] = None
         self._skipped_seen = 0.0
-        self._finalize_hook: Optional[Tuple[Any, Any]] = None
-        self._stop_hook: Optional[Tuple[Any, Any]] = None
+        self._finalize_hook: Optional[Tuple[Any, str, Any]] = None  # what _hook_method installed
+        self._stop_hook: Optional[Tuple[Any, str, Any]] = None
         self._in_validation = False
         self._iter_backup: Optional[tf.Variable] = None
         self._own_stream: Any = None
