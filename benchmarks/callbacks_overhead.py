@@ -21,7 +21,9 @@ GpuMonitor samples the real NVML when a GPU is visible; without one it samples t
 tests/fakes/fake_nvml.py (the sampling thread and hooks run for real; only driver calls are fabricated).
 
 Floors (issue 15): every callback alone <= 1.01, all together <= 1.02 at the MLP size; second fit <= 1.05
-(NanGuard vs plain Keras).
+(NanGuard vs plain Keras). NanGuard's default checks every gradient before the update, which then cannot run
+beside the backward pass (as Keras's own LossScaleOptimizer): benchmarks/nan_guard_cost.py measures the parts;
+``NanGuard(check_gradients=False)`` decides on the loss alone.
 
 Usage: python benchmarks/callbacks_overhead.py [--rounds 7] [--steps 60] [--skip 10] [--sizes mlp,conv]
 """
@@ -105,8 +107,8 @@ def fake_or_real_nvml():
 def make_arms(log_dir: str, nvml) -> dict:
     far = 10 ** 9  # ProfileWindow idle: its window never opens in the timed steps
 
-    def all_of_them():
-        return [ks.NanGuard(verbose=0), ks.LearningRateLogger(os.path.join(log_dir, "lr_all")),
+    def all_of_them(check_gradients=True):
+        return [ks.NanGuard(verbose=0, check_gradients=check_gradients), ks.LearningRateLogger(os.path.join(log_dir, "lr_all")),
                 ks.GpuMonitor(interval_s=0.5, verbose=0, nvml=nvml),
                 ks.ChiefCheckpoint(os.path.join(log_dir, "ckpt_all"), save_freq="epoch", verbose=0, restore=False),
                 ks.ProfileWindow(os.path.join(log_dir, "prof_all"), start_step=far, num_steps=2),
@@ -116,12 +118,14 @@ def make_arms(log_dir: str, nvml) -> dict:
         "bare": [],
         "TerminateOnNaN (Keras)": [keras.callbacks.TerminateOnNaN()],
         "NanGuard": [ks.NanGuard(verbose=0)],
+        "NanGuard(check_gradients=False)": [ks.NanGuard(verbose=0, check_gradients=False)],
         "LearningRateLogger": [ks.LearningRateLogger(os.path.join(log_dir, "lr"))],
         "GpuMonitor": [ks.GpuMonitor(interval_s=0.5, verbose=0, nvml=nvml)],
         "ChiefCheckpoint(epoch)": [ks.ChiefCheckpoint(os.path.join(log_dir, "ckpt"), save_freq="epoch", verbose=0, restore=False)],
         "ProfileWindow (idle)": [ks.ProfileWindow(os.path.join(log_dir, "prof"), start_step=far, num_steps=2)],
         "HostMemoryWatch": [ks.HostMemoryWatch()],
         "all six": all_of_them(),
+        "all six, NanGuard loss only": all_of_them(check_gradients=False),
     }
 
 
@@ -145,10 +149,10 @@ def per_step(size: str, rounds: int, steps: int, skip: int, nvml) -> None:
             times[name].extend(run_arm(model, size, steps, skip, arms[name]))
     bare = statistics.median(times["bare"])
     print(f"\n== {size}: median steady-state step time, {rounds} interleaved rounds x {steps - skip - 1} steps")
-    print(f"{'arm':28s} {'median ms':>10s} {'ratio':>7s}")
+    print(f"{'arm':32s} {'median ms':>10s} {'ratio':>7s}")
     for name in arms:
         med = statistics.median(times[name])
-        print(f"{name:28s} {med * 1e3:10.3f} {med / bare:7.3f}")
+        print(f"{name:32s} {med * 1e3:10.3f} {med / bare:7.3f}")
 
 
 def second_fit(rounds: int) -> None:

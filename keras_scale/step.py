@@ -88,6 +88,24 @@ def _all_finite(g: Any) -> tf.Tensor:
     return tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
 
 
+def _all_gradients_finite(grads: List[Any]) -> tf.Tensor:
+    """True when every element of every gradient is finite.
+
+    One summing pass per gradient (a NaN or inf element makes the sum non-finite): about half the work of
+    ``is_finite`` + ``reduce_all``, which writes a boolean tensor first. Only when the sum is not finite (an
+    element is, or large finite values overflowed the sum) does the exact per-element check run.
+    """
+    values = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
+    values = [v for v in values if v.dtype.is_floating]
+    if not values:
+        return tf.constant(True)
+    sums = [tf.cast(tf.reduce_sum(v if v.dtype in (tf.float32, tf.float64) else tf.cast(v, tf.float32)),
+                    tf.float32) for v in values]  # (a float64 sum beyond float32's range takes the exact path)
+    total = tf.add_n(sums) if len(sums) > 1 else sums[0]
+    return tf.cond(tf.math.is_finite(total), lambda: tf.constant(True),
+                   lambda: tf.reduce_all([_all_finite(v) for v in values]))
+
+
 def is_loss_scaled(optimizer: Any) -> bool:
     """True for Keras's ``LossScaleOptimizer`` (mixed_float16).
 
@@ -264,7 +282,8 @@ class ComposedStep:
         self.unrolled: Optional[bool] = None  # None: decide (synchronized BN or XLA -> unrolled)
         self.guard = False
         self.halt_after_consecutive = 0  # 0: never halt in-graph; N: stop applying after N bad steps in a row
-        self._requests: Dict[int, Tuple[bool, int]] = {}
+        self.check_gradients = True  # False: the guard decides on the loss alone (no wait for every gradient)
+        self._requests: Dict[int, Tuple[bool, int, bool]] = {}
         self._layouts: List[List[DiagnosisSlot]] = []  # per trace: what each entry of ``diag`` counts
         self.traced_micro_batches: Optional[int] = None  # set while tracing (static count) for tests/benchmarks
         self.traces = 0  # how many times a train function of this model was traced (tests, benchmarks)
@@ -317,8 +336,12 @@ class ComposedStep:
             self.micro_batch_size, self.accum = int(micro_batch_size), None
         return self
 
-    def request(self, owner: Any, guard: bool = True, halt_after_consecutive: int = 0) -> None:
+    def request(self, owner: Any, guard: bool = True, halt_after_consecutive: int = 0,
+                check_gradients: bool = True) -> None:
         """``owner`` (a callback, from its ``set_model``) wants the non-finite guard in the fit being set up.
+
+        ``check_gradients=False``: decide on the loss alone (see ``NanGuard(check_gradients=...)``); the
+        gradients are checked when any guarding owner asks for it.
 
         The owner withdraws it when that fit ends, however it ends: register ``withdraw`` as (part of) its
         :func:`keras_scale.lifecycle.join` undo.
@@ -327,7 +350,7 @@ class ComposedStep:
             lifecycle.join(model, guard_callback, undo=lambda: get_step(model).withdraw(guard_callback))
             get_step(model).request(guard_callback, guard=True, halt_after_consecutive=1)
         """
-        self._requests[id(owner)] = (bool(guard), int(halt_after_consecutive))
+        self._requests[id(owner)] = (bool(guard), int(halt_after_consecutive), bool(check_gradients))
         self.reset_transient()
 
     def withdraw(self, owner: Any) -> None:
@@ -355,8 +378,9 @@ class ComposedStep:
 
     def _resolve(self) -> None:
         requests = list(self._requests.values())
-        self.guard = any(g for g, _ in requests)
-        self.halt_after_consecutive = max([h for g, h in requests if g] or [0])
+        self.guard = any(g for g, _, _ in requests)
+        self.halt_after_consecutive = max([h for g, h, _ in requests if g] or [0])
+        self.check_gradients = any(c for g, _, c in requests if g) or not self.guard
 
     def variables(self) -> Dict[str, tf.Variable]:
         """The step's state to checkpoint, by name (transient guard state is never checkpointed).
@@ -398,7 +422,8 @@ class ComposedStep:
         return len(a) == len(b) and all(x is y or (isinstance(x, (int, bool)) and x == y) for x, y in zip(a, b))
 
     def _config(self) -> Tuple:
-        return (self.accum, self.micro_batch_size, self.unrolled, self.guard, self.halt_after_consecutive)
+        return (self.accum, self.micro_batch_size, self.unrolled, self.guard, self.halt_after_consecutive,
+                self.check_gradients)
 
     def _ours(self, fn: Any) -> bool:
         return fn is not None and (fn is self._outer_placed or any(fn is cached for _, cached in self._cache.values()))
@@ -451,6 +476,12 @@ class ComposedStep:
     def _check_at_fit_start(self) -> None:
         model = self.model
         check_supported(model)
+        self._resolve()
+        if self.guard and not self.check_gradients and not self.wrapped and has_own_train_step(model):
+            self._warn_once("foreign_loss_only",
+                            f"NanGuard(check_gradients=False): {type(model).__name__} computes its loss in its own "
+                            f"train_step, out of the guard's sight; its gradients are checked at the optimizer, as "
+                            f"with the default.")
         if self.wrapped:
             inner = model.inner
             if has_own_train_step(inner):
@@ -503,7 +534,7 @@ class ComposedStep:
             with tf.control_dependencies(self._metric_reads()):
                 any_loss_bad = tf.identity(any_loss_bad)
         bad = self._decide_bad(optimizer, any_loss_bad, [g for g in reduced_grads if g is not None])
-        apply_now = tf.logical_and(tf.logical_not(bad), tf.logical_not(self.halted.read_value() > 0))
+        apply_now = self._apply_now(bad)
         self._conditional_apply(lambda g: optimizer.apply(g, trainable), reduced_grads, apply_now, snapshot,
                                 already_reduced=True)
         self._record(bad, x, y, sample_weight, pred_bad, loss_bad, local, present, trainable)
@@ -572,11 +603,11 @@ class ComposedStep:
         grads = list(grads)
         x, y, sample_weight, snapshot = getattr(_LOCAL, "foreign_data", (None, None, None, []))
         present = [i for i, g in enumerate(grads) if g is not None]
-        local_bad = tf.add_n([_nonfinite_count(grads[i]) for i in present] or [tf.constant(0.0)])
+        local_bad = tf.cast(tf.logical_not(_all_gradients_finite([grads[i] for i in present])), tf.float32)
         if _replicas(self.model.distribute_strategy) > 1:
             local_bad = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, local_bad)
         bad = self._decide_bad(optimizer, tf.constant(False), [], grads_bad=local_bad > 0)
-        apply_now = tf.logical_and(tf.logical_not(bad), tf.logical_not(self.halted.read_value() > 0))
+        apply_now = self._apply_now(bad)
         with _ThreadFlag("guarding", None):  # the inner apply is Keras's own
             self._conditional_apply(apply, grads, apply_now, snapshot, already_reduced=False)
         trainable = list(trainable_variables) if trainable_variables is not None else list(
@@ -584,6 +615,11 @@ class ComposedStep:
         self._record(bad, x, y, sample_weight, tf.constant(0.0), tf.constant(0.0), [grads[i] for i in present],
                      present, trainable)
         return optimizer.iterations
+
+    def _apply_now(self, bad: tf.Tensor) -> tf.Tensor:
+        if self.halt_after_consecutive <= 0:  # no policy halts in-graph: nothing to read
+            return tf.logical_not(bad)
+        return tf.logical_and(tf.logical_not(bad), tf.logical_not(self.halted.read_value() > 0))
 
     def _logs(self, logs: Any) -> Any:
         if isinstance(logs, dict):
@@ -594,9 +630,10 @@ class ComposedStep:
     def _decide_bad(self, optimizer: Any, any_loss_bad: tf.Tensor, reduced_grads: List[Any],
                     grads_bad: Optional[tf.Tensor] = None) -> tf.Tensor:
         if grads_bad is None:
-            grads_ok = tf.reduce_all([_all_finite(g) for g in reduced_grads]
-                                     or [tf.constant(True)])
-            grads_bad = tf.logical_not(grads_ok)
+            # (loss only: the update need not wait for every gradient; a non-finite gradient under a finite
+            # loss is then applied, and shows as non-finite predictions on the next step)
+            grads_bad = (tf.logical_not(_all_gradients_finite(reduced_grads)) if self.check_gradients
+                         else tf.constant(False))
         if is_loss_scaled(optimizer):
             # a gradient overflow is the loss scaler's business (it skips and lowers the scale) until the scale
             # is so low that scaling cannot be the cause: then it is an incident (else the scale collapses
@@ -842,9 +879,9 @@ class ComposedStep:
         bad_i = tf.cast(bad, tf.int64)
         self.skipped_steps.assign_add(bad_i)
         self.epoch_skipped.assign_add(bad_i)
-        consecutive = (self.consecutive_bad + bad_i) * bad_i
-        self.consecutive_bad.assign(consecutive)
-        if self.halt_after_consecutive > 0:
+        if self.halt_after_consecutive > 0:  # (bad steps in a row matter only to a policy that halts)
+            consecutive = (self.consecutive_bad + bad_i) * bad_i
+            self.consecutive_bad.assign(consecutive)
             halt = tf.cast(consecutive >= self.halt_after_consecutive, tf.int64)
             self.halted.assign(tf.maximum(self.halted, halt))
 

@@ -237,3 +237,79 @@ def test_composes_with_xla(accum):
     model.fit(_poison(x, 3), y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False, callbacks=[guard])
     assert guard.skipped_steps == 2 and _finite(inner)
     assert guard.reports[0].source == "inputs"
+
+
+class _Exploding(keras.layers.Layer):
+    def call(self, inputs):  # finite forward, non-finite gradient at 0: d/dx sqrt(|x|)
+        return tf.sqrt(tf.abs(inputs))
+
+
+def _exploding_model(cls=keras.Sequential):
+    model = cls([keras.Input((6,)), keras.layers.Dense(4, kernel_initializer="zeros"), _Exploding(),
+                 keras.layers.Dense(1, kernel_initializer="ones")])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    return model
+
+
+def test_loss_only_check_skips_a_non_finite_loss_step_like_the_default():
+    x, y = _data()
+    model = _model()
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+    guard = ks.NanGuard(verbose=0, check_gradients=False)
+    history = model.fit(_poison(x, 2), y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False, callbacks=[guard])
+    assert guard.skipped_steps == 2 and history.history["nan_skipped"] == [1, 1]
+    assert _finite(model) and int(model.optimizer.iterations.numpy()) == 2 * 8 - 2
+    assert np.isfinite(history.history["loss"]).all() and guard.reports[0].source == "inputs"
+
+
+def test_loss_only_check_applies_a_finite_loss_with_non_finite_gradients_as_documented():
+    x, y = _data()
+    default, loss_only = _exploding_model(), _exploding_model()
+    strict = ks.NanGuard(verbose=0)
+    default.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False, callbacks=[strict])
+    assert _finite(default) and strict.reports[0].source == "gradients"
+    assert int(default.optimizer.iterations.numpy()) == 0  # every step's gradient is non-finite: none applied
+
+    lenient = ks.NanGuard(verbose=0, check_gradients=False)
+    loss_only.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False, callbacks=[lenient])
+    # the first step (finite loss) was applied with its non-finite gradients; the next steps' predictions are
+    # non-finite: skipped and reported
+    assert int(loss_only.optimizer.iterations.numpy()) == 1 and not _finite(loss_only)
+    assert lenient.skipped_steps == 7 and lenient.reports[0].source == "predictions"
+
+
+def test_any_guard_asking_for_the_gradient_check_gets_it_and_switching_reuses_traces():
+    from keras_scale.step import get_step
+    x, y = _data()
+    model = _exploding_model()
+    both = [ks.NanGuard(verbose=0, check_gradients=False), ks.NanGuard(verbose=0)]
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=both)
+    assert _finite(model) and int(model.optimizer.iterations.numpy()) == 0
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[ks.NanGuard(verbose=0, check_gradients=False)])
+    traces = get_step(model).traces
+    for check in (True, False, True):
+        model.fit(x[:32], y[:32], batch_size=BATCH, epochs=1, verbose=0,
+                  callbacks=[ks.NanGuard(verbose=0, check_gradients=check)])
+    assert get_step(model).traces == traces  # one trace per configuration, reused by later fits
+
+
+def test_loss_only_check_on_a_model_with_its_own_train_step_still_checks_gradients():
+    class Own(keras.Sequential):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+            self.optimizer.apply(tape.gradient(loss, self.trainable_weights), self.trainable_weights)
+            return {"loss": loss}
+
+    x, y = _data()
+    model = _exploding_model(Own)
+    with pytest.warns(UserWarning, match="gradients are checked at the optimizer"):
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
+                  callbacks=[ks.NanGuard(verbose=0, check_gradients=False)])
+    assert _finite(model) and int(model.optimizer.iterations.numpy()) == 0
+
+
+def test_check_gradients_must_be_a_bool():
+    with pytest.raises(TypeError, match="check_gradients must be True or False"):
+        ks.NanGuard(check_gradients="yes")

@@ -1,0 +1,180 @@
+"""What does NanGuard's guarded train step cost per step, and which part costs what?
+
+Issue 15 asks for the guarded graph's parts measured: the finite checks, the update's wait for them, the extra
+all-reduce scalar and the cross-replica cond. Each arm below is its own model (same architecture, same initial
+weights, same data) whose train function was traced once; the timed loop then calls the train functions
+directly, in interleaved rounds (arm order shuffled each round), so tracing, callbacks and Python per-batch work
+are out and only the graph differs. Printed: the median over rounds of each arm's step time divided by the bare
+arm's in the same round.
+
+Arms:
+  bare                       plain Keras ``fit``'s train function
+  TerminateOnNaN             identical graph to bare (Keras checks the loss on the host): the noise floor
+  NanGuard                   the default guard: skip when the loss or any gradient is non-finite
+  NanGuard(check_gradients=False)
+                             skip when the loss is non-finite (decided before the backward pass)
+  LossScaleOptimizer (Keras) Keras's own skip-if-non-finite update (checks every gradient, then a cond):
+                             what the same guarantee costs in Keras itself
+  parts (measured by changing one thing in the default guard's graph while it is traced):
+    guard, update waits, no check   the update waits for every gradient; nothing is checked
+    guard, check off the path       every gradient is checked, but the update does not wait for it
+
+With ``--replicas 2`` (2 logical CPUs, MirroredStrategy) the guarded arms also carry the flag in the gradients'
+all-reduce and the cross-replica cond.
+
+Usage: python benchmarks/nan_guard_cost.py [--rounds 21] [--steps 60] [--replicas 1|2] [--size mlp|conv]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import statistics
+import sys
+import time
+import warnings
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import keras_scale as ks  # noqa: E402
+from keras_scale import step as step_lib  # noqa: E402
+
+
+def make_model(size: str, optimizer: keras.optimizers.Optimizer) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    if size == "mlp":
+        layers = [keras.Input((256,)), keras.layers.Dense(512, activation="relu"),
+                  keras.layers.Dense(512, activation="relu"), keras.layers.Dense(10)]
+    else:
+        layers = [keras.Input((32, 32, 3)), keras.layers.Conv2D(32, 3, activation="relu"),
+                  keras.layers.Conv2D(64, 3, activation="relu"), keras.layers.GlobalAveragePooling2D(),
+                  keras.layers.Dense(10)]
+    model = keras.Sequential(layers)
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def make_dataset(size: str) -> tf.data.Dataset:
+    rng = np.random.default_rng(0)
+    batch, shape = (128, (256,)) if size == "mlp" else (64, (32, 32, 3))
+    x = rng.random((batch * 16, *shape), dtype=np.float32)
+    y = rng.integers(0, 10, batch * 16)
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True).cache().repeat().prefetch(2)
+
+
+class _Grab(keras.callbacks.Callback):
+    """Keeps the train function the fit runs (the composed one when a keras_scale piece is in the fit)."""
+
+    def on_train_begin(self, logs=None):
+        self.train_function = self.model.train_function
+
+
+@contextlib.contextmanager
+def _patched(**methods):
+    """Replace ComposedStep methods while an arm's function is traced (the parts arms only)."""
+    saved = {name: getattr(step_lib.ComposedStep, name) for name in methods}
+    for name, fn in methods.items():
+        setattr(step_lib.ComposedStep, name, fn)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(step_lib.ComposedStep, name, fn)
+
+
+def _loss_only(self, optimizer, any_loss_bad, reduced_grads, grads_bad=None):
+    return any_loss_bad
+
+
+def _apply_after_all_gradients(original):
+    def conditional_apply(self, apply, grads, apply_now, snapshot, already_reduced):
+        with tf.control_dependencies([g for g in grads if g is not None]):
+            apply_now = tf.identity(apply_now)
+        return original(self, apply, grads, apply_now, snapshot, already_reduced)
+    return conditional_apply
+
+
+def _record_with_check(original):
+    def record(self, bad, x, y, sample_weight, pred_bad, loss_bad, local_grads, present, trainable):
+        grads_bad = tf.logical_not(step_lib._all_gradients_finite(local_grads))
+        return original(self, tf.logical_or(bad, grads_bad), x, y, sample_weight, pred_bad, loss_bad, local_grads,
+                        present, trainable)
+    return record
+
+
+def arms(size: str):
+    adam = lambda: keras.optimizers.Adam(1e-3)  # noqa: E731
+    C = step_lib.ComposedStep
+    return {  # name: (optimizer factory, callbacks factory, patches while tracing)
+        "bare": (adam, lambda: [], {}),
+        "TerminateOnNaN (Keras)": (adam, lambda: [keras.callbacks.TerminateOnNaN()], {}),
+        "NanGuard": (adam, lambda: [ks.NanGuard(verbose=0)], {}),
+        "NanGuard(check_gradients=False)": (adam, lambda: [ks.NanGuard(verbose=0, check_gradients=False)], {}),
+        "LossScaleOptimizer (Keras)": (lambda: keras.optimizers.LossScaleOptimizer(adam()), lambda: [], {}),
+        "  guard, update waits, no check": (adam, lambda: [ks.NanGuard(verbose=0)],
+                                            {"_decide_bad": _loss_only,
+                                             "_conditional_apply": _apply_after_all_gradients(C._conditional_apply)}),
+        "  guard, check off the path": (adam, lambda: [ks.NanGuard(verbose=0)],
+                                        {"_decide_bad": _loss_only, "_record": _record_with_check(C._record)}),
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--steps", type=int, default=60, help="timed steps per arm and round")
+    parser.add_argument("--replicas", type=int, default=1, choices=(1, 2))
+    parser.add_argument("--size", default="mlp", choices=("mlp", "conv"))
+    args = parser.parse_args(argv)
+    if args.replicas > 1:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * args.replicas)
+        strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(args.replicas)])
+    else:
+        strategy = tf.distribute.get_strategy()
+    ds = make_dataset(args.size)
+    functions, iterators = {}, {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, (optimizer, callbacks, patches) in arms(args.size).items():
+            with strategy.scope():
+                model = make_model(args.size, optimizer())
+            grab = _Grab()
+            with _patched(**patches):
+                model.fit(ds, epochs=1, steps_per_epoch=3, verbose=0, callbacks=[*callbacks(), grab])
+            functions[name] = grab.train_function
+            iterators[name] = iter(strategy.experimental_distribute_dataset(ds) if args.replicas > 1 else ds)
+    ratios = {name: [] for name in functions}
+    steps_ms = {name: [] for name in functions}
+    order = list(functions)
+    for r in range(args.rounds):
+        random.Random(r).shuffle(order)
+        took = {}
+        for name in order:
+            fn, it = functions[name], iterators[name]
+            for _ in range(3):
+                fn(it)
+            t = time.perf_counter()
+            for _ in range(args.steps):
+                logs = fn(it)
+            float(logs["loss"])
+            took[name] = (time.perf_counter() - t) / args.steps
+        for name in functions:
+            ratios[name].append(took[name] / took["bare"])
+            steps_ms[name].append(took[name] * 1e3)
+    print(f"nan_guard_cost: {args.size}, {args.replicas} replica(s), {args.rounds} interleaved rounds x {args.steps} "
+          f"steps; median step time and median of the per-round ratios to bare")
+    print(f"{'arm':36s} {'ms':>7s} {'ratio':>7s}")
+    for name in functions:
+        print(f"{name:36s} {statistics.median(steps_ms[name]):7.3f} {statistics.median(ratios[name]):7.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
