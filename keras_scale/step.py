@@ -38,6 +38,7 @@ import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras.src.losses import loss as keras_loss
 from keras.src.trainers.data_adapters import data_adapter_utils
@@ -298,6 +299,7 @@ class ComposedStep:
         # is ready, and `iterations.assign_add` depends on no gradient at all)
         self.atomic_update = False
         self._outer_placed: Any = None
+        self._state_finite_fn: Optional[Tuple[Tuple[int, ...], Any]] = None
         # updates NanGuard(policy="rollback") discarded (restored to an earlier state), host-side, for ks.Goodput
         self.rolled_back_steps = 0
         with model.distribute_strategy.scope():
@@ -632,8 +634,9 @@ class ComposedStep:
         if grads_bad is None:
             # (loss only: the update need not wait for every gradient; a non-finite gradient under a finite
             # loss is then applied, and shows as non-finite predictions on the next step)
-            grads_bad = (tf.logical_not(_all_gradients_finite(reduced_grads)) if self.check_gradients
-                         else tf.constant(False))
+            # (a LossScaleOptimizer waits for every gradient anyway, and its scale floor needs them: checked)
+            check = self.check_gradients or is_loss_scaled(optimizer)
+            grads_bad = tf.logical_not(_all_gradients_finite(reduced_grads)) if check else tf.constant(False)
         if is_loss_scaled(optimizer):
             # a gradient overflow is the loss scaler's business (it skips and lowers the scale) until the scale
             # is so low that scaling cannot be the cause: then it is an incident (else the scale collapses
@@ -860,6 +863,46 @@ class ComposedStep:
             tf.cond(flag, yes, no)
 
         tf.distribute.get_replica_context().merge_call(cross_replica, args=(apply_now, grads, values))
+
+    def _state(self) -> List[Any]:
+        optimizer = self.model.optimizer
+        variables = list(self.model.variables) + (list(optimizer.variables) if optimizer is not None else [])
+        return [v for v in variables if "float" in str(v.dtype)]
+
+    def state_finite(self) -> bool:
+        """Whether every floating weight and optimizer variable is finite: one in-graph pass, a bool to the host.
+
+        ``NanGuard(check_gradients=False)`` lets a finite-loss step with non-finite gradients through; it and
+        ``ChiefCheckpoint`` ask this before trusting (snapshotting, saving, calling good) the current state.
+
+        Example:
+            >>> import keras
+            >>> get_step(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])).state_finite()
+            True
+        """
+        variables = self._state()
+        key = tuple(id(v) for v in variables)
+        if self._state_finite_fn is None or self._state_finite_fn[0] != key:
+            values = [getattr(v, "value", v) for v in variables]
+            self._state_finite_fn = (key, tf.function(lambda: _all_gradients_finite(
+                [tf.convert_to_tensor(v) for v in values]), autograph=False))
+        return bool(self._state_finite_fn[1]())
+
+    def non_finite_state(self) -> List[str]:
+        """The paths of the weights and optimizer variables holding a non-finite value (reads them all).
+
+        Example:
+            >>> import keras
+            >>> get_step(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])).non_finite_state()
+            []
+        """
+        return [getattr(v, "path", v.name) for v in self._state() if not np.isfinite(np.asarray(v.numpy())).all()]
+
+    @property
+    def loss_only(self) -> bool:
+        """A guard is on in this fit and it decides on the loss alone (``NanGuard(check_gradients=False)``)."""
+        self._resolve()
+        return self.guard and not self.check_gradients
 
     def read_diagnosis(self) -> List[Tuple[DiagnosisSlot, float]]:
         """The first bad step's diagnosis since the last reset: ``(slot, non-finite count)`` for each slot > 0.

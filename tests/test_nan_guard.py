@@ -273,9 +273,9 @@ def test_loss_only_check_applies_a_finite_loss_with_non_finite_gradients_as_docu
     lenient = ks.NanGuard(verbose=0, check_gradients=False)
     loss_only.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False, callbacks=[lenient])
     # the first step (finite loss) was applied with its non-finite gradients; the next steps' predictions are
-    # non-finite: skipped and reported
+    # non-finite: skipped, and reported as what they are (non-finite weights, not an overflowing forward pass)
     assert int(loss_only.optimizer.iterations.numpy()) == 1 and not _finite(loss_only)
-    assert lenient.skipped_steps == 7 and lenient.reports[0].source == "predictions"
+    assert lenient.skipped_steps == 7 and lenient.reports[0].source == "weights"
 
 
 def test_any_guard_asking_for_the_gradient_check_gets_it_and_switching_reuses_traces():
@@ -313,3 +313,93 @@ def test_loss_only_check_on_a_model_with_its_own_train_step_still_checks_gradien
 def test_check_gradients_must_be_a_bool():
     with pytest.raises(TypeError, match="check_gradients must be True or False"):
         ks.NanGuard(check_gradients="yes")
+
+
+# NanGuard(check_gradients=False) lets a finite-loss step with non-finite gradients through; what it must still
+# guarantee: the poisoned state is reported as such, never saved, never snapshotted, never called good.
+class _Norm(keras.layers.Layer):
+    def call(self, inputs):  # finite for an all-zero row, but its gradient there is 0/0
+        return tf.sqrt(tf.reduce_sum(inputs * inputs, axis=-1, keepdims=True))
+
+
+def _norm_model():
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(4, use_bias=False, kernel_initializer="ones")(inputs)
+    outputs = keras.layers.Add()([keras.layers.Dense(1, kernel_initializer="ones")(inputs), _Norm()(hidden)])
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", metrics=["mae"])
+    return model
+
+
+def _zero_row_data(batch_index=2):
+    x, y = _data()
+    x[batch_index * BATCH] = 0.0  # one all-zero row: finite loss, NaN gradient for the hidden kernel
+    return x, y
+
+
+def test_loss_only_never_saves_a_non_finite_state_and_rolls_back_to_a_finite_one(tmp_path):
+    from keras_scale.callbacks.checkpoint import load_checkpoint
+    x, y = _zero_row_data()
+    model = _norm_model()
+    guard = ks.NanGuard(verbose=0, check_gradients=False, policy="rollback")
+    ckpt = ks.ChiefCheckpoint(str(tmp_path / "ckpt"), save_freq=1, verbose=0, max_to_keep=50)
+    model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False, callbacks=[guard, ckpt])
+    assert _finite(model) and guard.rollbacks == 2
+    assert guard.reports[0].source == "weights" and "check_gradients" in guard.reports[0].advice
+    assert any("dense" in d for d in guard.reports[0].details)
+    prefixes = tf.train.get_checkpoint_state(str(tmp_path / "ckpt")).all_model_checkpoint_paths
+    assert len(prefixes) > 5
+    for prefix in prefixes:
+        reader = load_checkpoint(prefix)
+        for name in reader.get_variable_to_dtype_map():
+            value = reader.get_tensor(name)
+            if getattr(value, "dtype", None) is not None and np.issubdtype(value.dtype, np.floating):
+                assert np.isfinite(value).all(), (prefix, name)
+
+
+def test_loss_only_rollback_snapshot_skips_a_non_finite_state():
+    x, y = _zero_row_data()
+    model = _norm_model()
+    guard = ks.NanGuard(verbose=0, check_gradients=False, policy="rollback", snapshot_every_n_steps=1)
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False, callbacks=[guard])
+    assert _finite(model) and guard.rollbacks == 1
+
+
+def test_loss_only_stop_says_the_weights_are_not_usable(capsys):
+    x, y = _zero_row_data()
+    model = _norm_model()
+    guard = ks.NanGuard(verbose=1, check_gradients=False, policy="stop")
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False, callbacks=[guard])
+    err = capsys.readouterr().err
+    assert not _finite(model) and "NOT usable" in err and "last good step" not in err
+
+
+def test_loss_only_reports_a_non_finite_embedding_row_at_epoch_end():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 10, size=(128, 1))
+    tokens[40] = 0  # the only use of token 0, whose row starts at zero: its norm's gradient is NaN
+    inputs = keras.Input((1,), dtype="int32")
+    emb = keras.layers.Embedding(10, 4, embeddings_initializer="ones", name="emb")
+    vectors = keras.layers.Flatten()(emb(inputs))
+    model = keras.Model(inputs, _Norm()(vectors))
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    emb.embeddings.assign(np.concatenate([np.zeros((1, 4)), np.ones((9, 4))]).astype("float32"))
+    guard = ks.NanGuard(verbose=0, check_gradients=False)
+    model.fit(tokens, np.ones((128, 1)), batch_size=BATCH, epochs=1, verbose=0, shuffle=False, callbacks=[guard])
+    assert guard.skipped_steps == 0  # no step's loss was ever non-finite ...
+    assert guard.reports and guard.reports[-1].source == "weights"  # ... and yet it is not silent
+    assert "emb" in " ".join(guard.reports[-1].details)
+
+
+def test_loss_only_under_loss_scaling_still_checks_gradients():
+    x, y = _data()
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    try:
+        model = _exploding_model()
+        model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+        guard = ks.NanGuard(verbose=0, check_gradients=False)
+        model.fit(np.tile(x, (3, 1)), np.tile(y, (3, 1)), batch_size=BATCH, epochs=1, verbose=0, callbacks=[guard])
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+    assert guard.reports and guard.reports[0].source == "gradients"  # the scale floor is still reported
+    assert _finite(model)

@@ -510,6 +510,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._lock_stop: Optional[threading.Event] = None
         self._fit_thread: Optional[int] = None
         self.blocked_s = 0.0
+        self._warned_poisoned = False
         self.preempted: Optional[int] = None
         self._reset_position()
 
@@ -636,6 +637,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._lr_at_start = float(lr.numpy()) if lr is not None else None  # as this run's script sets it
         self._fit_thread = threading.get_ident()
         self.blocked_s = 0.0
+        self._warned_poisoned = False
         self.preempted = None
         error: Optional[BaseException] = None
         try:
@@ -1830,9 +1832,23 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         finally:
             self.blocked_s += time.perf_counter() - started
 
+    def _state_poisoned(self) -> bool:
+        """NanGuard(check_gradients=False) let a non-finite gradient through: the state must not be saved."""
+        from keras_scale.step import get_step
+
+        step = get_step(self.model, create=False)
+        if step is None or not step.loss_only or step.state_finite():
+            return False
+        if not self._warned_poisoned:
+            self._warned_poisoned = True
+            self._say("ChiefCheckpoint: not saving: the weights or optimizer state hold non-finite values (a "
+                      "finite-loss step applied non-finite gradients under NanGuard(check_gradients=False)); the "
+                      "newest checkpoint stays the last finite state.", routine=False)
+        return True
+
     def _save_untimed(self, epoch: int, step_in_epoch: int, stream_pos: int) -> Optional[str]:
         path = None
-        if self._global_step != self._last_saved_step:
+        if self._global_step != self._last_saved_step and not self._state_poisoned():
             if self._checkpoint is None:  # model built by its first step
                 self._ensure_built()
                 self._build_checkpoint()

@@ -46,6 +46,9 @@ _ADVICE = {
             "with raw logits, clip probabilities, and compute the loss in float32.",
     "gradients": "the gradients overflowed: lower the learning rate or add warmup, clip with "
                  "global_clipnorm, and under float16 use loss scaling (LossScaleOptimizer) or mixed_bfloat16.",
+    "weights": "a step with a finite loss applied non-finite gradients: NanGuard(check_gradients=False) checks the "
+               "loss only. Use the default check_gradients=True (each such step is then skipped), or remove the "
+               "cause (sqrt/norm of an all-zero vector: add an epsilon; an overflow: lower the LR, global_clipnorm).",
 }
 _ORDER = ("inputs", "targets", "sample_weight", "predictions", "loss", "gradients")
 
@@ -74,6 +77,10 @@ class NanReport:
     def __str__(self) -> str:
         scale = f"; loss scale {self.loss_scale:g}" if self.loss_scale is not None else ""
         where = "; ".join(self.details[:8]) + (" ..." if len(self.details) > 8 else "")
+        if self.source == "weights":
+            return (f"NanGuard: non-finite weights at epoch {self.epoch}, update {self.step} "
+                    f"({self.bad_steps} non-finite step(s) skipped since the last check): {where}{scale}.\n"
+                    f"  Likely fix: {self.advice}")
         return (f"NanGuard: {self.bad_steps} non-finite step(s) at epoch {self.epoch}, update {self.step}, skipped "
                 f"(no update applied). First non-finite values in the {self.source}: {where}{scale}.\n"
                 f"  Likely fix: {self.advice}")
@@ -99,9 +106,12 @@ class NanGuard(keras.callbacks.Callback):
             ``benchmarks/nan_guard_cost.py``; nothing measurable at 20 ms steps). ``False``: decide on the loss
             alone, known before the backward pass (~1%, like Keras's ``TerminateOnNaN``), and still skipped.
             A finite loss with non-finite gradients (``sqrt``/``norm`` at 0, an overflow in the backward pass)
-            is then applied: weights turn non-finite, which typically makes the following steps' predictions
-            non-finite: those steps are skipped and reported (``policy="rollback"`` restores the last good
-            state). Models with their own ``train_step`` are checked at the optimizer either way.
+            is then applied and the weights turn non-finite. What still holds: the state is checked (one
+            in-graph pass) at every skipped step and every epoch end, and a non-finite one is reported as
+            source ``"weights"``; ``policy="rollback"`` rolls back at once, ``"stop"`` stops and says the
+            weights are not usable; ``ChiefCheckpoint`` never saves it, the rollback snapshot never keeps it.
+            Under a ``LossScaleOptimizer`` (which waits for every gradient anyway) and for models with their
+            own ``train_step`` the gradients are checked either way.
 
     No extra device-to-host read per step: the step returns the epoch's count in its logs (``nan_skipped``, which
     Keras already brings to the host for every batch and every callback, whatever their order); the host reads
@@ -134,8 +144,9 @@ class NanGuard(keras.callbacks.Callback):
             check_int(name, value, owner="NanGuard")
         if not (isinstance(lr_factor, (int, float)) and 0 < lr_factor <= 1):
             raise ValueError(f"lr_factor must be in (0, 1] (the LR is multiplied by it at a rollback), got {lr_factor!r}")
-        if not isinstance(check_gradients, bool):
+        if not isinstance(check_gradients, (bool, np.bool_)):
             raise TypeError(f"check_gradients must be True or False, got {check_gradients!r}")
+        check_gradients = bool(check_gradients)
         self.policy = policy
         self.check_gradients = check_gradients
         self.max_consecutive = max_consecutive
@@ -189,7 +200,7 @@ class NanGuard(keras.callbacks.Callback):
             self._maybe_snapshot()
 
     def on_epoch_end(self, epoch: int, logs: Optional[Dict] = None) -> None:
-        self._check()
+        self._check(epoch_end=True)
         total = int(self._step.skipped_steps.numpy())
         self.skipped_steps = total
         if logs is not None and step_lib.SKIPPED_LOG_KEY not in logs:  # a foreign step returning no dict
@@ -233,12 +244,20 @@ class NanGuard(keras.callbacks.Callback):
     def _say(self, message: str, incident: bool = False) -> None:
         chief_print(message, self.model.distribute_strategy, verbose=self.verbose, incident=incident)
 
-    def _check(self, final: bool = False) -> None:
+    def _poisoned(self) -> bool:
+        """Loss-only checking let a non-finite gradient through: the state itself is no longer finite."""
+        step = self._step
+        return step.loss_only and not step.state_finite()
+
+    def _check(self, final: bool = False, epoch_end: bool = False) -> None:
         step = self._step
         incidents = int(step.incidents.numpy())
-        if incidents == 0:
+        # (loss only: the state is looked at when a step was skipped, and once per epoch: a non-finite row an
+        # Embedding rarely reads never makes a run of skipped steps)
+        poisoned = (incidents > 0 or epoch_end or final) and self._poisoned()
+        if incidents == 0 and not poisoned:
             return
-        report = self._report(incidents)
+        report = self._report(incidents, poisoned)
         self.reports.append(report)
         self._say(str(report), incident=True)
         step.diag.assign(tf.zeros_like(step.diag))
@@ -247,12 +266,14 @@ class NanGuard(keras.callbacks.Callback):
         halted = int(step.halted.numpy()) > 0
         if self.policy == "stop" and not final:
             self.model.stop_training = True
-            self._say("NanGuard(policy='stop'): training stopped; the weights are those of the last good step.",
-                      incident=True)
-        elif self.policy == "rollback" and halted and not final:
+            self._say("NanGuard(policy='stop'): training stopped; " + (
+                "the weights are NOT usable (non-finite, see above): restore a checkpoint (ChiefCheckpoint never "
+                "saves a non-finite state) or train again with check_gradients=True." if poisoned else
+                "the weights are those of the last good step."), incident=True)
+        elif self.policy == "rollback" and (halted or poisoned) and not final:
             self._rollback()
 
-    def _report(self, incidents: int) -> NanReport:
+    def _report(self, incidents: int, poisoned: bool = False) -> NanReport:
         step = self._step
         found: Dict[str, List[str]] = {k: [] for k in _ORDER}
         for slot, value in step.read_diagnosis():
@@ -260,6 +281,8 @@ class NanGuard(keras.callbacks.Callback):
             found[slot.source].append(f"{slot.label}: {int(value)} non-finite {unit}")
         source = next((k for k in _ORDER if found[k]), "gradients")
         details = found[source] or ["(values overflowed after the all-reduce)"]
+        if poisoned:
+            source, details = "weights", [f"{path} holds non-finite values" for path in step.non_finite_state()]
         optimizer = self.model.optimizer
         scale = None
         if step_lib.is_loss_scaled(optimizer):
@@ -275,6 +298,8 @@ class NanGuard(keras.callbacks.Callback):
         return list(self.model.variables) + list(self.model.optimizer.variables)
 
     def _take_snapshot(self) -> None:
+        if self._poisoned():  # never keep a non-finite state as the one to roll back to
+            return
         self._snapshot = [np.array(v.numpy()) for v in self._state_variables()]
         self._snapshot_batch = self._batches
 
