@@ -865,7 +865,7 @@ class ComposedStep:
         tf.distribute.get_replica_context().merge_call(cross_replica, args=(apply_now, grads, values))
 
     def _state(self) -> List[Any]:
-        optimizer = self.model.optimizer
+        optimizer = getattr(self.model, "optimizer", None)  # (None until compiled)
         variables = list(self.model.variables) + (list(optimizer.variables) if optimizer is not None else [])
         return [v for v in variables if "float" in str(v.dtype)]
 
