@@ -299,7 +299,6 @@ class ComposedStep:
         # is ready, and `iterations.assign_add` depends on no gradient at all)
         self.atomic_update = False
         self._outer_placed: Any = None
-        self._state_finite_fn: Optional[Tuple[Tuple[int, ...], Any]] = None
         # updates NanGuard(policy="rollback") discarded (restored to an earlier state), host-side, for ks.Goodput
         self.rolled_back_steps = 0
         with model.distribute_strategy.scope():
@@ -880,13 +879,8 @@ class ComposedStep:
             >>> get_step(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])).state_finite()
             True
         """
-        variables = self._state()
-        key = tuple(id(v) for v in variables)
-        if self._state_finite_fn is None or self._state_finite_fn[0] != key:
-            values = [getattr(v, "value", v) for v in variables]
-            self._state_finite_fn = (key, tf.function(lambda: _all_gradients_finite(
-                [tf.convert_to_tensor(v) for v in values]), autograph=False))
-        return bool(self._state_finite_fn[1]())
+        # (eager: a few ops per variable, called per epoch / skipped step / save; no tf.function per model)
+        return bool(_all_gradients_finite([tf.convert_to_tensor(getattr(v, "value", v)) for v in self._state()]))
 
     def non_finite_state(self) -> List[str]:
         """The paths of the weights and optimizer variables holding a non-finite value (reads them all).

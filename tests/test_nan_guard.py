@@ -403,3 +403,68 @@ def test_loss_only_under_loss_scaling_still_checks_gradients():
         keras.mixed_precision.set_dtype_policy("float32")
     assert guard.reports and guard.reports[0].source == "gradients"  # the scale floor is still reported
     assert _finite(model)
+
+
+class _Inject(keras.layers.Layer):
+    """A weight the forward pass ignores, whose gradient is the batch sum of input column 0: an inf there gives a
+    finite loss and a non-finite weight that never shows in the loss (the hardest case for a loss-only check)."""
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(1,), initializer="zeros", name="w")
+
+    def call(self, inputs):
+        @tf.custom_gradient
+        def passthrough(w, x):
+            return tf.zeros_like(x[:, :1]), lambda dy: (tf.reduce_sum(x[:, :1], axis=0), None)
+        return passthrough(tf.convert_to_tensor(self.w), inputs)
+
+
+def _inject_model():
+    inputs = keras.Input((6,))
+    features = keras.layers.Lambda(lambda t: t[:, 1:])(inputs)  # column 0 feeds the injected gradient only
+    outputs = keras.layers.Add()([keras.layers.Dense(1)(features), _Inject(name="inj")(inputs)])
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", metrics=["mae"])
+    return model
+
+
+@pytest.mark.parametrize("guard_first", [True, False])
+def test_loss_only_never_saves_a_non_finite_state_whatever_the_callback_order(tmp_path, guard_first):
+    from keras_scale.callbacks.checkpoint import load_checkpoint
+    x, y = _data()
+    poisoned = x.copy()
+    poisoned[2 * BATCH, 0] = np.inf  # epoch 2 (of the resumed run): finite loss, inj/w -> -inf, loss stays finite
+
+    def callbacks():
+        guard = ks.NanGuard(verbose=0, check_gradients=False)  # "skip": the state stays non-finite to the end
+        ckpt = ks.ChiefCheckpoint(str(tmp_path), keep_best_k=2, monitor="loss")
+        return [guard, ckpt] if guard_first else [ckpt, guard]
+
+    model = _inject_model()
+    first = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False, callbacks=callbacks())
+    cbs = callbacks()
+    model.fit(poisoned, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False, callbacks=cbs)
+    guard, ckpt = cbs if guard_first else cbs[::-1]
+    assert not _finite(model) and [r.source for r in guard.reports] == ["weights"]  # reported once, not twice
+    state = tf.train.get_checkpoint_state(str(tmp_path))
+    for prefix in state.all_model_checkpoint_paths:  # the epoch-end and the final save were refused
+        reader = load_checkpoint(prefix)
+        for name in reader.get_variable_to_dtype_map():
+            value = np.asarray(reader.get_tensor(name))
+            if np.issubdtype(value.dtype, np.floating):
+                assert np.isfinite(value).all(), (prefix, name)
+    # best/ holds epoch 0's checkpoint with its own score (a refused save's score is not given to an older file)
+    assert len(ckpt.best_checkpoints) == 1
+    assert ckpt.best_checkpoints[0][0] == pytest.approx(first.history["loss"][0])
+
+
+def test_loss_only_rollback_leaves_no_non_finite_state_even_after_early_stopping_restores_one():
+    x, y = _data()
+    x[3 * BATCH, 0] = np.inf  # every epoch's batch 3: finite loss, inj/w -> -inf, the loss keeps improving
+    model = _inject_model()
+    early = keras.callbacks.EarlyStopping(monitor="loss", patience=5, restore_best_weights=True)
+    guard = ks.NanGuard(verbose=0, check_gradients=False, policy="rollback", snapshot_every_n_steps=1)
+    model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False, callbacks=[early, guard])
+    # EarlyStopping's on_train_end (first in the list) put back weights it recorded before a rollback; the
+    # guard's train-end check rolls back again
+    assert _finite(model) and guard.rollbacks >= 2 and guard.reports[-1].source == "weights"

@@ -511,6 +511,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._fit_thread: Optional[int] = None
         self.blocked_s = 0.0
         self._warned_poisoned = False
+        self._check_state = False
         self.preempted: Optional[int] = None
         self._reset_position()
 
@@ -633,6 +634,10 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         strategy = model.distribute_strategy
         self._chief = is_chief(strategy)
         self._reset_position()
+        from keras_scale.step import get_step
+
+        step = get_step(model, create=False)  # (a loss-only NanGuard withdraws at its on_train_end: latched here)
+        self._check_state = bool(step is not None and step.loss_only)
         lr = _lr_variable(model)
         self._lr_at_start = float(lr.numpy()) if lr is not None else None  # as this run's script sets it
         self._fit_thread = threading.get_ident()
@@ -782,8 +787,11 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             signame = signal.Signals(self.preempted).name if self.preempted else "a signal"
             where = f"{self._last_saved_prefix!r}" if self._last_saved_prefix else "the newest checkpoint"
             code = self.preemption_exit_code
-            self._say(f"ChiefCheckpoint: {signame} received; state saved in {where} (global batch "
-                      f"{self._global_step}). " + (f"Exiting with status {code}: rerun the same command to resume."
+            saved = (f"state saved in {where} (global batch {self._global_step})"
+                     if self._last_saved_step == self._global_step else
+                     f"state at global batch {self._global_step} NOT saved (non-finite, see above); the newest "
+                     f"checkpoint is {where} (global batch {self._last_saved_step})")
+            self._say(f"ChiefCheckpoint: {signame} received; {saved}. " + (f"Exiting with status {code}: rerun the same command to resume."
                                                    if code is not None else "Rerun to resume."), routine=False)
             if code is not None:
                 self._exit_after_train_end(code)
@@ -1837,7 +1845,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         from keras_scale.step import get_step
 
         step = get_step(self.model, create=False)
-        if step is None or not step.loss_only or step.state_finite():
+        if step is None or not self._check_state or step.state_finite():
             return False
         if not self._warned_poisoned:
             self._warned_poisoned = True
@@ -1848,7 +1856,10 @@ class ChiefCheckpoint(keras.callbacks.Callback):
 
     def _save_untimed(self, epoch: int, step_in_epoch: int, stream_pos: int) -> Optional[str]:
         path = None
-        if self._global_step != self._last_saved_step and not self._state_poisoned():
+        if self._global_step != self._last_saved_step and self._state_poisoned():
+            self._pending_best = None  # (its score is not of a state on disk)
+            return None
+        if self._global_step != self._last_saved_step:
             if self._checkpoint is None:  # model built by its first step
                 self._ensure_built()
                 self._build_checkpoint()

@@ -165,6 +165,7 @@ class NanGuard(keras.callbacks.Callback):
         self._snapshot_batch = -1
         self._scalars: Optional[ChiefScalars] = None
         self._fitting = False
+        self._poison_reported_at = -1  # optimizer updates at the last "weights" report
 
     # ------------------------------------------------------------------ hooks
     def set_model(self, model: keras.Model) -> None:
@@ -257,6 +258,11 @@ class NanGuard(keras.callbacks.Callback):
         poisoned = (incidents > 0 or epoch_end or final) and self._poisoned()
         if incidents == 0 and not poisoned:
             return
+        updates = int(self.model.optimizer.iterations.numpy())
+        if incidents == 0 and self._poison_reported_at == updates:
+            return  # (the same non-finite state, already reported at this epoch's end)
+        if poisoned:
+            self._poison_reported_at = updates
         report = self._report(incidents, poisoned)
         self.reports.append(report)
         self._say(str(report), incident=True)
@@ -270,8 +276,8 @@ class NanGuard(keras.callbacks.Callback):
                 "the weights are NOT usable (non-finite, see above): restore a checkpoint (ChiefCheckpoint never "
                 "saves a non-finite state) or train again with check_gradients=True." if poisoned else
                 "the weights are those of the last good step."), incident=True)
-        elif self.policy == "rollback" and (halted or poisoned) and not final:
-            self._rollback()
+        elif self.policy == "rollback" and ((halted and not final) or poisoned):
+            self._rollback()  # (a non-finite state even at train end: the fit must not leave the model so)
 
     def _report(self, incidents: int, poisoned: bool = False) -> NanReport:
         step = self._step
