@@ -106,10 +106,11 @@ class NanGuard(keras.callbacks.Callback):
             ``benchmarks/nan_guard_cost.py``; nothing measurable at 20 ms steps). ``False``: decide on the loss
             alone, known before the backward pass (~1%, like Keras's ``TerminateOnNaN``), and still skipped.
             A finite loss with non-finite gradients (``sqrt``/``norm`` at 0, an overflow in the backward pass)
-            is then applied and the weights turn non-finite. What still holds: the state is checked (one
-            in-graph pass) at every skipped step and every epoch end, and a non-finite one is reported as
-            source ``"weights"``; ``policy="rollback"`` rolls back at once, ``"stop"`` stops and says the
-            weights are not usable; ``ChiefCheckpoint`` never saves it, the rollback snapshot never keeps it.
+            is then applied and the weights turn non-finite. What still holds: the state (weights and optimizer
+            variables) is checked at every skipped step, epoch end and train end, and a non-finite one is
+            reported once as source ``"weights"``; ``policy="rollback"`` rolls back at once (also at train
+            end), ``"stop"`` stops and says the weights are not usable; ``ChiefCheckpoint`` never saves it,
+            the rollback snapshot never keeps it.
             Under a ``LossScaleOptimizer`` (which waits for every gradient anyway) and for models with their
             own ``train_step`` the gradients are checked either way.
 
