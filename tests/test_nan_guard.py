@@ -468,3 +468,26 @@ def test_loss_only_rollback_leaves_no_non_finite_state_even_after_early_stopping
     # EarlyStopping's on_train_end (first in the list) put back weights it recorded before a rollback; the
     # guard's train-end check rolls back again
     assert _finite(model) and guard.rollbacks >= 2 and guard.reports[-1].source == "weights"
+
+
+def test_loss_only_a_state_poisoned_again_after_a_rollback_is_caught_again():
+    x, y = _data()
+    x[2 * BATCH, 0] = np.inf  # every epoch: a finite loss that poisons inj/w; each epoch ends at the same update
+    model = _inject_model()
+    guard = ks.NanGuard(verbose=0, check_gradients=False, policy="rollback")
+    model.fit(x, y, batch_size=BATCH, epochs=3, verbose=0, shuffle=False, callbacks=[guard])
+    assert _finite(model) and guard.rollbacks == 3 and [r.source for r in guard.reports] == ["weights"] * 3
+
+
+def test_loss_only_spent_rollbacks_at_train_end_do_not_raise_past_the_other_callbacks(capsys):
+    x, y = _data()
+    x[3 * BATCH, 0] = np.inf
+    model = _inject_model()
+    ended = []
+    early = keras.callbacks.EarlyStopping(monitor="loss", patience=5, restore_best_weights=True)
+    guard = ks.NanGuard(verbose=1, check_gradients=False, policy="rollback", max_rollbacks=1)
+    after = keras.callbacks.LambdaCallback(on_train_end=lambda logs: ended.append(True))
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False, callbacks=[early, guard, after])
+    # the epoch-end rollback used the budget; EarlyStopping then put its recorded (non-finite) weights back
+    assert guard.rollbacks == 1 and ended == [True] and not _finite(model)
+    assert "rollbacks are spent: the model is NOT usable" in capsys.readouterr().err

@@ -789,8 +789,11 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             code = self.preemption_exit_code
             saved = (f"state saved in {where} (global batch {self._global_step})"
                      if self._last_saved_step == self._global_step else
-                     f"state at global batch {self._global_step} NOT saved (non-finite, see above); the newest "
-                     f"checkpoint is {where} (global batch {self._last_saved_step})")
+                     f"state at global batch {self._global_step} NOT saved (non-finite, see above); " + (
+                         f"the newest checkpoint is {where} (global batch {self._last_saved_step})"
+                         if self._last_saved_prefix else
+                         f"this fit wrote no checkpoint: a rerun resumes from the newest one in {self.directory!r} "
+                         f"if there is one, else starts afresh"))
             self._say(f"ChiefCheckpoint: {signame} received; {saved}. " + (f"Exiting with status {code}: rerun the same command to resume."
                                                    if code is not None else "Rerun to resume."), routine=False)
             if code is not None:

@@ -166,7 +166,7 @@ class NanGuard(keras.callbacks.Callback):
         self._snapshot_batch = -1
         self._scalars: Optional[ChiefScalars] = None
         self._fitting = False
-        self._poison_reported_at = -1  # optimizer updates at the last "weights" report
+        self._poison_reported = False  # the current non-finite state is reported (until finite or rolled back)
 
     # ------------------------------------------------------------------ hooks
     def set_model(self, model: keras.Model) -> None:
@@ -180,6 +180,7 @@ class NanGuard(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: Optional[Dict] = None) -> None:
         self._fitting = True
+        self._poison_reported = False
         self.skipped_steps = int(self._step.skipped_steps.numpy())
         self._batches = 0
         self._snapshot, self._snapshot_batch = None, -1
@@ -256,14 +257,15 @@ class NanGuard(keras.callbacks.Callback):
         incidents = int(step.incidents.numpy())
         # (loss only: the state is looked at when a step was skipped, and once per epoch: a non-finite row an
         # Embedding rarely reads never makes a run of skipped steps)
-        poisoned = (incidents > 0 or epoch_end or final) and self._poisoned()
+        looked = incidents > 0 or epoch_end or final
+        poisoned = looked and self._poisoned()
+        if looked and not poisoned:
+            self._poison_reported = False  # (the state is finite again)
         if incidents == 0 and not poisoned:
             return
-        updates = int(self.model.optimizer.iterations.numpy())
-        if incidents == 0 and self._poison_reported_at == updates:
-            return  # (the same non-finite state, already reported at this epoch's end)
-        if poisoned:
-            self._poison_reported_at = updates
+        if incidents == 0 and self._poison_reported:
+            return  # the non-finite state already reported, not rolled back since
+        self._poison_reported = poisoned
         report = self._report(incidents, poisoned)
         self.reports.append(report)
         self._say(str(report), incident=True)
@@ -277,6 +279,11 @@ class NanGuard(keras.callbacks.Callback):
                 "the weights are NOT usable (non-finite, see above): restore a checkpoint (ChiefCheckpoint never "
                 "saves a non-finite state) or train again with check_gradients=True." if poisoned else
                 "the weights are those of the last good step."), incident=True)
+        elif self.policy == "rollback" and poisoned and final and self.rollbacks >= self.max_rollbacks:
+            # (no NanGuardGaveUp from on_train_end: the callbacks after this one must still end their fit)
+            self._say("NanGuard(policy='rollback'): the state is non-finite at train end and all "
+                      f"{self.max_rollbacks} rollbacks are spent: the model is NOT usable; restore a checkpoint "
+                      "(ChiefCheckpoint never saves a non-finite state).", incident=True)
         elif self.policy == "rollback" and ((halted and not final) or poisoned):
             self._rollback()  # (a non-finite state even at train end: the fit must not leave the model so)
 
@@ -316,6 +323,7 @@ class NanGuard(keras.callbacks.Callback):
             self._take_snapshot()
 
     def _rollback(self) -> None:
+        self._poison_reported = False
         self.rollbacks += 1
         if self.rollbacks > self.max_rollbacks:
             self.model.stop_training = True
