@@ -659,8 +659,11 @@ class ComposedStep:
             grads, share, loss, y_pred = self._micro_step(x, y, sample_weight, batch_size, batch_size)
             self.traced_micro_batches = 1
             weighted = self._masked and _replicas(model.distribute_strategy) > 1  # else the share was not applied
+            outputs = _flat(y_pred)  # (counted inside the diagnosis cond, on a bad step only)
+            pred_bad = ((lambda: tf.add_n([_nonfinite_count(t) for t in outputs] or [tf.constant(0.0)]))
+                        if self.guard else tf.constant(0.0))
             return (grads, list(model.trainable_weights), share if weighted else None,
-                    self._loss_bad(loss, batch_size), self._pred_bad(y_pred))
+                    self._loss_bad(loss, batch_size), pred_bad)
 
         if any(not layer.built for layer in model._flatten_layers()):
             model(_slice(x, 0, 1), training=False)  # create the variables outside the micro-batch loop
@@ -914,8 +917,6 @@ class ComposedStep:
     def _record(self, bad, x, y, sample_weight, pred_bad, loss_bad, local_grads, present, trainable):
         """Update counters and, on the first bad step since the host last looked, the diagnosis vector."""
         bad_i = tf.cast(bad, tf.int64)
-        self.skipped_steps.assign_add(bad_i)
-        self.epoch_skipped.assign_add(bad_i)
         if self.halt_after_consecutive > 0:  # (bad steps in a row matter only to a policy that halts)
             consecutive = (self.consecutive_bad + bad_i) * bad_i
             self.consecutive_bad.assign(consecutive)
@@ -945,18 +946,23 @@ class ComposedStep:
         self._layouts.append(slots)
         layout_id = float(len(self._layouts))
 
-        first_incident = tf.logical_and(bad, tf.equal(self.incidents, 0))
-
         def write_diag():
             counts = [tf.constant(layout_id)] + [
-                t if slot.counted else _nonfinite_count(t) for slot, t in zip(slots, tensors)]
+                t() if callable(t) else t if slot.counted else _nonfinite_count(t) for slot, t in zip(slots, tensors)]
             vec = tf.stack([tf.reshape(tf.cast(c, tf.float32), []) for c in counts])
             vec = tf.pad(vec, [[0, DIAG_CAPACITY - len(counts)]])
             self.diag.assign(vec)
             return tf.constant(True)
 
-        tf.cond(first_incident, write_diag, lambda: tf.constant(False))
-        self.incidents.assign_add(bad_i)
+        def on_bad():  # (a good step touches no counter: one cond, nothing else)
+            tf.cond(tf.equal(self.incidents, 0), write_diag, lambda: tf.constant(False))
+            one = tf.constant(1, tf.int64)
+            self.skipped_steps.assign_add(one)
+            self.epoch_skipped.assign_add(one)
+            self.incidents.assign_add(one)
+            return tf.constant(True)
+
+        tf.cond(bad, on_bad, lambda: tf.constant(False))
 
 
 def _optimizers(model: keras.Model) -> List[Any]:
