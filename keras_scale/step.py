@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import threading
 import warnings
@@ -105,6 +106,10 @@ def _all_gradients_finite(grads: List[Any]) -> tf.Tensor:
     total = tf.add_n(sums) if len(sums) > 1 else sums[0]
     return tf.cond(tf.math.is_finite(total), lambda: tf.constant(True),
                    lambda: tf.reduce_all([_all_finite(v) for v in values]))
+
+
+def _values_finite(variables: List[Any]) -> tf.Tensor:
+    return _all_gradients_finite([tf.convert_to_tensor(v) for v in variables])
 
 
 def is_loss_scaled(optimizer: Any) -> bool:
@@ -299,6 +304,7 @@ class ComposedStep:
         # is ready, and `iterations.assign_add` depends on no gradient at all)
         self.atomic_update = False
         self._outer_placed: Any = None
+        self._state_finite_fn: Optional[Tuple[Tuple[int, ...], Any]] = None
         # updates NanGuard(policy="rollback") discarded (restored to an earlier state), host-side, for ks.Goodput
         self.rolled_back_steps = 0
         with model.distribute_strategy.scope():
@@ -882,8 +888,14 @@ class ComposedStep:
             >>> get_step(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])).state_finite()
             True
         """
-        # (eager: a few ops per variable, called per epoch / skipped step / save; no tf.function per model)
-        return bool(_all_gradients_finite([tf.convert_to_tensor(getattr(v, "value", v)) for v in self._state()]))
+        variables = self._state()
+        key = tuple(id(v) for v in variables)
+        if self._state_finite_fn is None or self._state_finite_fn[0] != key:
+            # traced once per model (a partial, not a lambda: TF counts retraces per code object, and a loop
+            # building many models would warn of "excessive retracing")
+            fn = functools.partial(_values_finite, [getattr(v, "value", v) for v in variables])
+            self._state_finite_fn = (key, tf.function(fn, autograph=False))
+        return bool(self._state_finite_fn[1]())
 
     def non_finite_state(self) -> List[str]:
         """The paths of the weights and optimizer variables holding a non-finite value (reads them all).

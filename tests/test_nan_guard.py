@@ -491,3 +491,24 @@ def test_loss_only_spent_rollbacks_at_train_end_do_not_raise_past_the_other_call
     # the epoch-end rollback used the budget; EarlyStopping then put its recorded (non-finite) weights back
     assert guard.rollbacks == 1 and ended == [True] and not _finite(model)
     assert "rollbacks are spent: the model is NOT usable" in capsys.readouterr().err
+
+
+def test_state_check_sees_each_new_value_and_many_models_cause_no_retracing_warning():
+    import logging
+    from keras_scale.step import get_step
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    tf.get_logger().addHandler(handler)
+    try:
+        for i in range(7):  # a hyper-parameter loop: one state check per model, each traced once
+            model = keras.Sequential([keras.Input((3 + i,)), keras.layers.Dense(1 + i)])
+            model.compile(optimizer="adam", loss="mse")
+            model.optimizer.build(model.trainable_variables)
+            step = get_step(model)
+            assert step.state_finite()
+            model.layers[0].bias.assign(np.full((1 + i,), np.inf, "float32"))
+            assert not step.state_finite() and step.non_finite_state() == [model.layers[0].bias.path]
+    finally:
+        tf.get_logger().removeHandler(handler)
+    assert not [m for m in seen if "retracing" in m]
