@@ -693,8 +693,8 @@ class ComposedStep:
         if unrolled:
             if num_micro_static is None:
                 raise ValueError(
-                    "keras_scale.wrap(micro_batch_size=...) with synchronized BatchNorm or jit_compile needs a "
-                    "static batch size; batch with drop_remainder=True or use wrap(model, accum=N).")
+                    "keras_scale.wrap(micro_batch_size=...) with unroll=True, synchronized BatchNorm or jit_compile "
+                    "needs a static batch size; batch with drop_remainder=True or use wrap(model, accum=N).")
             self.traced_micro_batches = num_micro_static
             if sync_bn:  # its all-reduce cannot sit in a cond: every micro-batch must hold a sample
                 tf.debugging.assert_greater_equal(

@@ -154,3 +154,19 @@ def test_durations_carry_no_float_noise():
     assert s["input_wait_s"] == 0.0 and s["input_wait"] == 0.0
     assert all(s[c] == 0.0 or s[c] >= 1e-6 for c in CATEGORIES), s
     assert abs(sum(s[c] for c in CATEGORIES) - 0.31) < 1e-5
+
+
+def test_resumed_mid_epoch_counts_only_the_nan_skipped_steps_it_ran(tmp_path):
+    x, y = data(20, nan_batches=(1, 3, 12))  # per epoch: 2 bad batches before the resume point, 1 after
+    first = ks.Goodput(verbose=0)
+    fit(build(), x, y, [ks.NanGuard(verbose=0), ks.ChiefCheckpoint(str(tmp_path), save_freq=2, verbose=0),
+                        StopAfter(26), first], epochs=2)
+    resumed, goodput, guard = build(), ks.Goodput(verbose=0), ks.NanGuard(verbose=0)
+    fit(resumed, x, y, [guard, ks.ChiefCheckpoint(str(tmp_path), save_freq=2, verbose=0), goodput], epochs=2)
+    s = goodput.summary
+    # resumes mid-epoch 1, after the bad batches 1 and 3 (the restored epoch count holds them: the first run's)
+    start = 20 - s["steps"]
+    assert 3 < start <= 12
+    assert (s["skipped_steps"], s["productive_steps"]) == (1, s["steps"] - 1)  # batch 12 only
+    assert guard.skipped_steps == 2 * 3  # NanGuard's own total spans both runs
+    assert_consistent(s)

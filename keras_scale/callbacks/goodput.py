@@ -733,6 +733,7 @@ class Goodput(keras.callbacks.Callback):
         self._epoch_skipped: Optional[float] = None
         self._epoch_batches = 0
         self._tracker_base = 0.0
+        self._skipped_base = 0.0  # the epoch's NaN-skipped count a resume restored (steps of an earlier run)
         self._rebase_tracker = False
         self._step_counters = _StepCounters(self.model)
         self._active = True
@@ -748,6 +749,7 @@ class Goodput(keras.callbacks.Callback):
         self._epoch_skipped = None  # NanGuard resets its per-epoch count (the step logs' ``nan_skipped``)
         self._epoch_batches = int((self.params or {}).get("steps") or 0)  # 0: unknown length
         self._tracker_base = 0.0  # Keras resets its loss tracker at each epoch start
+        self._skipped_base = 0.0
         self._rebase_tracker = False
 
     def on_train_batch_begin(self, batch: int, logs: Optional[Dict] = None) -> None:
@@ -759,6 +761,7 @@ class Goodput(keras.callbacks.Callback):
         if self._rebase_tracker:  # after fast-forwarded calls (a resume): ChiefCheckpoint restored the epoch's
             self._rebase_tracker = False  # metrics, the loss tracker's count included: count from here
             self._tracker_base = self._loss_tracker_samples() or 0.0
+            self._skipped_base = float(self._step_counters.epoch_skipped())  # (restored with the checkpoint)
         self._call_begin = int(batch)
         self._probe = self._plan_probe()
         self._take_reported()
@@ -917,7 +920,7 @@ class Goodput(keras.callbacks.Callback):
         skipped = self._epoch_skipped
         if skipped is None:  # no step logs with the count (a foreign step): the variable (one read per epoch)
             skipped = self._step_counters.epoch_skipped()
-        L.skipped_steps += int(round(skipped))
+        L.skipped_steps += int(round(max(0.0, skipped - self._skipped_base)))
         L.rolled_back_steps = self._step_counters.rolled_back()
         counted = self._step_counters.samples()
         if counted:  # the composed step ran this fit: its own count (cumulative since the fit started)
