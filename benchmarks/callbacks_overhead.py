@@ -65,7 +65,8 @@ class StepClock(keras.callbacks.Callback):
         self.last = now
 
 
-def make_model(size: str) -> keras.Model:
+def make_model(size: str, optimizer: keras.optimizers.Optimizer = None) -> keras.Model:
+    """The benchmarks' MLP or conv net, compiled with ``optimizer`` (default: Adam over a WarmupCosine schedule)."""
     if size == "mlp":
         layers = [keras.Input((256,)), keras.layers.Dense(512, activation="relu"),
                   keras.layers.Dense(512, activation="relu"), keras.layers.Dense(10)]
@@ -74,7 +75,9 @@ def make_model(size: str) -> keras.Model:
                   keras.layers.Conv2D(64, 3, activation="relu"), keras.layers.GlobalAveragePooling2D(),
                   keras.layers.Dense(10)]
     model = keras.Sequential(layers)
-    model.compile(optimizer=keras.optimizers.Adam(ks.WarmupCosine(1e-3, total_steps=10_000, warmup_steps=100)),
+    if optimizer is None:
+        optimizer = keras.optimizers.Adam(ks.WarmupCosine(1e-3, total_steps=10_000, warmup_steps=100))
+    model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     return model
 

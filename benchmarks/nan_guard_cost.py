@@ -44,20 +44,7 @@ import tensorflow as tf  # noqa: E402
 import keras_scale as ks  # noqa: E402
 from keras_scale import step as step_lib  # noqa: E402
 
-
-def make_model(size: str, optimizer: keras.optimizers.Optimizer) -> keras.Model:
-    keras.utils.set_random_seed(0)
-    if size == "mlp":
-        layers = [keras.Input((256,)), keras.layers.Dense(512, activation="relu"),
-                  keras.layers.Dense(512, activation="relu"), keras.layers.Dense(10)]
-    else:
-        layers = [keras.Input((32, 32, 3)), keras.layers.Conv2D(32, 3, activation="relu"),
-                  keras.layers.Conv2D(64, 3, activation="relu"), keras.layers.GlobalAveragePooling2D(),
-                  keras.layers.Dense(10)]
-    model = keras.Sequential(layers)
-    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-    return model
+from callbacks_overhead import make_model  # noqa: E402  (the same MLP / conv net; benchmarks/ is on sys.path)
 
 
 def make_dataset(size: str) -> tf.data.Dataset:
@@ -143,6 +130,7 @@ def main(argv=None) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name, (optimizer, callbacks, patches) in arms(args.size).items():
+            keras.utils.set_random_seed(0)  # every arm starts from the same weights
             with strategy.scope():
                 model = make_model(args.size, optimizer())
             grab = _Grab()

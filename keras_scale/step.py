@@ -638,7 +638,7 @@ class ComposedStep:
                     grads_bad: Optional[tf.Tensor] = None) -> tf.Tensor:
         if grads_bad is None:
             # (loss only: the update need not wait for every gradient; a non-finite gradient under a finite
-            # loss is then applied, and shows as non-finite predictions on the next step)
+            # loss is then applied, and NanGuard finds the non-finite state on the host)
             # (a LossScaleOptimizer waits for every gradient anyway, and its scale floor needs them: checked)
             check = self.check_gradients or is_loss_scaled(optimizer)
             grads_bad = tf.logical_not(_all_gradients_finite(reduced_grads)) if check else tf.constant(False)
@@ -665,9 +665,7 @@ class ComposedStep:
             grads, share, loss, y_pred = self._micro_step(x, y, sample_weight, batch_size, batch_size)
             self.traced_micro_batches = 1
             weighted = self._masked and _replicas(model.distribute_strategy) > 1  # else the share was not applied
-            outputs = _flat(y_pred)  # (counted inside the diagnosis cond, on a bad step only)
-            pred_bad = ((lambda: tf.add_n([_nonfinite_count(t) for t in outputs] or [tf.constant(0.0)]))
-                        if self.guard else tf.constant(0.0))
+            pred_bad = functools.partial(self._pred_bad, y_pred)  # (counted in the diagnosis cond: bad steps only)
             return (grads, list(model.trainable_weights), share if weighted else None,
                     self._loss_bad(loss, batch_size), pred_bad)
 

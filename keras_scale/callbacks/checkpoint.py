@@ -1845,10 +1845,12 @@ class ChiefCheckpoint(keras.callbacks.Callback):
 
     def _state_poisoned(self) -> bool:
         """NanGuard(check_gradients=False) let a non-finite gradient through: the state must not be saved."""
+        if not self._check_state:
+            return False
         from keras_scale.step import get_step
 
         step = get_step(self.model, create=False)
-        if step is None or not self._check_state or step.state_finite():
+        if step is None or step.state_finite():
             return False
         if not self._warned_poisoned:
             self._warned_poisoned = True
@@ -1859,10 +1861,10 @@ class ChiefCheckpoint(keras.callbacks.Callback):
 
     def _save_untimed(self, epoch: int, step_in_epoch: int, stream_pos: int) -> Optional[str]:
         path = None
-        if self._global_step != self._last_saved_step and self._state_poisoned():
-            self._pending_best = None  # (its score is not of a state on disk)
-            return None
         if self._global_step != self._last_saved_step:
+            if self._state_poisoned():
+                self._pending_best = None  # (its score is not of a state on disk)
+                return None
             if self._checkpoint is None:  # model built by its first step
                 self._ensure_built()
                 self._build_checkpoint()
