@@ -188,6 +188,24 @@ def has_own_train_step(model: keras.Model) -> bool:
     return getattr(type(model), "train_step", None) is not TensorFlowTrainer.train_step
 
 
+def check_wrappable(model: keras.Model) -> None:
+    """Refuse, with the fix, a model ``keras_scale.wrap`` cannot train (its own ``train_step`` or ``compute_loss``).
+
+    Example:
+        >>> check_wrappable(keras.Sequential([keras.layers.Dense(1)]))   # fine: nothing raised
+    """
+    if has_own_train_step(model):
+        raise ValueError(
+            f"keras_scale.wrap cannot split the batch of {type(model).__name__}, which defines its own "
+            f"train_step: the composed step would silently replace it. Train the model unwrapped (NanGuard "
+            f"still guards it, at its optimizer), or accumulate inside your train_step.")
+    if has_own_compute_loss(model):
+        raise ValueError(
+            f"keras_scale.wrap would drop {type(model).__name__}.compute_loss (the wrapper computes the "
+            f"compiled loss). Train the model unwrapped, or move the extra loss terms into a layer's "
+            f"add_loss / the compiled loss.")
+
+
 def has_own_compute_loss(model: keras.Model) -> bool:
     """True when ``model``'s class overrides ``compute_loss``.
 
@@ -492,18 +510,9 @@ class ComposedStep:
                             f"with the default.")
         if self.wrapped:
             inner = model.inner
-            if has_own_train_step(inner):
-                raise ValueError(
-                    f"keras_scale.wrap cannot split the batch of {type(inner).__name__}, which defines its own "
-                    f"train_step: the composed step would silently replace it. Train the model unwrapped (NanGuard "
-                    f"still guards it, at its optimizer), or accumulate inside your train_step.")
+            check_wrappable(inner)
             if self.splits:
                 self._warn_non_mean_losses()
-            if has_own_compute_loss(inner):
-                raise ValueError(
-                    f"keras_scale.wrap would drop {type(inner).__name__}.compute_loss (the wrapper computes the "
-                    f"compiled loss). Train the model unwrapped, or move the extra loss terms into a layer's "
-                    f"add_loss / the compiled loss.")
 
     # ---------------------------------------------------------------- the step (replica threads)
     def train_step(self, data: Any) -> Dict[str, Any]:
