@@ -145,12 +145,17 @@ class AccumulatingModel(keras.Model):
         # a fit starts: undo what a died fit left, then the composed function for this fit's parts (cached)
         if lifecycle.called_by_keras_fit():
             lifecycle.fit_starts(self)
+        elif not lifecycle.fit_running(self):
+            lifecycle.end(self)  # train_on_batch: what a fit left is undone (the composed step stays)
         return get_step(self).place_train_function(force)
 
     def fit(self, x: Any = None, y: Any = None, batch_size: Optional[int] = None, **kwargs: Any) -> Any:
         self._check_batch_size(x, batch_size)
         self._warn_sparse_gradients()
-        return super().fit(x, y, batch_size=batch_size, **kwargs)
+        try:
+            return super().fit(x, y, batch_size=batch_size, **kwargs)
+        finally:  # however the fit ended (returned, raised, interrupted): what its pieces installed is undone
+            lifecycle.end(self)
 
     def _warn_sparse_gradients(self) -> None:
         """Warn once: an Embedding's gradient with a non-SGD optimizer differs from Keras's once split.

@@ -123,14 +123,19 @@ def is_loss_scaled(optimizer: Any) -> bool:
     return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
 
-# ---------------------------------------------------------------- the two optimizer switches (installed once,
-# from the main thread, transparent unless the tracing thread asks)
-def _install_optimizer_switches(optimizer: Any) -> None:
+# ---------------------------------------------------------------- the two optimizer switches (installed from the
+# main thread while the composed step is in place, through keras_scale.lifecycle; transparent unless the tracing
+# thread asks)
+def _install_optimizer_switches(model: keras.Model, owner: Any, optimizer: Any) -> None:
     """Let the tracing thread (1) hand already-reduced gradients to the optimizer, (2) guard a foreign step.
 
-    Installed once per optimizer from the main thread, never removed; both forward to Keras's own methods
-    unless the composed step switched them on in the current thread while tracing.
+    Installed per optimizer from the main thread with :func:`keras_scale.lifecycle.patch` for ``owner`` (the
+    model's :class:`ComposedStep`), so they are taken away with the rest of keras_scale's state however the fit
+    ends; both forward to Keras's own methods unless the composed step switched them on in the current thread while
+    tracing.
     """
+    from keras_scale import lifecycle
+
     inner = inner_optimizer(optimizer)
     with _INSTALL_LOCK:
         if "_keras_scale_switches" not in vars(inner):
@@ -141,8 +146,8 @@ def _install_optimizer_switches(optimizer: Any) -> None:
                     return list(grads_and_vars)
                 return keras_reduce(inner, grads_and_vars)
 
-            object.__setattr__(inner, "_all_reduce_sum_gradients", _all_reduce_sum_gradients)
-            object.__setattr__(inner, "_keras_scale_switches", True)
+            lifecycle.patch(model, owner, inner, "_all_reduce_sum_gradients", _all_reduce_sum_gradients)
+            lifecycle.patch(model, owner, inner, "_keras_scale_switches", True)
         if "_keras_scale_guarded_apply" not in vars(optimizer):
             keras_apply = type(optimizer).apply
 
@@ -154,8 +159,8 @@ def _install_optimizer_switches(optimizer: Any) -> None:
                     lambda g: keras_apply(optimizer, g, trainable_variables), optimizer, grads,
                     trainable_variables)
 
-            object.__setattr__(optimizer, "apply", apply)
-            object.__setattr__(optimizer, "_keras_scale_guarded_apply", True)
+            lifecycle.patch(model, owner, optimizer, "apply", apply)
+            lifecycle.patch(model, owner, optimizer, "_keras_scale_guarded_apply", True)
 
 
 class _ThreadFlag:
@@ -389,6 +394,9 @@ class ComposedStep:
         self.reset_transient()
         if not self.active:
             self.give_back_plain()
+            from keras_scale import lifecycle
+
+            lifecycle.leave(self.model, self)  # the optimizer switches go
 
     def reset_transient(self) -> None:
         """Clear the halt flag, the consecutive-bad count and pending incidents (never carried across fits).
@@ -471,9 +479,9 @@ class ComposedStep:
             self._plain = (identity, current)  # Keras's own: given back when no part is asked for
         key = self._config()
         cached = self._cache.get(key)
+        for optimizer in training_state.optimizers(model).values():  # a GAN's own train_step may use several
+            _install_optimizer_switches(model, self, optimizer)  # (also for a cached function: it may retrace)
         if force or cached is None or not self._same(cached[0], identity):
-            for optimizer in training_state.optimizers(model).values():  # a GAN's own train_step may use several
-                _install_optimizer_switches(optimizer)
             if model.optimizer is not None:
                 if not model.optimizer.built and model.built and model.trainable_variables:
                     with model.distribute_strategy.scope():  # e.g. a LossScaleOptimizer's dynamic scale
