@@ -94,7 +94,11 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         max_to_keep: how many recent checkpoints to keep (>= 1).
         async_save: write in the background (TensorFlow's async checkpoint): the step waits only for the
             copy to host memory; never two writes at once; the last one is flushed at ``on_train_end``.
-        restore: resume from the newest checkpoint in ``directory`` at ``fit`` start.
+        restore: ``True``: resume from the newest checkpoint in ``directory`` at ``fit`` start (every optimizer's
+            class and variables must match: another optimizer is a :class:`CheckpointMismatchError` naming both
+            classes). ``"weights_only"``: load only the newest checkpoint's model weights and train with fresh
+            optimizer state from epoch 0 (e.g. after changing the optimizer); this run's checkpoints are numbered
+            after it. ``False``: start fresh.
         keep_every_n_hours: additionally keep one checkpoint per this many hours forever (``None``: off).
         keep_best_k: additionally keep the ``k`` best epoch-end checkpoints by ``monitor`` in ``directory/best``
             (0: off).
@@ -161,7 +165,11 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         self.save_freq = save_freq
         self.max_to_keep = max_to_keep
         self.async_save = bool(async_save)
-        self.restore = bool(restore)
+        if restore not in (True, False, "weights_only"):
+            raise ValueError(f"ChiefCheckpoint: restore must be True (resume everything), False (start fresh) or "
+                             f"'weights_only' (the newest checkpoint's model weights, fresh optimizer and position), "
+                             f"got {restore!r}.")
+        self.restore = restore if restore == "weights_only" else bool(restore)
         self.keep_every_n_hours = keep_every_n_hours
         self.keep_best_k = keep_best_k
         self.monitor = monitor
@@ -333,7 +341,21 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         if self._ensure_built():
             self._build_checkpoint()
         found: Optional[str] = None
-        if self.restore and list_checkpoints(self.directory):
+        if self.restore == "weights_only" and list_checkpoints(self.directory):
+            found = self._newest_readable()
+        if self.restore == "weights_only" and found is not None:
+            if self._weights_ready():
+                if self._checkpoint is None:
+                    self._build_checkpoint()
+                self._restore_model_weights(found)
+            else:
+                self._deferred_restore = self._restored_from = found
+            position = self._read_position(found)
+            # numbering continues after the checkpoint the weights came from, so this run's checkpoints are newer
+            self._global_step = self._last_saved_step = position["global_step"]
+            self._last_saved_prefix = found
+            found = None
+        elif self.restore and list_checkpoints(self.directory):
             if self._checkpoint is not None:
                 found = self._restored_from = self._restore_newest()
                 self._reconcile_learning_rate(found)
