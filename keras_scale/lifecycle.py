@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Tuple
 
-__all__ = ["join", "leave", "patch", "add_undo", "end", "fit_starts", "pending", "called_by_keras_fit",
+__all__ = ["join", "leave", "joined", "patch", "add_undo", "end", "fit_starts", "pending", "called_by_keras_fit",
            "fit_running"]
 
 _ATTR = "_keras_scale_lifecycle"
@@ -206,6 +206,18 @@ def leave(model: Any, owner: Any) -> None:
         _run_undo(session, id(owner))
     finally:
         _maybe_unhook(model, session)
+
+
+def joined(model: Any, owner: Any) -> bool:
+    """Whether ``owner`` has state installed on ``model`` (joined and not left yet).
+
+    Example:
+        >>> import keras
+        >>> joined(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]), object())
+        False
+    """
+    session = _session(model)
+    return session is not None and id(owner) in session.undo
 
 
 def pending(model: Any) -> int:

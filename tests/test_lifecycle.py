@@ -77,10 +77,22 @@ def test_keyboard_interrupt_after_a_stop_halt_leaves_no_halted_step_behind():
     _assert_behaves_as_plain_keras(model)
 
 
-@pytest.mark.parametrize("ending", ["done", "raised", "interrupted", "stopped"])
-def test_nan_guard_then_plain_keras(ending):
+_CELLS = [("nan_guard", e) for e in ("done", "raised", "interrupted", "stopped")] + [
+    ("checkpoint", "done"), ("checkpoint", "raised"), ("checkpoint", "interrupted"), ("both", "stopped"),
+    ("both", "interrupted")]
+
+
+@pytest.mark.parametrize("piece,ending", _CELLS)
+def test_after_any_ending_the_model_behaves_as_plain_keras(piece, ending, tmp_path):
+    import signal
+
+    handler = signal.getsignal(signal.SIGTERM)
     model = _model()
-    callbacks = [ks.NanGuard(policy="stop" if ending == "stopped" else "skip", verbose=0)]
+    callbacks = []
+    if piece in ("nan_guard", "both"):
+        callbacks.append(ks.NanGuard(policy="stop" if ending == "stopped" else "skip", verbose=0))
+    if piece in ("checkpoint", "both"):
+        callbacks.append(ks.ChiefCheckpoint(str(tmp_path / "ckpt"), save_freq=2))
     if ending in ("raised", "interrupted"):
         callbacks.append(_Interrupt(3, RuntimeError if ending == "raised" else KeyboardInterrupt))
     data = X_NAN if ending == "stopped" else X
@@ -89,6 +101,9 @@ def test_nan_guard_then_plain_keras(ending):
     except (RuntimeError, KeyboardInterrupt):
         assert ending in ("raised", "interrupted")
     _assert_behaves_as_plain_keras(model)
+    assert signal.getsignal(signal.SIGTERM) == handler  # ChiefCheckpoint's handler is gone
+    assert not (tmp_path / "ckpt" / ".keras_scale.lock").exists()  # the directory lock is released
+    assert "train_function" not in vars(model) or not hasattr(model.train_function, "_ks_checkpoint_inner")
 
 
 def test_wrapped_model_fit_undoes_its_optimizer_switches_however_it_ends():

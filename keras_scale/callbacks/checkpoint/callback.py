@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import keras
 import tensorflow as tf
 
+from keras_scale import lifecycle
 from keras_scale._validate import check_int
 from keras_scale.distribute import is_chief
 from keras_scale.callbacks.checkpoint.names import _BEST_DIR, _NAME, _REF_ATTR, log
@@ -294,6 +295,10 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         self.params = None
         self._start_state_wanted = False
         object.__setattr__(model, _REF_ATTR, weakref.ref(self))
+        # Everything this callback installs for the fit (train-function wrapper, method hooks, _initial_epoch,
+        # signal handlers, lock) is undone by _active_cleanup: at on_train_end, or, when the fit died (Keras skips
+        # on_train_end on an exception), at the model's next use (keras_scale.lifecycle).
+        lifecycle.join(model, self, undo=self._active_cleanup)
         # State a previous fit that raised may have left behind (Keras skips on_train_end on an exception).
         inner = getattr(getattr(model, "train_function", None), "_ks_checkpoint_inner", None)
         if inner is not None:
@@ -474,7 +479,10 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
             if self._already_complete is not None:
                 self._fill_history()
         finally:
-            self._active_cleanup()
+            if lifecycle.joined(self.model, self):
+                lifecycle.leave(self.model, self)  # runs _active_cleanup (and the hooks' undo)
+            else:
+                self._active_cleanup()
         if self._preempting:
             signame = signal.Signals(self.preempted).name if self.preempted else "a signal"
             where = f"{self._last_saved_prefix!r}" if self._last_saved_prefix else "the newest checkpoint"
@@ -510,12 +518,12 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
             return
         me = weakref.ref(self)
 
-        def before(caller: str) -> None:
+        def before(from_fit: bool) -> None:
             cb = me()
             if cb is not None and cb._in_this_fit() and cb._fit_thread == threading.get_ident():
                 cb._final_save()
 
-        self._finalize_hook = _hook_method(optimizer, "finalize_variable_values", before)
+        self._finalize_hook = _hook_method(self.model, self, optimizer, "finalize_variable_values", before)
 
     def _install_stop_save_hook(self) -> None:
         """A stop in the middle of an epoch (a callback's ``stop_training``, SIGTERM, NanGuard) is saved where the
@@ -528,15 +536,15 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
             return  # another Keras: the stop is saved at train end, as before
         me = weakref.ref(self)
 
-        def before(caller: str) -> Optional[bool]:
+        def before(from_fit: bool) -> Optional[bool]:
             cb = me()
             if cb is None or not cb._in_this_fit():
                 return False  # left by a fit that raised: take it away
-            if cb._fit_thread == threading.get_ident() and caller == "fit":
+            if cb._fit_thread == threading.get_ident() and from_fit:
                 cb._save_at_stop()  # (only fit's own call after its batch loop; never evaluate's)
             return None
 
-        self._stop_hook = _hook_method(model, "_get_metrics_result_or_logs", before)
+        self._stop_hook = _hook_method(model, self, model, "_get_metrics_result_or_logs", before)
 
     def _save_at_stop(self) -> None:
         model = self.model
@@ -610,12 +618,7 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         """This callback's fit is on the stack of the thread that started it (or of ``frame``)."""
         if frame is None:
             frame = sys._current_frames().get(self._fit_thread) if self._fit_thread is not None else None
-        model = self._model
-        while frame is not None:
-            if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
-                return True
-            frame = frame.f_back
-        return False
+        return frame is not None and lifecycle.fit_running(self._model, frame)
 
     def _reset_position(self) -> None:
         self._epoch = 0
