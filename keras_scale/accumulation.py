@@ -130,6 +130,12 @@ class AccumulatingModel(keras.Model):
         auto = vars(self).get("_keras_scale_auto")
         return None if auto is None else auto.micro_batch_size
 
+    @property
+    def output_names(self) -> Any:
+        """The inner model's output names: ``compile`` names the per-output losses and metrics after them
+        (``a_loss``, ``b_mae``), as for the unwrapped model."""
+        return getattr(self.inner, "output_names", None)
+
     def build(self, input_shape: Any = None) -> None:
         if not self.inner.built and input_shape is not None:
             self.inner.build(input_shape)

@@ -168,6 +168,42 @@ def _samples_of_batched(ds: tf.data.Dataset) -> Optional[int]:
     return None
 
 
+def _is_batched(ds: tf.data.Dataset) -> bool:
+    """Whether ``ds`` yields batches, looking into each component of a ``zip`` (where the main chain ends): a zip
+    of batched datasets is batched; a zip mixing batched and unbatched components is refused (it pairs a batch
+    with a single sample)."""
+    if dataset_is_batched(ds):
+        return True
+    node: Any = ds
+    while node is not None:
+        name = type(node).__name__
+        if "Unbatch" in name:
+            return False
+        if name == "_ZipDataset":
+            components = tf.nest.flatten(node._datasets)
+            flags = [_is_batched(c) for c in components]
+            if all(flags):
+                return True
+            if any(flags):
+                raise ValueError(
+                    f"the dataset zips batched and unbatched datasets ({sum(flags)} of {len(flags)} components "
+                    "batched): each element pairs a batch with single samples. Batch every component, or zip first "
+                    "and batch the zipped dataset (keras_scale.fit then rebatches it to the global batch).")
+            return False
+        node = getattr(node, "_input_dataset", None)
+    return False
+
+
+def _samples_of(ds: tf.data.Dataset) -> Optional[int]:
+    """:func:`_samples_of_batched`, also through a ``zip`` of batched datasets (the fewest samples of its
+    components: zip stops at the shortest)."""
+    samples = _samples_of_batched(ds)
+    if samples is not None or type(ds).__name__ != "_ZipDataset":
+        return samples
+    counts = [_samples_of(c) for c in tf.nest.flatten(ds._datasets)]
+    return None if not counts or any(c is None for c in counts) else min(counts)
+
+
 def _check_batched_elements(ds: tf.data.Dataset) -> None:
     """A batched dataset's elements have a batch dimension: a scalar leaf means the dataset is not batched."""
     scalars = [str(spec) for spec in tf.nest.flatten(ds.element_spec)
@@ -280,9 +316,9 @@ def prepare_dataset(x: Any, y: Any = None, sample_weight: Any = None, *, global_
             raise ValueError("x is a tf.data.Dataset, so y/sample_weight must be None: put them in the dataset's "
                              "elements as (x, y) or (x, y, sample_weight).")
         file_based = dataset_is_file_based(x)
-        if dataset_is_batched(x):
+        if _is_batched(x):
             _check_batched_elements(x)
-            samples = _samples_of_batched(x)
+            samples = _samples_of(x)
             ds = x.rebatch(global_batch_size, drop_remainder=drop_remainder)
             if samples is not None:  # rebatch forgets the cardinality; Keras then warns "ran out of data"
                 batches = samples // global_batch_size if drop_remainder else -(-samples // global_batch_size)
@@ -681,7 +717,8 @@ def _data(x: Any, y: Any, model: keras.Model, plan: _Plan, fit_kwargs: Dict[str,
     if validation_split is not None and fit_kwargs.get("validation_data") is None:
         (x, y, sample_weight), validation = split_for_validation(validation_split, x, y, sample_weight)
         fit_kwargs["validation_data"] = tuple(v for v in validation if v is not None)
-    drop_remainder = bool(model.jit_compile)  # XLA wants static shapes
+    drop_remainder = bool(model.jit_compile) or _drop_for_synchronized_batchnorm(
+        model, plan, x, y, sample_weight)  # XLA wants static shapes; synchronized BN one sample per micro-batch
     epoch_variable = tf.Variable(0, dtype=tf.int64, trainable=False, name="keras_scale_data_epoch")
     dataset, how = prepare_dataset(x, y, sample_weight, global_batch_size=plan.global_batch, shuffle=bool(shuffle),
                                    drop_remainder=drop_remainder, epoch_variable=epoch_variable)
@@ -699,6 +736,48 @@ def _data(x: Any, y: Any, model: keras.Model, plan: _Plan, fit_kwargs: Dict[str,
         fit_kwargs["validation_data"], _ = prepare_dataset(validation_data, global_batch_size=plan.global_batch,
                                                            shuffle=False)
     return dataset, epoch_variable, how
+
+
+def _samples_in(x: Any, y: Any, sample_weight: Any) -> Optional[int]:
+    """The training samples ``x`` holds when known before training (arrays, datasets of known size), else None."""
+    if _is_array_structure(x):
+        return _check_same_length(x=x, y=y, sample_weight=sample_weight)
+    if isinstance(x, tf.data.Dataset):
+        if _is_batched(x):
+            return _samples_of(x)
+        n = int(x.cardinality())
+        return n if n >= 0 else None
+    if isinstance(x, keras.utils.PyDataset):
+        samples = _samples_of_py_dataset(x)
+        return None if samples is None else samples[0]
+    return None
+
+
+def _drop_for_synchronized_batchnorm(model: keras.Model, plan: _Plan, x: Any, y: Any, sample_weight: Any) -> bool:
+    """Synchronized BatchNorm with a split batch needs a sample in every micro-batch on every replica (its
+    all-reduce cannot sit in a cond): a last global batch too small for that is dropped each epoch, said once.
+    ``False`` when there is no such model or the last batch is large enough."""
+    from keras_scale.step import _has_synchronized_batchnorm
+
+    wrapped = _model_accum(model)
+    if wrapped is None or not _has_synchronized_batchnorm(model):
+        return False
+    accum, micro_batch_size = wrapped
+    if micro_batch_size is None and (accum or 1) <= 1:
+        return False
+    n = _samples_in(x, y, sample_weight)
+    remainder = None if n is None else n % plan.global_batch
+    if remainder == 0:
+        return False
+    if remainder is not None and micro_batch_size is None and remainder // plan.replicas >= accum:
+        return False  # every replica's share of the last batch still fills every micro-batch
+    need = (f"accum {accum} micro-batches" if micro_batch_size is None
+            else f"micro-batches of {micro_batch_size} (a static batch size)")
+    what = ("the last batch of each epoch (size unknown before training) is dropped" if remainder is None else
+            f"the last batch of each epoch ({remainder} samples: {remainder // plan.replicas} per replica) is dropped")
+    _say(f"synchronized BatchNorm with {need} needs every micro-batch to hold a sample on every replica: {what}. "
+         f"Choose a batch size that divides the data to train on every sample.", plan.verbose, plan.strategy)
+    return True
 
 
 def _count(n: int, noun: str) -> str:

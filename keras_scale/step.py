@@ -227,9 +227,11 @@ def _split_bounds(batch_size: tf.Tensor, num_micro: tf.Tensor, k: tf.Tensor) -> 
     """Start and size of micro-batch ``k`` when ``batch_size`` is split into ``num_micro`` near-equal parts."""
     base = batch_size // tf.maximum(num_micro, 1)
     rem = batch_size % tf.maximum(num_micro, 1)
-    start = k * base + tf.minimum(k, rem)
+    start = tf.minimum(k * base + tf.minimum(k, rem), batch_size)
     size = base + tf.cast(k < rem, batch_size.dtype)
-    return start, size
+    # an unrolled loop traces ``accum`` micro-batches; a batch smaller than accum has fewer: the surplus ones are
+    # empty (size 0: no forward pass, no BatchNorm update, no loss, no gradient), never "size 1" of an empty slice
+    return start, tf.where(k < num_micro, size, tf.zeros_like(size))
 
 
 def _slice(structure: Any, start: tf.Tensor, size: tf.Tensor) -> Any:
@@ -532,17 +534,28 @@ class ComposedStep:
             raise ValueError(
                 "keras_scale.wrap cannot split SparseTensor inputs into micro-batches. Convert them with "
                 "tf.sparse.to_dense in the input pipeline, or train the model unwrapped.")
+        if self.splits and any(c is not None and not c.built for c in (
+                getattr(model, "_compile_loss", None), getattr(model, "_compile_metrics", None))):
+            # (Keras builds them at the first trace without a strategy scope: here, before the micro-batch loop,
+            # so their trackers exist outside it and the per-output ones are recorded once per step)
+            model._symbolic_build(data_batch=data)
         optimizer = model.optimizer
         first = _flat(x)[0]
         batch_size = tf.shape(first)[0]
 
         snapshot = []
-        if self.guard:  # restored on a skipped step: a bad step must not move BatchNorm statistics either
-            snapshot = [(v, tf.identity(v)) for v in model.non_trainable_variables]
-        with tf.control_dependencies([s for _, s in snapshot]):
+        if self.guard:  # restored on a skipped step: a bad step must not move BatchNorm statistics, nor the
+            # logged loss and metrics (a step not taken contributes nothing to them, finite micro-batches included)
+            snapshot = [(v, tf.identity(v)) for v in _unique(list(model.non_trainable_variables)
+                                                              + list(model.metrics_variables))]
+        outputs = self._output_trackers() if self.splits else []
+        logged = [(_read(m.total), _read(m.count)) for m in outputs]  # per-output trackers before this step
+        with tf.control_dependencies([s for _, s in snapshot] + [t for pair in logged for t in pair]):
             batch_size = tf.identity(batch_size)
 
-        grads, trainable, share, loss_bad, pred_bad = self._accumulate(x, y, sample_weight, batch_size)
+        grads, trainable, share, loss_bad, pred_bad, stats = self._accumulate(x, y, sample_weight, batch_size)
+        if stats is not None:
+            self._record_split_logs(stats, batch_size, x, outputs, logged)
         reduced_grads, any_loss_bad, present, local = self._all_reduce(grads, share, loss_bad, batch_size)
         self._count_samples(batch_size, reduced_grads)
 
@@ -556,14 +569,72 @@ class ComposedStep:
             return model.get_metrics_result()
 
         if self.atomic_update:
-            with tf.control_dependencies(self._metric_reads()):
+            # accum="auto": an OOM anywhere in the step (a metric, the backward pass) must come before the decision,
+            # or the loss-only guard counts a non-finite batch once per attempt
+            deps = self._metric_reads() + [g.values if isinstance(g, tf.IndexedSlices) else g
+                                           for g in reduced_grads if g is not None]
+            with tf.control_dependencies(deps):
                 any_loss_bad = tf.identity(any_loss_bad)
         bad = self._decide_bad(optimizer, any_loss_bad, [g for g in reduced_grads if g is not None])
         apply_now = self._apply_now(bad)
         self._conditional_apply(lambda g: optimizer.apply(g, trainable), reduced_grads, apply_now, snapshot,
                                 already_reduced=True)
         self._record(bad, x, y, sample_weight, pred_bad, loss_bad, local, present, trainable)
-        return self._logs(model.get_metrics_result())
+        return self._logs(self._nan_unless_a_step_was_taken(model.get_metrics_result()))
+
+    def _nan_unless_a_step_was_taken(self, logs: Any) -> Any:
+        """NaN for every logged value while no step of the epoch was taken (all skipped): Keras's trackers would
+        show 0.0, a number plain Keras never logs for those batches (and ``ModelCheckpoint(save_best_only=True)``
+        would keep that model as the best)."""
+        tracker = getattr(self.model, "_loss_tracker", None)
+        if tracker is None or not isinstance(logs, dict):
+            return logs
+        taken = _read(tracker.count) > 0
+
+        def nan_unless_taken(value: Any) -> Any:
+            t = tf.convert_to_tensor(value)
+            if not t.dtype.is_floating:
+                return value
+            return tf.where(taken, t, tf.fill(tf.shape(t), tf.constant(float("nan"), t.dtype)))
+
+        return tf.nest.map_structure(nan_unless_taken, logs)
+
+    def _output_trackers(self) -> List[Any]:
+        """Keras's per-output loss trackers (``<output>_loss``) of a multi-output model; ``[]`` for one output."""
+        compile_loss = getattr(self.model, "_compile_loss", None)
+        trackers = list(getattr(compile_loss, "metrics", None) or [])
+        flat_losses = list(getattr(compile_loss, "_flat_losses", None) or [])
+        if not trackers or len(trackers) != len(flat_losses) or not all(
+                hasattr(m, "total") and hasattr(m, "count") for m in trackers):
+            return []
+        return trackers
+
+    def _record_split_logs(self, stats: tf.Tensor, batch_size: tf.Tensor, x: Any, outputs: List[Any],
+                           logged: List[Tuple[tf.Tensor, tf.Tensor]]) -> None:
+        """Record a split batch's losses once, as Keras records the unsplit batch (see ``_log_stats``).
+
+        The loss tracker gets the batch's loss weighted by its size; each per-output tracker is put back to its
+        value before the step and gets the batch's loss of that output with Keras's own weight (the static batch
+        size, or 1), so History, the progress bar and CSVLogger show what plain Keras shows for the same batch.
+        """
+        model = self.model
+        n = len(outputs)
+        shares = stats[1]
+        if n:
+            weights = [1.0 if w is None else float(w) for _, _, w, _ in model._compile_loss._flat_losses]
+            per_output = tf.math.divide_no_nan(stats[3:3 + n], stats[3 + n:])
+            # the outputs' losses as Keras averages them over the batch, plus the model's other terms
+            # (regularizers, add_loss) as the share-weighted mean
+            loss = tf.math.divide_no_nan(stats[0] - stats[2], shares) + tf.reduce_sum(
+                per_output * tf.constant(weights, tf.float32))
+        else:
+            loss = tf.math.divide_no_nan(stats[0], shares)
+        model._loss_tracker.update_state(loss, sample_weight=batch_size)
+        static_batch = _flat(x)[0].shape[0]  # Keras weighs per-output losses by the static batch size, or 1
+        for o, (tracker, (total, count)) in enumerate(zip(outputs, logged)):
+            tracker.total.assign(total)
+            tracker.count.assign(count)
+            tracker.update_state(per_output[o], sample_weight=static_batch)
 
     def _metric_reads(self) -> List[tf.Tensor]:
         """This replica's metric (and loss tracker) values, read after this step's updates of them."""
@@ -690,12 +761,12 @@ class ComposedStep:
         model = self.model
         self._masked = False
         if not self.splits:
-            grads, share, loss, y_pred = self._micro_step(x, y, sample_weight, batch_size, batch_size)
+            grads, share, loss, y_pred, _ = self._micro_step(x, y, sample_weight, batch_size, batch_size)
             self.traced_micro_batches = 1
             weighted = self._masked and _replicas(model.distribute_strategy) > 1  # else the share was not applied
             pred_bad = functools.partial(self._pred_bad, y_pred)  # (counted in the diagnosis cond: bad steps only)
             return (grads, list(model.trainable_weights), share if weighted else None,
-                    self._loss_bad(loss, batch_size), pred_bad)
+                    self._loss_bad(loss, batch_size), pred_bad, None)
 
         if any(not layer.built for layer in model._flatten_layers()):
             model(_slice(x, 0, 1), training=False)  # create the variables outside the micro-batch loop
@@ -729,25 +800,26 @@ class ComposedStep:
                             f">= {num_micro_static} samples (one per micro-batch); batch with drop_remainder=True.")
             acc: List[Any] = [None] * len(trainable)
             count, loss_bad, pred_bad = tf.constant(0.0), tf.constant(0.0), tf.constant(0.0)
+            stats = tf.zeros([self._num_log_stats()])
             deps: List[Any] = []
             for k in range(num_micro_static):
                 with tf.control_dependencies(deps):  # one micro-batch's activations alive at a time
                     start, size = _split_bounds(batch_size, num_micro, tf.constant(k, batch_size.dtype))
                     start = tf.identity(start)
-                grads, c, l_bad, p_bad = self._guarded_micro_step(
+                grads, c, l_bad, p_bad, st = self._guarded_micro_step(
                     _slice(x, start, size), _slice(y, start, size), _slice(sample_weight, start, size), size,
                     batch_size, trainable, skip_empty=not sync_bn)
                 acc = [a if g is None else (_dense(g) if a is None else a + _dense(g)) for a, g in zip(acc, grads)]
-                count, loss_bad, pred_bad = count + c, loss_bad + l_bad, pred_bad + p_bad
+                count, loss_bad, pred_bad, stats = count + c, loss_bad + l_bad, pred_bad + p_bad, stats + st
                 deps = [a for a in acc if a is not None]
-            return acc, trainable, count if self._masked else None, loss_bad, pred_bad
+            return acc, trainable, count if self._masked else None, loss_bad, pred_bad, stats
 
         self.traced_micro_batches = None  # dynamic (tf.while_loop)
         none_grads: set = set()
 
-        def body(k, acc, count, loss_bad, pred_bad):
+        def body(k, acc, count, loss_bad, pred_bad, stats):
             start, size = _split_bounds(batch_size, num_micro, k)
-            grads, c, loss, y_pred = self._micro_step(
+            grads, c, loss, y_pred, st = self._micro_step(
                 _slice(x, start, size), _slice(y, start, size), _slice(sample_weight, start, size), size, batch_size)
             new_acc = []
             for i, (a, g) in enumerate(zip(acc, grads)):
@@ -757,36 +829,41 @@ class ComposedStep:
                 else:
                     new_acc.append(a + tf.cast(_dense(g), a.dtype))
             return (k + 1, new_acc, count + c, loss_bad + self._loss_bad(loss, size),
-                    pred_bad + self._pred_bad(y_pred))
+                    pred_bad + self._pred_bad(y_pred), stats + st)
 
         zeros = [tf.zeros(v.shape, dtype=v.dtype) for v in trainable]
-        _, acc, count, loss_bad, pred_bad = tf.while_loop(
+        _, acc, count, loss_bad, pred_bad, stats = tf.while_loop(
             lambda k, *_: k < num_micro, body,
-            [tf.constant(0, batch_size.dtype), zeros, tf.constant(0.0), tf.constant(0.0), tf.constant(0.0)],
+            [tf.constant(0, batch_size.dtype), zeros, tf.constant(0.0), tf.constant(0.0), tf.constant(0.0),
+             tf.zeros([self._num_log_stats()])],
             parallel_iterations=1)
         acc = [None if i in none_grads else a for i, a in enumerate(acc)]
-        return acc, trainable, count if self._masked else None, loss_bad, pred_bad
+        return acc, trainable, count if self._masked else None, loss_bad, pred_bad, stats
 
     def _guarded_micro_step(self, x, y, sample_weight, size, batch_size, trainable, skip_empty):
         """One unrolled micro-batch; an empty one (batch smaller than accum) contributes nothing at all."""
         def run():
-            grads, c, loss, y_pred = self._micro_step(x, y, sample_weight, size, batch_size)
+            grads, c, loss, y_pred, stats = self._micro_step(x, y, sample_weight, size, batch_size)
             grads = [tf.zeros(v.shape, v.dtype) if g is None else tf.cast(_dense(g), v.dtype)
                      for g, v in zip(grads, trainable)]
-            return grads, c, self._loss_bad(loss, size), self._pred_bad(y_pred)
+            return grads, c, self._loss_bad(loss, size), self._pred_bad(y_pred), stats
 
         if not skip_empty:
             return run()
 
         def empty():
-            return [tf.zeros(v.shape, v.dtype) for v in trainable], tf.constant(0.0), tf.constant(0.0), tf.constant(0.0)
+            return ([tf.zeros(v.shape, v.dtype) for v in trainable], tf.constant(0.0), tf.constant(0.0),
+                    tf.constant(0.0), tf.zeros([self._num_log_stats()]))
 
         return tf.cond(size > 0, run, empty)
 
     def _micro_step(self, x, y, sample_weight, size, batch_size):
-        """Forward + backward of one micro-batch: ``grad(f * loss)`` and its share ``f`` of the replica's batch."""
+        """Forward + backward of one micro-batch: ``grad(f * loss)``, its share ``f`` of the replica's batch, the
+        loss, the predictions and (split batches) what it adds to the logged losses (``_log_stats``)."""
         model = self.model
         optimizer = model.optimizer
+        outputs = self._output_trackers() if self.splits else []
+        before = [(_read(m.total), _read(m.count)) for m in outputs]
         with tf.GradientTape() as tape:
             y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
             loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
@@ -796,17 +873,42 @@ class ComposedStep:
             if self.splits or _replicas(model.distribute_strategy) > 1:
                 scaled = scaled * tf.cast(share, scaled.dtype)  # <= 1: never overflows where Keras would not
         grads = tape.gradient(scaled, list(model.trainable_weights))
-
-        def record():
-            model._loss_tracker.update_state(keras_loss.unscale_loss_for_distribution(loss), sample_weight=size)
-            model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-            return tf.constant(True)
-
-        if self.guard:  # a non-finite loss must not poison the epoch's logged loss
-            tf.cond(tf.reduce_all(tf.math.is_finite(loss)), record, lambda: tf.constant(False))
+        # (a step the guard skips puts the trackers back: ComposedStep.train_step's snapshot)
+        stats = None
+        if self.splits:  # the loss trackers are recorded once per step, from these (_record_split_logs)
+            stats = self._log_stats(loss, share, size, y_pred, outputs, before)
         else:
-            record()
-        return grads, share, loss, y_pred
+            model._loss_tracker.update_state(keras_loss.unscale_loss_for_distribution(loss), sample_weight=size)
+        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)  # (sums over samples: split-exact)
+        return grads, share, loss, y_pred, stats
+
+    def _num_log_stats(self) -> int:
+        return 3 + 2 * len(self._output_trackers())
+
+    def _log_stats(self, loss: tf.Tensor, share: tf.Tensor, size: tf.Tensor, y_pred: Any, outputs: List[Any],
+                   before: List[Tuple[tf.Tensor, tf.Tensor]]) -> tf.Tensor:
+        """What one micro-batch adds to its step's logged losses, summed over the micro-batches of the step:
+        ``[f L, f, f sum_o w_o l_o, c_1 l_1 .. c_n l_n, c_1 .. c_n]``, with ``L`` the (unscaled) loss, ``f`` the
+        micro-batch's share of the batch, ``l_o`` output ``o``'s loss as Keras's per-output tracker just recorded
+        it, ``w_o`` its loss weight and ``c_o`` what Keras averages it over: the micro-batch's samples, or the
+        valid entries of that output's mask.
+        """
+        total = tf.cast(keras_loss.unscale_loss_for_distribution(loss), tf.float32)
+        f = tf.cast(share, tf.float32)
+        predictions = _flat(y_pred)
+        weights = [1.0 if w is None else float(w) for _, _, w, _ in self.model._compile_loss._flat_losses] \
+            if outputs else []
+        values, counts = [], []
+        for o, (tracker, (t0, c0)) in enumerate(zip(outputs, before)):
+            value = tf.cast(tf.math.divide_no_nan(_read(tracker.total) - t0, _read(tracker.count) - c0), tf.float32)
+            c = tf.cast(size, tf.float32)
+            mask = getattr(predictions[o], "_keras_mask", None) if len(predictions) == len(outputs) else None
+            if mask is not None:
+                c = tf.reduce_sum(tf.cast(mask, tf.float32))
+            values.append(value)
+            counts.append(c)
+        weighted = tf.add_n([w * v for w, v in zip(weights, values)]) if values else tf.constant(0.0)
+        return tf.stack([f * total, f, f * weighted] + [c * v for c, v in zip(counts, values)] + counts)
 
     def _share(self, y_pred: Any, size: tf.Tensor, batch_size: tf.Tensor) -> tf.Tensor:
         """The micro-batch's share of the replica's loss normaliser: its samples over the batch's, times its
@@ -1020,6 +1122,17 @@ class ComposedStep:
 
 def _replicas(strategy: Any) -> int:
     return int(strategy.num_replicas_in_sync)
+
+
+def _read(variable: Any) -> tf.Tensor:
+    """The current value of a (Keras or TF, possibly distributed) variable: this replica's in a replica context."""
+    v = getattr(variable, "_value", variable)
+    return v.read_value() if hasattr(v, "read_value") else tf.convert_to_tensor(v)
+
+
+def _unique(variables: List[Any]) -> List[Any]:
+    seen: set = set()
+    return [v for v in variables if not (id(v) in seen or seen.add(id(v)))]
 
 
 def _make_keras_function(model: keras.Model, step_fn: Callable[[Any], Any]) -> Any:
