@@ -66,7 +66,7 @@ class NanReport:
         report.source, report.details[:1]      # e.g. ('inputs', ['inputs[0]: 3 non-finite values'])
     """
 
-    epoch: int
+    epoch: int  # 0-based, as Keras's hooks count; the message prints it from 1, as Keras's progress bar does
     step: int  # optimizer updates applied before the incident
     bad_steps: int  # non-finite steps seen in this incident (since the previous check)
     source: str
@@ -78,10 +78,10 @@ class NanReport:
         scale = f"; loss scale {self.loss_scale:g}" if self.loss_scale is not None else ""
         where = "; ".join(self.details[:8]) + (" ..." if len(self.details) > 8 else "")
         if self.source == "weights":
-            return (f"NanGuard: non-finite weights at epoch {self.epoch}, update {self.step} "
+            return (f"NanGuard: non-finite weights at epoch {self.epoch + 1}, update {self.step} "
                     f"({self.bad_steps} non-finite step(s) skipped since the last check): {where}{scale}.\n"
                     f"  Likely fix: {self.advice}")
-        return (f"NanGuard: {self.bad_steps} non-finite step(s) at epoch {self.epoch}, update {self.step}, skipped "
+        return (f"NanGuard: {self.bad_steps} non-finite step(s) at epoch {self.epoch + 1}, update {self.step}, skipped "
                 f"(no update applied). First non-finite values in the {self.source}: {where}{scale}.\n"
                 f"  Likely fix: {self.advice}")
 
