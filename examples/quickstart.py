@@ -92,7 +92,7 @@ def main() -> None:
         ks.ChiefCheckpoint(os.path.join(args.out, "checkpoints"), save_freq=16, max_to_keep=2),
         ks.HostMemoryWatch(log_dir=args.out),
         ks.LearningRateLogger(args.out, every_n_steps=1),
-        keras.callbacks.TensorBoard(os.path.join(args.out, "tensorboard")),
+        keras.callbacks.TensorBoard(args.out),  # the same train/validation runs as keras_scale's scalars
         ks.Goodput(log_dir=args.out),  # last: it also sees the checkpoint written at the end; prints its table
     ]
     history = model.fit(ds, epochs=args.epochs, callbacks=callbacks, verbose=2)

@@ -98,7 +98,9 @@ class NanGuard(keras.callbacks.Callback):
         max_rollbacks: give up with :class:`NanGuardGaveUp` after this many rollbacks.
         snapshot_every_n_steps: cadence (in batches) of the in-memory snapshot used by ``rollback`` without a
             checkpoint.
-        log_dir: write ``nan_guard/skipped_steps`` per epoch to TensorBoard (chief only).
+        log_dir: accepted for compatibility; NanGuard writes no scalar of its own: the epoch's skipped count is the
+            train step's ``nan_skipped`` log, which Keras's ``TensorBoard`` writes as ``epoch_nan_skipped`` and
+            ``CSVLogger`` as a column, whatever the callback order (one tag per quantity).
         verbose: print each report (chief only, on stderr: an incident).
         check_gradients: ``True`` (default): a step is skipped when its loss **or any gradient** is not finite.
             The update then waits until every gradient is computed and checked, so it no longer runs beside
@@ -208,8 +210,6 @@ class NanGuard(keras.callbacks.Callback):
         self.skipped_steps = total
         if logs is not None and step_lib.SKIPPED_LOG_KEY not in logs:  # a foreign step returning no dict
             logs[step_lib.SKIPPED_LOG_KEY] = int(self._step.epoch_skipped.numpy())
-        if self._scalars is not None:
-            self._scalars.write({"nan_guard/skipped_steps": total}, step=epoch)
 
     def on_train_end(self, logs: Optional[Dict] = None) -> None:
         self._check(final=True)
