@@ -47,7 +47,7 @@ import tensorflow as tf
 
 from keras_scale._validate import check_int, check_number
 from keras_scale.callbacks._scalars import ChiefScalars, EpochFigures
-from keras_scale.distribute import is_chief
+from keras_scale.distribute import chief_print, is_chief
 from keras_scale.step import SKIPPED_LOG_KEY
 
 __all__ = ["Goodput", "PEAK_TFLOPS", "peak_flops_for", "compute_dtype", "traced_flops_per_step", "summarize",
@@ -826,9 +826,10 @@ class Goodput(keras.callbacks.Callback):
         self.summary = self._summarize(self._ledger, time.perf_counter() - self._start)
         self._scalars.close()
         self._figures.deliver(self.model)
-        if self._chief and (self.verbose == "auto" and (self.params or {}).get("verbose", 1) != 0
-                            or self.verbose not in ("auto", 0)):
-            print(format_summary(self.summary), flush=True)
+        verbose = (self.params or {}).get("verbose", 1) if self.verbose == "auto" else self.verbose
+        # the pack's one chief-only printer: Keras's print_msg (stdout, or absl logging when Keras's interactive
+        # logging is off), nothing on other workers or at verbose=0
+        chief_print(format_summary(self.summary), self.model.distribute_strategy, verbose=verbose)
 
     # ------------------------------------------------------------------ logic
     def _new_train_function(self, fn: Any) -> None:
