@@ -107,6 +107,7 @@ def test_plot_lr_without_matplotlib_one_line_error(tmp_path):
 
 
 def test_plot_lr_writes_the_png(tmp_path):
+    pytest.importorskip("matplotlib")  # the `plot` extra
     out = _cli("plot-lr", "--peak-lr", "0.1", "--total-steps", "100", "--warmup-steps", "10", "-o",
                str(tmp_path / "lr.png"))
     assert out.returncode == 0, out.stderr
