@@ -1,11 +1,16 @@
 """One TensorBoard layout whatever the callback order, read back from a real TensorBoard server over HTTP.
 
+The callbacks are the demo's (``examples/quickstart.py``'s ``make_callbacks``: keras_scale's and Keras's
+``TensorBoard`` on one ``log_dir``), plus a ``CSVLogger``, with keras_scale's listed before and after Keras's.
+
 The run keras_scale's callbacks write to is the run Keras's ``TensorBoard(log_dir)`` writes to (``train``), each
 quantity has one tag, and keras_scale adds nothing to the epoch logs, so Keras's ``CSVLogger`` and ``TensorBoard``
 get the same columns and tags with keras_scale's callbacks listed before or after them.
 """
 import csv
+import importlib.util
 import json
+import os
 import time
 import urllib.request
 
@@ -14,7 +19,12 @@ import numpy as np
 import pytest
 
 import keras_scale as ks
+from tests.conftest import REPO_ROOT
 from tests.fakes.fake_nvml import FakeNvml
+
+_spec = importlib.util.spec_from_file_location("quickstart", os.path.join(REPO_ROOT, "examples", "quickstart.py"))
+quickstart = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(quickstart)
 
 X = np.random.RandomState(0).rand(64, 4).astype("float32")
 Y = X.sum(axis=1, keepdims=True)
@@ -31,11 +41,13 @@ def _run(log_dir, keras_scale_first):
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     schedule = ks.WarmupCosine(0.01, total_steps=24, warmup_steps=4)
     model.compile(optimizer=keras.optimizers.SGD(schedule), loss="mse", metrics=["mae"])
-    ours = [ks.NanGuard(verbose=0, log_dir=log_dir),
-            ks.GpuMonitor(interval_s=0.005, nvml=FakeNvml.with_gpus(1), log_dir=log_dir, batch_size=8, verbose=0),
-            ks.HostMemoryWatch(log_dir=log_dir), ks.LearningRateLogger(log_dir),
-            ks.Goodput(log_dir=log_dir, verbose=0)]
-    keras_loggers = [keras.callbacks.CSVLogger(f"{log_dir}/log.csv"), keras.callbacks.TensorBoard(log_dir)]
+    demo = quickstart.make_callbacks(log_dir, nvml=FakeNvml.with_gpus(1))
+    for callback in demo:
+        if isinstance(callback, ks.GpuMonitor):
+            callback.interval_s = 0.005
+    ours = [c for c in demo if type(c).__module__.startswith("keras_scale")]
+    keras_loggers = [keras.callbacks.CSVLogger(f"{log_dir}/log.csv")] + [c for c in demo if c not in ours]
+    assert len(ours) == 6 and len(keras_loggers) == 2
     history = model.fit(X, Y, batch_size=8, epochs=3, shuffle=False, verbose=0, validation_data=(X[:16], Y[:16]),
                         callbacks=ours + keras_loggers if keras_scale_first else keras_loggers + ours)
     with open(f"{log_dir}/log.csv") as f:
