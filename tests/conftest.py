@@ -49,6 +49,32 @@ def mirrored():
     return _MIRRORED[0]
 
 
+def _worker_env(extra=None):
+    env = {
+        "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        "TF_ENABLE_ONEDNN_OPTS": "0",
+        "CUDA_VISIBLE_DEVICES": "",
+    }
+    env.update(extra or {})
+    return env
+
+
+@pytest.fixture(scope="session")
+def chief_only_job(tmp_path_factory):
+    """``(results, directory)`` of ONE 2-worker job shared by several callbacks' chief-only tests.
+
+    ``tests/_chief_only_job.py`` runs each callback's multi-worker scenario in turn in the same 2 processes
+    (each part writes ``<part>_<index>.json`` into ``directory``): one pair of TensorFlow start-ups and one cluster
+    set-up instead of one per test. Started by the first test that asks for it.
+    """
+    directory = tmp_path_factory.mktemp("chief_only_job")
+    results = launch_local_workers([sys.executable, os.path.join(REPO_ROOT, "tests", "_chief_only_job.py"),
+                                    str(directory)], num_workers=2, timeout_s=300, env=_worker_env(),
+                                   cwd=str(directory), check=True)
+    return results, directory
+
+
 @pytest.fixture
 def run_workers(tmp_path):
     """``run_workers(script_text, num_workers=2, args=(), timeout_s=300) -> list[WorkerResult]``.
@@ -61,13 +87,7 @@ def run_workers(tmp_path):
     def run(script_text, num_workers=2, args=(), timeout_s=300, check=True, env=None):
         script = tmp_path / f"worker_{abs(hash(script_text)) % 10**8}.py"
         script.write_text(script_text)
-        worker_env = {
-            "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-            "TF_CPP_MIN_LOG_LEVEL": "2",
-            "TF_ENABLE_ONEDNN_OPTS": "0",
-            "CUDA_VISIBLE_DEVICES": "",
-        }
-        worker_env.update(env or {})
+        worker_env = _worker_env(env)
         return launch_local_workers(
             [sys.executable, str(script), *map(str, args)], num_workers=num_workers, timeout_s=timeout_s,
             env=worker_env, cwd=str(tmp_path), check=check,
