@@ -646,7 +646,8 @@ class Goodput(keras.callbacks.Callback):
     ``rolled_back_steps``, ``productive_steps``, ``samples`` (global), ``samples_per_s``, ``step_time_s``,
     ``flops_per_step``, ``tflops_per_s`` (while stepping), ``mfu`` and ``peak_flops``. Each epoch adds
     ``goodput``, ``goodput_input_wait``, ``goodput_samples_per_s``, ``goodput_tflops_per_s`` and ``goodput_mfu``
-    (those known) to the ``History`` that ``fit`` returns (at its end, not to the epoch logs), and with ``log_dir`` the chief writes ``goodput/...`` scalars.
+    (those known) to the ``History`` that ``fit`` returns (at its end, not to the epoch logs), and with ``log_dir``
+    the chief writes ``goodput/...`` scalars.
     The chief prints a table at the end of fit (unless ``fit(verbose=0)``).
 
     List it last (``keras_scale.fit`` does): it then also sees the final checkpoint other callbacks write at
