@@ -4,8 +4,8 @@ A background thread samples NVML and the host CPU every ``interval_s`` (never th
 only append a timestamp and never read a tensor. At each epoch end the samples taken during that epoch's
 training steps are reduced to mean/max per GPU. A few aggregates go to the ``History`` that ``fit`` returns
 (``gpu_util_mean``, ``gpu_mem_max_mb``, step time, host CPU; not to the epoch logs), the per-GPU detail to
-TensorBoard (chief only) and ``history``, and the advice rules of :mod:`keras_scale.advice` look at them (input-bound, GPU idle, compute-bound, memory near full,
-throttling). Without NVML (no GPU) step time, throughput and host CPU are still logged.
+TensorBoard (chief only) and ``history``, and the advice rules of :mod:`keras_scale.advice` look at them
+(input-bound, GPU idle, compute-bound, memory near full, throttling). Without NVML (no GPU) step time, throughput and host CPU are still logged.
 
 Example:
     >>> import keras_scale as ks
