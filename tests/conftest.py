@@ -5,6 +5,7 @@
 - Multi-worker tests use :func:`keras_scale.launch.launch_local_workers` (fixture ``run_workers``), which
   starts N processes on 127.0.0.1 with ``TF_CONFIG`` and always cleans them up. Mark them ``@pytest.mark.slow``.
 """
+import gc
 import os
 import sys
 
@@ -26,11 +27,25 @@ from keras_scale.launch import launch_local_workers  # noqa: E402
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Keras's clear_session() runs a full gc.collect() unless told not to: 0.5-2 s on this suite's heap (TensorFlow
+# loaded), after each of ~900 tests — the largest single cost of `make test` (pytest --durations showed trivial
+# tests with 1.8-2 s teardowns). Keras's state is cleared after every test; the young generations are collected
+# after every test, everything every FULL_GC_EVERY tests (and whenever Python's own thresholds say so).
+FULL_GC_EVERY = 25
+_tests_since_full_gc = [0]
+
+
 @pytest.fixture(autouse=True)
 def _seed_and_clear():
     keras.utils.set_random_seed(1234)
     yield
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
+    _tests_since_full_gc[0] += 1
+    if _tests_since_full_gc[0] >= FULL_GC_EVERY:
+        _tests_since_full_gc[0] = 0
+        gc.collect()
+    else:
+        gc.collect(1)
 
 
 _MIRRORED = []
@@ -49,6 +64,32 @@ def mirrored():
     return _MIRRORED[0]
 
 
+def _worker_env(extra=None):
+    env = {
+        "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        "TF_ENABLE_ONEDNN_OPTS": "0",
+        "CUDA_VISIBLE_DEVICES": "",
+    }
+    env.update(extra or {})
+    return env
+
+
+@pytest.fixture(scope="session")
+def chief_only_job(tmp_path_factory):
+    """``(results, directory)`` of ONE 2-worker job shared by several callbacks' chief-only tests.
+
+    ``tests/_chief_only_job.py`` runs each callback's multi-worker scenario in turn in the same 2 processes
+    (each part writes ``<part>_<index>.json`` into ``directory``): one pair of TensorFlow start-ups and one cluster
+    set-up instead of one per test. Started by the first test that asks for it.
+    """
+    directory = tmp_path_factory.mktemp("chief_only_job")
+    results = launch_local_workers([sys.executable, os.path.join(REPO_ROOT, "tests", "_chief_only_job.py"),
+                                    str(directory)], num_workers=2, timeout_s=300, env=_worker_env(),
+                                   cwd=str(directory), check=True)
+    return results, directory
+
+
 @pytest.fixture
 def run_workers(tmp_path):
     """``run_workers(script_text, num_workers=2, args=(), timeout_s=300) -> list[WorkerResult]``.
@@ -61,13 +102,7 @@ def run_workers(tmp_path):
     def run(script_text, num_workers=2, args=(), timeout_s=300, check=True, env=None):
         script = tmp_path / f"worker_{abs(hash(script_text)) % 10**8}.py"
         script.write_text(script_text)
-        worker_env = {
-            "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-            "TF_CPP_MIN_LOG_LEVEL": "2",
-            "TF_ENABLE_ONEDNN_OPTS": "0",
-            "CUDA_VISIBLE_DEVICES": "",
-        }
-        worker_env.update(env or {})
+        worker_env = _worker_env(env)
         return launch_local_workers(
             [sys.executable, str(script), *map(str, args)], num_workers=num_workers, timeout_s=timeout_s,
             env=worker_env, cwd=str(tmp_path), check=check,

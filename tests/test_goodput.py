@@ -256,38 +256,14 @@ def test_two_replicas(mirrored):
     assert abs(s["flops_per_step"] - analytic) <= 0.15 * analytic
 
 
-WORKER = r'''
-import json, os, sys
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import tensorflow as tf
-import numpy as np, keras
-import keras_scale as ks
-
-strategy = ks.choose_strategy()
-x = np.random.default_rng(0).normal(size=(512, 16)).astype("float32")
-y = (x.sum(axis=1, keepdims=True) > 0).astype("float32")
-
-def build():
-    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(1)])
-    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
-    return model
-
-goodput = ks.Goodput(log_dir=sys.argv[1], verbose=1)
-ks.fit(build, x, y, global_batch_size=64, epochs=2, strategy=strategy, verbose=0, callbacks=[goodput])
-index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-with open(f"goodput_{index}.json", "w") as f:
-    json.dump(goodput.summary, f)
-'''
-
-
 @pytest.mark.slow
-def test_two_workers_chief_only_output(run_workers, tmp_path):
-    results = run_workers(WORKER, num_workers=2, args=(str(tmp_path / "tb"),), timeout_s=300)
+def test_two_workers_chief_only_output(chief_only_job):
+    results, tmp_path = chief_only_job  # tests/_chief_only_job.py, part "goodput"
     summaries = [json.loads((tmp_path / f"goodput_{i}.json").read_text()) for i in range(2)]
     for s in summaries:
         assert_adds_up(s)
         assert s["steps"] == 16 and s["samples"] == 2 * 512 and s["flops_per_step"] > 0
     assert "productive training steps" in results[0].stdout
     assert "productive training steps" not in results[1].stdout
-    event_files = glob.glob(str(tmp_path / "tb" / "**" / "events.*"), recursive=True)
+    event_files = glob.glob(str(tmp_path / "goodput_tb" / "**" / "events.*"), recursive=True)
     assert len(event_files) == 1 and os.sep + "train" + os.sep in event_files[0]  # the chief's, in the one run

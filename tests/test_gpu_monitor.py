@@ -423,34 +423,11 @@ def test_fit_that_raises_leaves_no_thread_after_the_next_fit():
     assert not _monitor_threads() and history.history["gpu_util_mean"] == [50.0]
 
 
-WORKER_SCRIPT = r"""
-import json, os, sys
-import numpy as np, tensorflow as tf, keras
-import keras_scale as ks
-from keras_scale.distribute import patch_keras_multi_worker, is_chief, task_identity
-from tests.fakes.fake_nvml import FakeNvml
-patch_keras_multi_worker()
-strategy = tf.distribute.MultiWorkerMirroredStrategy()
-_, index = task_identity(strategy)
-# each worker's own (fake) GPU: worker 0 at 20% util, worker 1 at 70%; both thermally throttled
-fake = FakeNvml.with_gpus(1, util_gpu_pct=20.0 + 50.0 * index, throttle_thermal=True)
-x = np.random.RandomState(0).rand(64, 4).astype("float32"); y = x.sum(1, keepdims=True)
-with strategy.scope():
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
-    model.compile(optimizer="sgd", loss="mse")
-monitor = ks.GpuMonitor(interval_s=0.005, log_dir=sys.argv[1], nvml=fake, devices=[0],  # CUDA_VISIBLE_DEVICES="" here
-                        verbose=1)  # prints under fit(verbose=0) too: only the chief may
-h = model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=2, verbose=0, callbacks=[monitor])
-print(json.dumps({"chief": is_chief(strategy), "util": h.history["gpu_util_mean"],
-                  "advice": [a.kind for a in monitor.advice_history]}))
-"""
-
-
 @pytest.mark.slow
-def test_multi_worker_each_samples_its_own_gpu_only_chief_writes_and_prints(tmp_path, run_workers):
-    log_dir = str(tmp_path / "shared_tb")
-    results = run_workers(WORKER_SCRIPT, args=(log_dir,))
-    outs = [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
+def test_multi_worker_each_samples_its_own_gpu_only_chief_writes_and_prints(chief_only_job):
+    results, directory = chief_only_job  # tests/_chief_only_job.py, part "gpu_monitor"
+    log_dir = str(directory / "gpu_tb")
+    outs = [json.loads((directory / f"gpu_monitor_{i}.json").read_text()) for i in range(2)]
     (chief_i,) = [i for i, o in enumerate(outs) if o["chief"]]
     chief, worker = outs[chief_i], outs[1 - chief_i]
     assert chief["util"] == [20.0, 20.0] and worker["util"] == [70.0, 70.0]
