@@ -189,7 +189,7 @@ class _HeartbeatWatch:
 
     def poll(self) -> List[int]:
         """Read changed files; return the indices of stale workers (empty without a timeout)."""
-        from keras_scale.callbacks.heartbeat import read_heartbeat
+        from keras_scale.heartbeat_file import read_heartbeat
 
         for i, path in enumerate(self.files):
             try:
@@ -304,7 +304,7 @@ def launch_local_workers(
             worker_env.update(env or {})
             worker_env["TF_CONFIG"] = json.dumps(make_tf_config(ports, i))
             if heartbeat is not None:
-                from keras_scale.callbacks.heartbeat import HEARTBEAT_FILE_ENV
+                from keras_scale.heartbeat_file import HEARTBEAT_FILE_ENV
 
                 worker_env[HEARTBEAT_FILE_ENV] = heartbeat.files[i]
             proc = subprocess.Popen(list(argv), env=worker_env, cwd=cwd, stdout=subprocess.PIPE,
@@ -525,7 +525,7 @@ def launch_with_restarts(
     import tempfile
 
     from keras_scale._validate import check_int
-    from keras_scale.callbacks.heartbeat import RESTART_LOG_ENV
+    from keras_scale.heartbeat_file import RESTART_LOG_ENV
 
     num_workers = check_int("num_workers", num_workers)
     max_restarts = check_int("max_restarts", max_restarts, 0)

@@ -511,6 +511,10 @@ def format_summary(summary: Dict[str, Any], title: str = "Goodput") -> str:
     if summary.get("samples_per_s"):
         head += f", {summary['samples_per_s']:,.0f} samples/s"
     lines = [head + ")"]
+    if summary.get("restarts"):
+        lines.append(f"  restarts {summary['restarts']}: {summary.get('restart_lost_s', 0):.1f} s lost between a "
+                     f"failure and the resumed first step, {summary.get('restart_redone_steps', 0)} steps redone "
+                     "(after the last checkpoint)")
     labels = {"productive_s": "productive steps", "input_wait_s": "input wait", "compile_s": "compile / trace",
               "checkpoint_s": "checkpoint (blocked)", "eval_s": "validation", "skipped_steps_s": "NaN-skipped steps",
               "redone_s": "redone work", "measure_s": "Goodput's probes", "other_s": "other (callbacks, rest)"}
@@ -824,6 +828,9 @@ class Goodput(keras.callbacks.Callback):
         self._active = False
         self._take_reported()
         self.summary = self._summarize(self._ledger, time.perf_counter() - self._start)
+        from keras_scale.heartbeat_file import restart_summary
+
+        self.summary.update(restart_summary())  # `keras-scale launch --max-restarts`: what the restarts cost
         self._scalars.close()
         if self._chief and (self.verbose == "auto" and (self.params or {}).get("verbose", 1) != 0
                             or self.verbose not in ("auto", 0)):
