@@ -33,7 +33,9 @@ class Heartbeat(keras.callbacks.Callback):
         path: the heartbeat file; ``None``: the ``KERAS_SCALE_HEARTBEAT_FILE`` variable (nothing is written when it
             is unset).
         interval_s: at most one write per this many seconds between train begin and train end (a write is an
-            ``os.replace`` of a tiny file and one read of the step counter).
+            ``os.replace`` of a tiny file and one read of the step counter); ``None``: the
+            ``KERAS_SCALE_HEARTBEAT_INTERVAL_S`` variable, else 1 s. The launcher's count of redone steps is exact
+            to within the steps of one interval (a killed worker cannot write its last step).
 
     Example:
         >>> beat = Heartbeat("/tmp/worker-0.json", interval_s=1.0)
@@ -41,8 +43,13 @@ class Heartbeat(keras.callbacks.Callback):
         1.0
     """
 
-    def __init__(self, path: Optional[str] = None, interval_s: float = 1.0) -> None:
+    def __init__(self, path: Optional[str] = None, interval_s: Optional[float] = None) -> None:
         super().__init__()
+        if interval_s is None:
+            try:
+                interval_s = float(os.environ.get("KERAS_SCALE_HEARTBEAT_INTERVAL_S", "1"))
+            except ValueError:
+                interval_s = 1.0
         if not isinstance(interval_s, (int, float)) or isinstance(interval_s, bool) or not interval_s >= 0:
             raise ValueError(f"Heartbeat: interval_s must be a number of seconds >= 0, got {interval_s!r}.")
         self.path = path if path is not None else (os.environ.get(HEARTBEAT_FILE_ENV) or None)
