@@ -80,8 +80,9 @@ def read_record(checkpoint_dir: str) -> Optional[Dict[str, Any]]:
 def write_record(checkpoint_dir: str, global_batch_size: int, replicas: int, micro_batch_size: int) -> None:
     """Record the run's batch arithmetic (chief only; atomic rename).
 
-    Example:
-        >>> write_record("/tmp/ckpt", 12, 3, 2)            # doctest: +SKIP
+    Example::
+
+        write_record("/shared/run1/ckpt", global_batch_size=12, replicas=3, micro_batch_size=2)
     """
     import tensorflow as tf
 

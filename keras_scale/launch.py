@@ -16,13 +16,21 @@ Example:
     [0, 0]
 
 Command line: ``keras-scale launch --workers 2 -- python train.py --epochs 3`` streams each worker's output live,
-each line prefixed with ``[worker i]`` (stdout to stdout, stderr to stderr). Its exit status:
+each line prefixed with ``[worker i]`` (stdout to stdout, stderr to stderr).
+
+Restarts (:func:`launch_with_restarts`): ``--max-restarts K`` restarts every worker (fresh ports, after a short
+backoff) when one exits non-zero, ``--heartbeat-timeout-s T`` also when one makes no step progress for ``T`` s,
+``--min-workers M`` continues with fewer workers when one keeps failing at start; each restart is one console line
+and one record in ``restarts.jsonl`` that ``keras_scale.Goodput`` counts (docs/fit.md, "When a worker dies").
+
+Its exit status:
 
 - ``0``: every worker exited 0;
 - ``128 + signal`` (143 for SIGTERM, 130 for SIGINT): the launcher was signalled (and forwarded the signal),
   whatever the workers then returned;
 - ``124``: ``--timeout-s`` ran out;
-- otherwise the exit status of the first worker that failed (``128 + N`` for a worker killed by signal N).
+- otherwise the exit status of the first worker that failed (``128 + N`` for a worker killed by signal N); with
+  restarts, that of the last failure once the restarts are used up.
 """
 from __future__ import annotations
 
@@ -515,11 +523,11 @@ def launch_with_restarts(
         A :class:`LaunchOutcome`: its ``status`` is 0 when the last attempt succeeded, else the exit status of the
         last failure (``128 + signal`` when the launcher itself was signalled, 124 on the timeout).
 
-    Example:
-        >>> outcome = launch_with_restarts([sys.executable, "train.py"], num_workers=2, max_restarts=3,
-        ...                                heartbeat_timeout_s=300)                        # doctest: +SKIP
-        >>> outcome.status, len(outcome.restarts)                                          # doctest: +SKIP
-        (0, 1)
+    Example::
+
+        outcome = launch_with_restarts([sys.executable, "train.py"], num_workers=2, max_restarts=3,
+                                       heartbeat_timeout_s=300)
+        outcome.status, len(outcome.restarts)        # (0, 1) after one worker was killed and the run resumed
     """
     import shutil
     import tempfile

@@ -651,6 +651,8 @@ class Goodput(keras.callbacks.Callback):
     ``flops_per_step``, ``tflops_per_s`` (while stepping), ``mfu`` and ``peak_flops``. Each epoch adds
     ``goodput``, ``goodput_input_wait``, ``goodput_samples_per_s``, ``goodput_tflops_per_s`` and ``goodput_mfu``
     (those known) to the epoch logs (``History``), and with ``log_dir`` the chief writes ``goodput/...`` scalars.
+    Under ``keras-scale launch --max-restarts`` the summary also holds ``restarts``, ``restart_lost_s`` and
+    ``restart_redone_steps``, read from the launcher's restart record (:mod:`keras_scale.heartbeat_file`).
     The chief prints a table at the end of fit (unless ``fit(verbose=0)``).
 
     List it last (``keras_scale.fit`` does): it then also sees the final checkpoint other callbacks write at

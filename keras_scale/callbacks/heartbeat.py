@@ -9,9 +9,10 @@ The file's format is in :mod:`keras_scale.heartbeat_file`: ``"begin"`` at train 
 step), ``"step"`` after train/validation batches (at most every ``interval_s``) and at epoch ends, ``"end"`` at
 train end (the script may do other work afterwards: no step progress is expected then).
 
-Example:
-    >>> import keras_scale as ks
-    >>> model.fit(ds, callbacks=[ks.callbacks.heartbeat.Heartbeat("/tmp/worker-0.json")])   # doctest: +SKIP
+Example::
+
+    from keras_scale.callbacks.heartbeat import Heartbeat
+    model.fit(ds, callbacks=[Heartbeat("/tmp/worker-0.json")])   # keras_scale.fit adds it under the launcher
 """
 from __future__ import annotations
 
