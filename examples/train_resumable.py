@@ -27,7 +27,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     import keras_scale as ks
+    from keras_scale.distribute import cluster_task
 
+    source, _, index, workers = cluster_task()  # where the cluster comes from (before TF_CONFIG is derived from it)
     strategy = ks.choose_strategy()  # first: before any TensorFlow op (MultiWorkerMirroredStrategy needs it)
     import keras
     import numpy as np
@@ -41,18 +43,19 @@ def main(argv=None) -> None:
         model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
         return model
 
-    callbacks = []
+    goodput = ks.Goodput(verbose=0)  # ks.fit would add one; this one is read below
+    callbacks = [goodput]
     if args.step_delay_s:
         import time
 
-        callbacks.append(keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, l: time.sleep(args.step_delay_s)))
+        callbacks.append(keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda batch, logs: time.sleep(args.step_delay_s)))
     history = ks.fit(build, x, y, global_batch_size=args.global_batch_size, epochs=args.epochs, strategy=strategy,
                      checkpoint_dir=args.checkpoint_dir, callbacks=callbacks, verbose=0)
-    from keras_scale.distribute import cluster_task
-
-    source, _, index, workers = cluster_task()
     print(json.dumps({"source": source, "index": index, "workers": workers, "chief": ks.is_chief(strategy),
-                      "replicas": strategy.num_replicas_in_sync, "loss": history.history.get("loss", [None])[-1]}),
+                      "replicas": strategy.num_replicas_in_sync, "loss": history.history.get("loss", [None])[-1],
+                      "steps_this_run": goodput.summary.get("steps"),
+                      "global_step": int(ks.unwrap(history.model).optimizer.iterations.numpy())}),
           flush=True)
 
 

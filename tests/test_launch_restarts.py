@@ -63,8 +63,11 @@ class Chaos(keras.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGSTOP if mode == "stop" else signal.SIGKILL)
 
 goodput = ks.Goodput(verbose=0)
+# "lose": a checkpoint after every batch, so the run on fewer workers resumes mid-epoch (position in samples)
+save_freq = 1 if mode == "lose" else "epoch"
 hist = ks.fit(build, X, Y, global_batch_size=global_batch, accum=accum, epochs=3, strategy=strategy,
-              callbacks=[Chaos(), goodput], checkpoint_dir="ckpt", verbose=0)
+              callbacks=[Chaos(), ks.ChiefCheckpoint(os.path.abspath("ckpt"), save_freq=save_freq), goodput],
+              checkpoint_dir="ckpt", verbose=0)
 with open(f"done_{index}.json", "w") as f:
     json.dump({"weights": [w.tolist() for w in ks.unwrap(hist.model).get_weights()],
                "replicas": strategy.num_replicas_in_sync,
@@ -145,6 +148,9 @@ def test_a_worker_lost_for_good_continues_on_fewer_workers_with_the_same_global_
     assert "(was 3: a worker kept failing at start)" in proc.stderr
     assert ("elastic: checkpoint written on 3 replicas, this run has 2: global batch 12 kept exact by accum 3 "
             "micro-batches of 2 per replica") in proc.stderr
+    # the 2 workers resumed after batch 1 of epoch 2 (the last checkpoint before the kill): a skipped or repeated
+    # sample of that epoch would move the weights far more than 1e-5
+    assert "resuming after batch 1 of epoch 2" in proc.stdout + proc.stderr
     done = _done(tmp_path, 2)
     assert [d["replicas"] for d in done] == [2, 2]
     reference = _reference(12)
