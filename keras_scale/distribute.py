@@ -40,10 +40,111 @@ def tf_config(environ: Optional[Mapping[str, str]] = None) -> Optional[dict]:
     return config or None
 
 
+#: Where a multi-worker cluster can come from, in the order they are read (strategy choice, chief detection and
+#: ``keras-scale doctor`` all read this one list through :func:`cluster_task` / :func:`cluster_tf_config`).
+CLUSTER_SOURCES = ("TF_CONFIG", "Slurm", "Kubernetes")
+
+
+def _slurm_task(env: Mapping[str, str]) -> Optional[Tuple[int, int]]:
+    try:
+        num_tasks = int(env.get("SLURM_STEP_NUM_TASKS", "0") or 0)
+        index = int(env.get("SLURM_PROCID", "-1"))
+    except ValueError:
+        return None
+    return (index, num_tasks) if "SLURM_PROCID" in env and num_tasks > 1 and 0 <= index < num_tasks else None
+
+
+def _kubernetes_task(env: Mapping[str, str]) -> Optional[Tuple[int, int]]:
+    try:
+        num_workers = int(env.get("KERAS_SCALE_NUM_WORKERS", "0") or 0)
+        index = int(env.get("JOB_COMPLETION_INDEX", "-1"))
+    except ValueError:
+        return None
+    return (index, num_workers) if num_workers > 1 and 0 <= index < num_workers else None
+
+
+def kubernetes_tf_config(environ: Optional[Mapping[str, str]] = None) -> Optional[dict]:
+    """The ``TF_CONFIG`` dict of this pod of a Kubernetes Indexed Job, or ``None`` outside one.
+
+    Reads ``JOB_COMPLETION_INDEX`` (set by Kubernetes for Indexed Jobs), ``KERAS_SCALE_NUM_WORKERS`` (the Job's
+    ``completions``), the pod's ``HOSTNAME`` (``<job>-<index>`` for Indexed Job pods),
+    ``KERAS_SCALE_K8S_SUBDOMAIN`` (the headless Service the pods' ``subdomain`` names) and
+    ``KERAS_SCALE_PORT_BASE`` (default 8888). Worker ``i`` is ``<job>-<i>.<subdomain>:<port>``;
+    ``KERAS_SCALE_WORKER_ADDRESS`` overrides that pattern (fields ``{job}``, ``{index}``, ``{subdomain}``, ``{port}``
+    and ``{index_port}`` = port + index, e.g. ``127.0.0.1:{index_port}`` for loopback tests).
+
+    Example:
+        >>> kubernetes_tf_config({"JOB_COMPLETION_INDEX": "1", "KERAS_SCALE_NUM_WORKERS": "2",
+        ...                       "HOSTNAME": "train-1", "KERAS_SCALE_K8S_SUBDOMAIN": "train"})
+        {'cluster': {'worker': ['train-0.train:8888', 'train-1.train:8888']}, 'task': {'type': 'worker', 'index': 1}}
+    """
+    env = os.environ if environ is None else environ
+    task = _kubernetes_task(env)
+    if task is None:
+        return None
+    index, num_workers = task
+    hostname = env.get("HOSTNAME", "")
+    suffix = f"-{index}"
+    job = hostname[:-len(suffix)] if hostname.endswith(suffix) else env.get("KERAS_SCALE_K8S_JOB", hostname)
+    subdomain = env.get("KERAS_SCALE_K8S_SUBDOMAIN", "")
+    port = int(env.get("KERAS_SCALE_PORT_BASE", "8888"))
+    pattern = env.get("KERAS_SCALE_WORKER_ADDRESS") or ("{job}-{index}.{subdomain}:{port}" if subdomain
+                                                         else "{job}-{index}:{port}")
+    workers = [pattern.format(job=job, index=i, subdomain=subdomain, port=port, index_port=port + i)
+               for i in range(num_workers)]
+    return {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
+
+
+def cluster_task(environ: Optional[Mapping[str, str]] = None) -> Tuple[Optional[str], Optional[str], int, int]:
+    """``(source, task_type, task_index, num_workers)`` from the first of :data:`CLUSTER_SOURCES` that names a
+    multi-worker cluster; ``(None, None, 0, 1)`` when none does. TensorFlow-free (``is_chief`` and the doctor use it
+    before any strategy exists).
+
+    Example:
+        >>> cluster_task({"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2"})
+        ('Slurm', 'worker', 1, 2)
+        >>> cluster_task({})
+        (None, None, 0, 1)
+    """
+    env = os.environ if environ is None else environ
+    config = tf_config(env)
+    if config and config.get("cluster"):
+        task = config.get("task") or {}
+        n = sum(len(v) for k, v in config["cluster"].items() if k in ("chief", "worker") and isinstance(v, list))
+        return "TF_CONFIG", task.get("type"), int(task.get("index", 0) or 0), max(n, 1)
+    slurm = _slurm_task(env)
+    if slurm is not None:
+        return "Slurm", "worker", slurm[0], slurm[1]
+    kubernetes = _kubernetes_task(env)
+    if kubernetes is not None:
+        return "Kubernetes", "worker", kubernetes[0], kubernetes[1]
+    return None, None, 0, 1
+
+
+def cluster_tf_config(environ: Optional[Mapping[str, str]] = None) -> Optional[Tuple[str, dict]]:
+    """``(source, TF_CONFIG dict)`` of the first of :data:`CLUSTER_SOURCES` that names a cluster, else ``None``
+    (Slurm's host list is expanded by TensorFlow's ``SlurmClusterResolver``).
+
+    Example:
+        >>> cluster_tf_config({"JOB_COMPLETION_INDEX": "0", "KERAS_SCALE_NUM_WORKERS": "2", "HOSTNAME": "t-0"})[0]
+        'Kubernetes'
+    """
+    env = os.environ if environ is None else environ
+    source = cluster_task(env)[0]
+    if source == "TF_CONFIG":
+        return source, tf_config(env)
+    if source == "Slurm":
+        return source, slurm_tf_config(dict(env))
+    if source == "Kubernetes":
+        return source, kubernetes_tf_config(env)
+    return None
+
+
 def task_identity(strategy: Any = None) -> Tuple[Optional[str], int]:
     """``(task_type, task_id)`` of this process; ``(None, 0)`` outside a multi-worker cluster.
 
-    Uses the strategy's cluster resolver when given, else ``TF_CONFIG``.
+    Uses the strategy's cluster resolver when given, else the cluster sources (:data:`CLUSTER_SOURCES`:
+    ``TF_CONFIG``, a Slurm step, a Kubernetes Indexed Job), so it is right before a strategy is built.
 
     Example:
         >>> task_identity()
@@ -52,11 +153,10 @@ def task_identity(strategy: Any = None) -> Tuple[Optional[str], int]:
     resolver = getattr(strategy, "cluster_resolver", None) if strategy is not None else None
     if resolver is not None and getattr(resolver, "task_type", None):
         return resolver.task_type, int(resolver.task_id or 0)
-    config = tf_config()
-    if not config or "task" not in config:
+    source, task_type, index, _ = cluster_task()
+    if source is None or task_type is None:
         return None, 0
-    task = config["task"]
-    return task.get("type"), int(task.get("index", 0))
+    return task_type, index
 
 
 def _has_chief_task(strategy: Any = None) -> bool:
@@ -378,9 +478,9 @@ def strategy_plan(strategy: Union[str, Any] = "auto", environ: Optional[dict] = 
                   num_gpus: Optional[int] = None) -> Tuple[str, str]:
     """Which strategy :func:`choose_strategy` would build, and why: ``(kind, reason)``.
 
-    ``kind`` is ``"multi_worker"``, ``"mirrored"`` or ``"default"``. ``"auto"`` picks multi-worker when
-    ``TF_CONFIG`` names a cluster or a Slurm job step has several tasks, mirrored on several local GPUs, else the
-    default (single-device) strategy.
+    ``kind`` is ``"multi_worker"``, ``"mirrored"`` or ``"default"``. ``"auto"`` picks multi-worker when one of
+    :data:`CLUSTER_SOURCES` names a cluster (``TF_CONFIG``, a Slurm job step with several tasks, a Kubernetes Indexed
+    Job), mirrored on several local GPUs, else the default (single-device) strategy.
 
     Example:
         >>> strategy_plan("auto", environ={}, num_gpus=4)
@@ -398,12 +498,13 @@ def strategy_plan(strategy: Union[str, Any] = "auto", environ: Optional[dict] = 
                              "tf.distribute.Strategy object.")
         return strategy, "requested"
     env = os.environ if environ is None else environ
-    cluster = (tf_config(env) or {}).get("cluster", {})
-    if cluster:
-        n = sum(len(v) for k, v in cluster.items() if k in ("chief", "worker"))
+    source, _, _, n = cluster_task(env)
+    if source == "TF_CONFIG":
         return "multi_worker", f"TF_CONFIG names a cluster of {n} workers"
-    if "SLURM_PROCID" in env and int(env.get("SLURM_STEP_NUM_TASKS", "0") or 0) > 1:
-        return "multi_worker", f"Slurm job step with {env['SLURM_STEP_NUM_TASKS']} tasks"
+    if source == "Slurm":
+        return "multi_worker", f"Slurm job step with {n} tasks"
+    if source == "Kubernetes":
+        return "multi_worker", f"Kubernetes Indexed Job of {n} workers"
     if num_gpus is None:
         import tensorflow as tf
 
@@ -616,12 +717,16 @@ def choose_strategy(strategy: Union[str, Any] = "auto", all_reduce: str = "auto"
     if kind == "multi_worker":
         config = None
         if not tf_config():
-            config = slurm_tf_config()
-            if config is None:
+            found = cluster_tf_config()
+            if found is None or found[1] is None:
                 raise ValueError(
-                    "strategy='multi_worker' needs a cluster: set TF_CONFIG (see docs/fit.md) or run under "
-                    "`srun` with several tasks."
+                    "strategy='multi_worker' needs a cluster: set TF_CONFIG (see docs/fit.md), run under "
+                    "`srun` with several tasks, or in a Kubernetes Indexed Job with KERAS_SCALE_NUM_WORKERS set."
                 )
+            config = found[1]
+        from keras_scale.heartbeat_file import write_beat
+
+        write_beat("start")  # `keras-scale launch`: this worker got as far as joining the cluster
         result = _multi_worker(all_reduce, config)
     elif kind == "mirrored":
         candidates = (None, "one_device") if all_reduce == "auto" else (all_reduce,)

@@ -1656,14 +1656,24 @@ def check_tf_config(f: Facts, resolve: Callable[[str], List[str]] = _resolve,
     """TF_CONFIG: valid JSON, this task inside the cluster, addresses host:port, resolvable, own port free."""
     name = "tf_config"
     raw = f.env.get("TF_CONFIG", "").strip()
-    if not raw:
-        return CheckResult(name, "ok", "TF_CONFIG unset: single-machine training.")
     fix = ('TF_CONFIG looks like {"cluster": {"worker": ["host1:port", "host2:port"]}, "task": {"type": "worker", '
            '"index": 0}}; `keras-scale launch` sets it for local workers.')
-    from keras_scale.distribute import tf_config
+    from keras_scale.distribute import cluster_task, kubernetes_tf_config, tf_config
+
+    if not raw:  # the other cluster sources, in the order choose_strategy and is_chief read them
+        source, _, index, num_workers = cluster_task(f.env)
+        if source == "Slurm":
+            return CheckResult(name, "ok", f"Slurm job step: task {index} of {num_workers} "
+                               f"({'the chief' if index == 0 else 'not the chief'}); choose_strategy() derives "
+                               "TF_CONFIG from it.")
+        if source != "Kubernetes":
+            return CheckResult(name, "ok", "TF_CONFIG unset: single-machine training.")
+        raw = json.dumps(kubernetes_tf_config(f.env))  # checked below like a TF_CONFIG
+        fix = ("In a Kubernetes Indexed Job set KERAS_SCALE_NUM_WORKERS to the Job's completions and "
+               "KERAS_SCALE_K8S_SUBDOMAIN to the headless Service (see examples/kubernetes/train-job.yaml).")
 
     try:
-        cfg = tf_config(f.env)
+        cfg = tf_config({"TF_CONFIG": raw})
     except ValueError as e:
         return CheckResult(name, "error", str(e), fix)
     if not isinstance(cfg, dict) or not isinstance(cfg.get("cluster"), dict) or not cfg["cluster"]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -585,6 +586,12 @@ def _default_callbacks(callbacks: Sequence[Any], log_dir: Optional[str], checkpo
         add(ChiefCheckpoint, directory)
     if monitors:  # last, so that it also sees the final checkpoint written at train end
         add(Goodput, log_dir)
+    from keras_scale.heartbeat_file import HEARTBEAT_FILE_ENV
+
+    if os.environ.get(HEARTBEAT_FILE_ENV):  # `keras-scale launch` watches for hung workers: after ChiefCheckpoint
+        from keras_scale.callbacks.heartbeat import Heartbeat
+
+        add(Heartbeat)
     return result, added
 
 
@@ -604,6 +611,8 @@ class _Plan:
     policy: str
     verbose: Any
     auto_accum: bool = False  # accum="auto": split each replica's batch only when a step runs out of memory
+    elastic_message: Optional[str] = None  # what a resume on another replica count adjusted (keras_scale.elastic)
+    shard_by_data: bool = False  # elastic resumable run: file-based data sharded by DATA (same samples per batch)
 
 
 def _validate(model_or_builder: Any, x: Any, per_replica_batch_size: Optional[int], global_batch_size: Optional[int],
@@ -722,6 +731,11 @@ def _data(x: Any, y: Any, model: keras.Model, plan: _Plan, fit_kwargs: Dict[str,
     epoch_variable = tf.Variable(0, dtype=tf.int64, trainable=False, name="keras_scale_data_epoch")
     dataset, how = prepare_dataset(x, y, sample_weight, global_batch_size=plan.global_batch, shuffle=bool(shuffle),
                                    drop_remainder=drop_remainder, epoch_variable=epoch_variable)
+    if plan.shard_by_data and how.find("auto-shard FILE") >= 0:
+        dataset = _shard_by_data(dataset)
+        how = how.split("auto-shard FILE")[0] + ("auto-shard DATA (elastic: a global batch holds the same samples on any "
+                                                 "number of workers; pass elastic=False to shard by file); "
+                                                 "prefetch AUTOTUNE")
     if validation_split is not None and fit_kwargs.get("validation_data") is not None:
         how += f"; validation: the last {validation_split:g} of the arrays (as Keras's validation_split)"
     validation_data = fit_kwargs.get("validation_data")
@@ -780,6 +794,12 @@ def _drop_for_synchronized_batchnorm(model: keras.Model, plan: _Plan, x: Any, y:
     return True
 
 
+def _shard_by_data(dataset: tf.data.Dataset) -> tf.data.Dataset:
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    return dataset.with_options(options)  # the later option wins
+
+
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
@@ -809,6 +829,62 @@ def _batch_line(plan: _Plan, model: keras.Model, dataset: tf.data.Dataset, epoch
     else:
         line += "; updates per epoch unknown (dataset of unknown size): pass steps_per_epoch= to know total_steps"
     return line
+
+
+def _plan_elastic(plan: _Plan, checkpoint_dir: Optional[str], global_batch_size: Optional[int],
+                  elastic: Any) -> float:
+    """On a resume on another replica count: the batch arithmetic that keeps the math (keras_scale.elastic);
+    returns the learning-rate factor (1.0 unless ``elastic="scale_lr"`` changed the global batch)."""
+    if checkpoint_dir is None or global_batch_size is None or elastic is False or plan.auto_accum:
+        return 1.0
+    from keras_scale.elastic import plan_elastic, read_record
+
+    plan.shard_by_data = True
+
+    old_global = plan.global_batch
+    per, glob, accum, message = plan_elastic(read_record(_checkpoint_path(checkpoint_dir)), plan.global_batch,
+                                             plan.replicas, plan.accum, elastic)
+    if message is None:
+        return 1.0
+    plan.per_replica, plan.global_batch, plan.accum = per, glob, accum
+    plan.elastic_message = message
+    _say(message, plan.verbose, plan.strategy)
+    return glob / old_global
+
+
+def _checkpoint_path(checkpoint_dir: Any) -> str:
+    directory = str(checkpoint_dir)
+    return os.path.abspath(directory) if "://" not in directory else directory
+
+
+def _finish_elastic(model: keras.Model, plan: _Plan, checkpoint_dir: Optional[str], global_batch_size: Optional[int],
+                    elastic: Any, lr_factor: float, lr_scaling: Any) -> None:
+    """Rescale the learning rate for ``elastic="scale_lr"`` (unless ``lr_scaling`` already scaled it to the new
+    global batch) and, on the chief, record this run's batch arithmetic next to the checkpoints. The model was built
+    (a collective under multi-worker), so every worker has read the previous record by now."""
+    if checkpoint_dir is None or global_batch_size is None or elastic is False or plan.auto_accum:
+        return
+    from keras_scale.elastic import read_record, write_record
+
+    if lr_factor != 1.0 and lr_scaling is None:
+        from keras_scale.schedules import WarmupCosine, inner_optimizer
+
+        optimizer = inner_optimizer(model.optimizer)
+        lr = optimizer._learning_rate
+        if isinstance(lr, WarmupCosine):
+            lr.peak_lr = lr.peak_lr * lr_factor
+        elif isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
+            raise ValueError(f"elastic='scale_lr' rescales a float learning rate or a keras_scale.WarmupCosine peak; "
+                             f"the optimizer uses {type(lr).__name__}. Use elastic='accum' (keeps the global batch) "
+                             "or scale it yourself in the builder.")
+        else:
+            optimizer.learning_rate = float(optimizer.learning_rate.numpy()) * lr_factor
+    if is_chief(plan.strategy):
+        directory = _checkpoint_path(checkpoint_dir)
+        old = read_record(directory)
+        bound = old["micro_batch_size"] if old is not None and elastic == "accum" else \
+            -(-plan.per_replica // max(plan.accum, 1))
+        write_record(directory, plan.global_batch, plan.replicas, bound)
 
 
 def _train(model: keras.Model, dataset: tf.data.Dataset, epochs: int, callbacks: List[Any], plan: _Plan,
@@ -852,6 +928,7 @@ def fit(
     sync_bn: Union[str, bool] = "auto",
     jit_compile: Union[str, bool] = "auto",
     default_callbacks: bool = True,
+    elastic: Union[str, bool] = "accum",
     **fit_kwargs: Any,
 ) -> keras.callbacks.History:
     """Train with the right strategy, batch, precision and callbacks; return Keras's ``History``.
@@ -886,6 +963,10 @@ def fit(
             ``True``/``False`` force it.
         default_callbacks: ``False`` adds none of the default callbacks (only yours, plus TensorBoard /
             ChiefCheckpoint when ``log_dir`` / ``checkpoint_dir`` ask for them).
+        elastic: what a resume with ``global_batch_size`` and ``checkpoint_dir`` does on another number of replicas
+            than the checkpoint was written with (see :mod:`keras_scale.elastic`): ``"accum"`` keeps the global
+            batch exact by changing the accumulation (micro-batches no larger than before); ``"scale_lr"`` keeps
+            the per-replica batch and rescales the learning rate linearly; ``False`` adjusts nothing.
         **fit_kwargs: passed to ``model.fit`` (``validation_data``, ``validation_split`` (arrays: the last
             fraction, as Keras), ``sample_weight``, ``shuffle``, ``steps_per_epoch``, ``verbose``, ...).
             ``batch_size`` is not accepted (use the two sizes above).
@@ -902,10 +983,15 @@ def fit(
     accum = 1 if auto_accum else accum
     _validate(model_or_builder, x, per_replica_batch_size, global_batch_size, epochs, accum, lr_scaling, sync_bn,
               jit_compile, fit_kwargs)
+    from keras_scale.elastic import check_elastic
+
+    check_elastic(elastic)
     plan = _plan(model_or_builder, strategy, all_reduce, precision, per_replica_batch_size, global_batch_size, accum,
                  fit_kwargs)
     plan.auto_accum = auto_accum
+    lr_factor = _plan_elastic(plan, checkpoint_dir, global_batch_size, elastic)
     model = _build(model_or_builder, plan, sync_bn, jit_compile, lr_scaling, log_dir)
+    _finish_elastic(model, plan, checkpoint_dir, global_batch_size, elastic, lr_factor, lr_scaling)
     dataset, epoch_variable, how = _data(x, y, model, plan, fit_kwargs)
     _say(_batch_line(plan, model, dataset, epochs, fit_kwargs), plan.verbose, plan.strategy)
     _say(f"data: {how}", plan.verbose, plan.strategy)

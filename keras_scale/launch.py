@@ -16,13 +16,21 @@ Example:
     [0, 0]
 
 Command line: ``keras-scale launch --workers 2 -- python train.py --epochs 3`` streams each worker's output live,
-each line prefixed with ``[worker i]`` (stdout to stdout, stderr to stderr). Its exit status:
+each line prefixed with ``[worker i]`` (stdout to stdout, stderr to stderr).
+
+Restarts (:func:`launch_with_restarts`): ``--max-restarts K`` restarts every worker (fresh ports, after a short
+backoff) when one exits non-zero, ``--heartbeat-timeout-s T`` also when one makes no step progress for ``T`` s,
+``--min-workers M`` continues with fewer workers when one keeps failing at start; each restart is one console line
+and one record in ``restarts.jsonl`` that ``keras_scale.Goodput`` counts (docs/fit.md, "When a worker dies").
+
+Its exit status:
 
 - ``0``: every worker exited 0;
 - ``128 + signal`` (143 for SIGTERM, 130 for SIGINT): the launcher was signalled (and forwarded the signal),
   whatever the workers then returned;
 - ``124``: ``--timeout-s`` ran out;
-- otherwise the exit status of the first worker that failed (``128 + N`` for a worker killed by signal N).
+- otherwise the exit status of the first worker that failed (``128 + N`` for a worker killed by signal N); with
+  restarts, that of the last failure once the restarts are used up.
 """
 from __future__ import annotations
 
@@ -37,7 +45,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import IO, Any, Dict, List, Optional, Sequence
+from typing import IO, Any, Dict, List, Optional, Sequence, Tuple
 
 EXIT_TIMEOUT = 124
 MAX_OUTPUT_CHARS = 10_000_000  # per worker and stream: the captured tail kept in WorkerResult
@@ -92,10 +100,13 @@ class WorkerResult:
     stderr: str
     timed_out: bool = False
     signal_forwarded: Optional[int] = None
+    hung: bool = False  # killed by the launcher: its heartbeat showed no step progress for heartbeat_timeout_s
+    stopped_by_launcher: bool = False  # still running when the launcher killed the workers (it did not fail itself)
+    ended_s: Optional[float] = None  # seconds after the start at which the launcher saw it exit
 
     @property
     def ok(self) -> bool:
-        return self.returncode == 0 and not self.timed_out and self.signal_forwarded is None
+        return self.returncode == 0 and not self.timed_out and self.signal_forwarded is None and not self.hung
 
 
 class WorkersFailed(RuntimeError):
@@ -160,6 +171,69 @@ def _wait_all(procs: Sequence[subprocess.Popen], until: float, stop: Optional[th
     return True
 
 
+class _HeartbeatWatch:
+    """Reads the workers' heartbeat files (:mod:`keras_scale.callbacks.heartbeat`) while they run.
+
+    A worker is *stale* once it wrote a step beat and then none for ``timeout_s`` seconds (a "begin" beat does not
+    start the clock: the first step traces the train function; an "end" beat stops it: the script may do other
+    work after ``fit``). ``on_first_progress(index, first_beat, begin_beat)`` is called once, at the first step beat
+    of any worker.
+    """
+
+    def __init__(self, files: Sequence[str], timeout_s: Optional[float], on_first_progress: Any = None) -> None:
+        self.files = list(files)
+        self.timeout_s = timeout_s
+        self.on_first_progress = on_first_progress
+        self.latest: List[Optional[Dict[str, Any]]] = [None] * len(self.files)  # newest beat of each worker
+        self.begin: List[Optional[Dict[str, Any]]] = [None] * len(self.files)
+        self.progressed: List[bool] = [False] * len(self.files)  # wrote a step beat (made a step) in this attempt
+        self._mtimes: List[Optional[float]] = [None] * len(self.files)
+        self._first_done = False
+        for path in self.files:  # a beat of an earlier attempt must not count for this one
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+
+    def poll(self) -> List[int]:
+        """Read changed files; return the indices of stale workers (empty without a timeout)."""
+        from keras_scale.heartbeat_file import read_heartbeat
+
+        for i, path in enumerate(self.files):
+            try:
+                mtime = os.stat(path).st_mtime
+            except OSError:
+                continue
+            if mtime == self._mtimes[i]:
+                continue
+            beat = read_heartbeat(path)
+            if beat is None:
+                continue
+            self._mtimes[i] = mtime
+            self.latest[i] = beat
+            if beat.get("phase") == "begin":
+                self.begin[i] = beat
+            elif beat.get("phase") == "step":
+                self.progressed[i] = True
+                if not self._first_done:
+                    self._first_done = True
+                    if self.on_first_progress is not None:
+                        self.on_first_progress(i, beat, self.begin[i])
+        if self.timeout_s is None:
+            return []
+        now = time.time()
+        return [i for i, beat in enumerate(self.latest)
+                if beat is not None and beat.get("phase") == "step" and now - float(beat["time"]) > self.timeout_s]
+
+    def last_step(self) -> Optional[int]:
+        steps = [int(b["step"]) for b in self.latest if b is not None and "step" in b]
+        return max(steps) if steps else None
+
+    def last_progress_unix(self) -> Optional[float]:
+        times = [float(b["time"]) for b in self.latest if b is not None and b.get("phase") == "step"]
+        return max(times) if times else None
+
+
 def launch_local_workers(
     argv: Sequence[str],
     num_workers: int = 2,
@@ -171,6 +245,7 @@ def launch_local_workers(
     stream: bool = False,
     forward_signals: bool = True,
     reraise_signal: bool = True,
+    heartbeat: Optional[_HeartbeatWatch] = None,
 ) -> List[WorkerResult]:
     """Start ``argv`` ``num_workers`` times with a loopback ``TF_CONFIG`` each; wait; return their results.
 
@@ -192,6 +267,9 @@ def launch_local_workers(
         reraise_signal: once the workers are gone, deliver the received signal again to this process's own
             handler (Ctrl-C then raises ``KeyboardInterrupt``, SIGTERM ends the process as it would have);
             ``False`` returns the results instead (their ``signal_forwarded`` says which signal).
+        heartbeat: used by :func:`launch_with_restarts`: worker ``i`` gets ``KERAS_SCALE_HEARTBEAT_FILE`` set to
+            the watch's file ``i``; a worker whose heartbeat goes stale is SIGKILLed (``hung=True``) and counts as
+            failed.
 
     Example:
         >>> launch_local_workers([sys.executable, "-c", "print('hi')"], num_workers=2)[0].stdout
@@ -210,6 +288,9 @@ def launch_local_workers(
     received: List[int] = []  # signals this process received while the workers ran
     second_signal = threading.Event()
     alive_at_deadline: List[bool] = []
+    hung: List[bool] = [False] * num_workers
+    ended: List[Optional[float]] = [None] * num_workers
+    started = time.monotonic()
 
     def on_signal(signum: int, frame: Any) -> None:
         if received:
@@ -230,6 +311,10 @@ def launch_local_workers(
             worker_env.setdefault("PYTHONUNBUFFERED", "1")
             worker_env.update(env or {})
             worker_env["TF_CONFIG"] = json.dumps(make_tf_config(ports, i))
+            if heartbeat is not None:
+                from keras_scale.heartbeat_file import HEARTBEAT_FILE_ENV
+
+                worker_env[HEARTBEAT_FILE_ENV] = heartbeat.files[i]
             proc = subprocess.Popen(list(argv), env=worker_env, cwd=cwd, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True)
             procs.append(proc)
@@ -243,6 +328,14 @@ def launch_local_workers(
         first_failure: Optional[float] = None
         while any(p.poll() is None for p in procs):
             now = time.monotonic()
+            for i, p in enumerate(procs):
+                if ended[i] is None and p.poll() is not None:
+                    ended[i] = now - started
+            if heartbeat is not None and first_failure is None and not received:
+                for i in heartbeat.poll():
+                    if procs[i].poll() is None:
+                        hung[i] = True
+                        _signal_group(procs[i], signal.SIGKILL)  # SIGKILL also ends a stopped (SIGSTOP) process
             if received:
                 _wait_all(procs, now + grace_s, second_signal)
                 break
@@ -252,12 +345,13 @@ def launch_local_workers(
                     _signal_group(p, signal.SIGTERM)
                 _wait_all(procs, now + grace_s)
                 break
-            if first_failure is None and any(p.poll() not in (None, 0) for p in procs):
+            if first_failure is None and (any(hung) or any(p.poll() not in (None, 0) for p in procs)):
                 first_failure = now
             if first_failure is not None and now > first_failure + grace_s:
                 break
             time.sleep(0.1)
     finally:
+        alive_at_kill = [p.poll() is None for p in procs]
         for p in procs:
             _signal_group(p, signal.SIGKILL)
         for p in procs:
@@ -272,8 +366,10 @@ def launch_local_workers(
     if received and reraise_signal and previous:
         signal.raise_signal(received[0])  # the workers are gone: now this process reacts as it would have
     forwarded = received[0] if received else None
+    end_s = time.monotonic() - started
     results = [WorkerResult(i, p.returncode, pumps[2 * i].text(), pumps[2 * i + 1].text(),
-                            bool(alive_at_deadline) and alive_at_deadline[i], forwarded)
+                            bool(alive_at_deadline) and alive_at_deadline[i], forwarded, hung[i],
+                            alive_at_kill[i] and not hung[i], ended[i] if ended[i] is not None else end_s)
                for i, p in enumerate(procs)]
     if check and not all(r.ok for r in results):
         detail = "\n".join(
@@ -302,19 +398,262 @@ def exit_status(results: Sequence[WorkerResult]) -> int:
     return 0 if all(r.returncode == 0 for r in results) else 1
 
 
-def cli(argv: Sequence[str]) -> int:
-    """``keras-scale launch --workers N [--timeout-s S] [--grace-s G] -- CMD ...``: run CMD as N local workers.
+#: A worker index that fails before its first step this many attempts in a row is lost (``--min-workers``).
+START_FAILURES_TO_DROP = 2
+PREEMPTED_EXIT_CODE = 42  # ChiefCheckpoint's exit status after a SIGTERM/SIGUSR1 save (PREEMPTION_EXIT_CODE)
+
+
+@dataclass
+class Restart:
+    """One restart of :func:`launch_with_restarts`: which workers failed, why, and what came next.
 
     Example:
-        $ keras-scale launch --workers 2 -- python examples/multi_worker.py
+        >>> Restart(1, 3, [1], "killed by SIGKILL", 137, 2, 2).line()
+        'keras-scale launch: worker 1 killed by SIGKILL (exit 137); restart 1 of 3 with 2 workers'
+    """
+
+    restart: int
+    max_restarts: int
+    workers: List[int]
+    reason: str
+    status: int
+    num_workers_before: int
+    num_workers_next: int
+    last_step: Optional[int] = None
+    last_progress_unix: Optional[float] = None
+    failed_at_unix: float = 0.0
+
+    def line(self) -> str:
+        who = ("worker " if len(self.workers) == 1 else "workers ") + ", ".join(map(str, self.workers))
+        line = f"keras-scale launch: {who} {self.reason} (exit {self.status}); restart {self.restart} of " \
+               f"{self.max_restarts} with {self.num_workers_next} workers"
+        if self.num_workers_next < self.num_workers_before:
+            line += f" (was {self.num_workers_before}: a worker kept failing at start)"
+        return line
+
+
+@dataclass
+class LaunchOutcome:
+    """What :func:`launch_with_restarts` did: the last attempt's results, the restarts, the exit status.
+
+    Example:
+        >>> LaunchOutcome([WorkerResult(0, 0, "", "")], [], 0).num_workers
+        1
+    """
+
+    results: List[WorkerResult]
+    restarts: List[Restart]
+    status: int
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.results)
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _failure(results: Sequence[WorkerResult], watch: _HeartbeatWatch, heartbeat_timeout_s: Optional[float],
+             beats_seen: bool) -> Tuple[List[int], str, int, bool]:
+    """``(failed worker indices, why, exit status, failed before its first step)`` of a failed attempt.
+
+    "Before its first step" needs heartbeats: it is only claimed when some worker of this run wrote one (the
+    script uses ``keras_scale.fit`` / ``choose_strategy`` or the ``Heartbeat`` callback)."""
+    hung = [r for r in results if r.hung]
+    if hung:
+        return ([r.index for r in hung], f"made no step progress for {heartbeat_timeout_s:g} s (heartbeat: hung, "
+                "killed)", 128 + signal.SIGKILL, False)
+    failed = [r for r in results if r.returncode not in (0, None) and not r.stopped_by_launcher] or \
+        [r for r in results if not r.ok]
+    first = min(failed, key=lambda r: (r.ended_s if r.ended_s is not None else float("inf"), r.index))
+    code = first.returncode if first.returncode is not None else 1
+    status = code if code > 0 else 128 - code
+    if code == PREEMPTED_EXIT_CODE:
+        why = "was preempted (exit 42: state saved)"
+    elif code < 0:
+        why = f"was killed by {_signal_name(-code)}"
+    else:
+        why = f"failed with exit status {code}"
+    at_start = beats_seen and not watch.progressed[first.index]
+    if at_start:
+        why += " before its first step"
+    return [first.index], why, status, at_start
+
+
+def launch_with_restarts(
+    argv: Sequence[str],
+    num_workers: int = 2,
+    max_restarts: int = 0,
+    min_workers: Optional[int] = None,
+    heartbeat_timeout_s: Optional[float] = None,
+    backoff_s: float = 1.0,
+    run_dir: Optional[str] = None,
+    timeout_s: Optional[float] = None,
+    grace_s: float = 30.0,
+    env: Optional[Dict[str, str]] = None,
+    cwd: Optional[str] = None,
+    stream: bool = False,
+    forward_signals: bool = True,
+    reraise_signal: bool = True,
+    say: Any = None,
+) -> LaunchOutcome:
+    """Run ``argv`` as ``num_workers`` local workers and restart them all when one fails, up to ``max_restarts``.
+
+    A failure is a worker exiting non-zero (a crash, SIGKILL, exit 42 after a preemption save) or, with
+    ``heartbeat_timeout_s``, a worker that made no step progress for that long (its heartbeat file, written by
+    :class:`keras_scale.callbacks.heartbeat.Heartbeat`, which :func:`keras_scale.fit` adds by itself). The others
+    get ``grace_s`` to stop, then SIGKILL; after ``backoff_s * 2**(i-1)`` seconds (at most 30) all workers start
+    again with fresh ports and resume from their checkpoint. A worker index that fails before its first step
+    :data:`START_FAILURES_TO_DROP` attempts in a row is a lost machine: the run continues with one worker fewer,
+    down to ``min_workers`` (default ``num_workers``: never fewer).
+
+    Each restart prints one line (``say``, default stderr) and appends a record to ``run_dir/restarts.jsonl``
+    (``KERAS_SCALE_RESTART_LOG`` in the workers; :class:`keras_scale.Goodput` counts it). A signal to the launcher
+    (SIGTERM, Ctrl-C) is forwarded and ends the run: it is not restarted.
+
+    Args:
+        run_dir: where the heartbeats and the restart record go; ``None``: a temporary directory, removed at the end.
+        (the other arguments as in :func:`launch_local_workers`; ``timeout_s`` is for the whole run)
+
+    Returns:
+        A :class:`LaunchOutcome`: its ``status`` is 0 when the last attempt succeeded, else the exit status of the
+        last failure (``128 + signal`` when the launcher itself was signalled, 124 on the timeout).
+
+    Example::
+
+        outcome = launch_with_restarts([sys.executable, "train.py"], num_workers=2, max_restarts=3,
+                                       heartbeat_timeout_s=300)
+        outcome.status, len(outcome.restarts)        # (0, 1) after one worker was killed and the run resumed
+    """
+    import shutil
+    import tempfile
+
+    from keras_scale._validate import check_int
+    from keras_scale.heartbeat_file import RESTART_LOG_ENV
+
+    num_workers = check_int("num_workers", num_workers)
+    max_restarts = check_int("max_restarts", max_restarts, 0)
+    min_workers = num_workers if min_workers is None else check_int("min_workers", min_workers)
+    if min_workers > num_workers:
+        raise ValueError(f"min_workers={min_workers} is more than num_workers={num_workers}: use 1 <= min_workers "
+                         "<= num_workers.")
+    if heartbeat_timeout_s is not None and not heartbeat_timeout_s > 0:
+        raise ValueError(f"heartbeat_timeout_s must be > 0 seconds or None (no hang detection), got "
+                         f"{heartbeat_timeout_s!r}")
+    if not backoff_s >= 0:
+        raise ValueError(f"backoff_s must be >= 0 seconds, got {backoff_s!r}")
+    if timeout_s is not None and not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0 seconds or None (no limit), got {timeout_s!r}")
+    if say is None:
+        def say(message: str) -> None:
+            print(message, file=sys.stderr, flush=True)
+    own_dir = run_dir is None
+    run_dir = tempfile.mkdtemp(prefix="keras_scale_launch_") if own_dir else os.path.abspath(run_dir)
+    os.makedirs(os.path.join(run_dir, "heartbeat"), exist_ok=True)
+    record_path = os.path.join(run_dir, "restarts.jsonl")
+    worker_env = dict(env or {})
+    worker_env[RESTART_LOG_ENV] = record_path
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    restarts: List[Restart] = []
+    start_failures: Dict[int, int] = {}
+    current = num_workers
+    beats_seen = False
+
+    def record(entry: Dict[str, Any]) -> None:
+        with open(record_path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+    try:
+        while True:
+            previous = restarts[-1] if restarts else None
+
+            def on_first_progress(index: int, beat: Dict[str, Any], begin: Optional[Dict[str, Any]],
+                                  previous: Optional[Restart] = previous) -> None:
+                if previous is None:
+                    return
+                resumed_step = int(begin["step"]) if begin is not None else max(int(beat["step"]) - 1, 0)
+                since = previous.last_progress_unix or previous.failed_at_unix
+                record({"event": "resumed", "restart": previous.restart, "first_step_unix": float(beat["time"]),
+                        "resumed_step": resumed_step, "lost_s": round(max(0.0, float(beat["time"]) - since), 6),
+                        "redone_steps": max(0, (previous.last_step or 0) - resumed_step)})
+
+            files = [os.path.join(run_dir, "heartbeat", f"worker-{i}.json") for i in range(current)]
+            watch = _HeartbeatWatch(files, heartbeat_timeout_s, on_first_progress)
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.001)
+            results = launch_local_workers(argv, num_workers=current, timeout_s=left, grace_s=grace_s,
+                                           env=worker_env, cwd=cwd, stream=stream, forward_signals=forward_signals,
+                                           reraise_signal=False, heartbeat=watch)
+            watch.poll()  # the last beats, for the record
+            beats_seen = beats_seen or any(b is not None for b in watch.latest)
+            status = exit_status(results)
+            if all(r.ok for r in results):
+                return LaunchOutcome(results, restarts, 0)
+            if results[0].signal_forwarded is not None:
+                if reraise_signal and forward_signals and threading.current_thread() is threading.main_thread():
+                    signal.raise_signal(results[0].signal_forwarded)
+                return LaunchOutcome(results, restarts, status)
+            if any(r.timed_out for r in results):
+                return LaunchOutcome(results, restarts, status)
+            workers, why, status, at_start = _failure(results, watch, heartbeat_timeout_s, beats_seen)
+            if len(restarts) >= max_restarts:
+                say(f"keras-scale launch: worker{'s' if len(workers) > 1 else ''} {', '.join(map(str, workers))} "
+                    f"{why} (exit {status}); {max_restarts} restart{'s' if max_restarts != 1 else ''} used: giving up "
+                    f"with exit status {status}")
+                return LaunchOutcome(results, restarts, status)
+            next_workers = current
+            if at_start:
+                index = workers[0]
+                start_failures = {index: start_failures.get(index, 0) + 1}
+                if start_failures[index] >= START_FAILURES_TO_DROP and current - 1 >= min_workers:
+                    next_workers, start_failures = current - 1, {}
+            else:
+                start_failures = {}
+            restart = Restart(len(restarts) + 1, max_restarts, workers, why, status, current, next_workers,
+                              watch.last_step(), watch.last_progress_unix(), time.time())
+            restarts.append(restart)
+            say(restart.line())
+            record({"event": "restart", "restart": restart.restart, "max_restarts": max_restarts,
+                    "workers": workers, "reason": why, "returncode": status, "num_workers": current,
+                    "num_workers_next": next_workers, "last_step": restart.last_step,
+                    "last_progress_unix": restart.last_progress_unix, "failed_at_unix": restart.failed_at_unix})
+            current = next_workers
+            time.sleep(min(backoff_s * 2 ** (restart.restart - 1), 30.0))
+    finally:
+        if own_dir:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def cli(argv: Sequence[str]) -> int:
+    """``keras-scale launch --workers N [--max-restarts K] [--min-workers M] [--heartbeat-timeout-s T] -- CMD``.
+
+    Example:
+        $ keras-scale launch --workers 2 --max-restarts 3 --heartbeat-timeout-s 300 -- python train.py
     """
     parser = argparse.ArgumentParser(
         prog="keras-scale launch",
         description="Run CMD as N local MultiWorkerMirroredStrategy workers on 127.0.0.1 (TF_CONFIG set for "
                     "each), streaming their output with a [worker i] prefix. SIGTERM/SIGINT are forwarded to the "
-                    "workers. Exit status: 0 all workers ok; 128+signal when signalled; 124 on --timeout-s; "
-                    "else the first failing worker's status.")
+                    "workers. With --max-restarts, a failed or hung worker restarts all workers (they resume from "
+                    "their checkpoint). Exit status: 0 all workers ok; 128+signal when signalled; 124 on "
+                    "--timeout-s; else the status of the (last) failing worker.")
     parser.add_argument("--workers", type=int, default=2, help="number of worker processes (default 2)")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="restart all workers this many times at most when one fails (default 0)")
+    parser.add_argument("--min-workers", type=int, default=None,
+                        help="a worker that keeps failing before its first step is dropped, down to this many "
+                             "workers (default: --workers, never fewer)")
+    parser.add_argument("--heartbeat-timeout-s", type=float, default=None,
+                        help="a worker with no step progress for this many seconds is hung: kill it and restart "
+                             "(default: no hang detection)")
+    parser.add_argument("--backoff-s", type=float, default=1.0,
+                        help="seconds to wait before restart i: backoff * 2**(i-1), at most 30 (default 1)")
+    parser.add_argument("--run-dir", default=os.environ.get("KERAS_SCALE_RUN_DIR"),
+                        help="directory for the heartbeats and the restart record restarts.jsonl (default: "
+                             "$KERAS_SCALE_RUN_DIR, else a temporary directory)")
     parser.add_argument("--timeout-s", type=float, default=None,
                         help="stop the workers after this many seconds (default: no limit)")
     parser.add_argument("--grace-s", type=float, default=30.0,
@@ -327,6 +666,14 @@ def cli(argv: Sequence[str]) -> int:
         parser.error("give the command to run, e.g. `keras-scale launch --workers 2 -- python train.py`")
     if args.workers < 1:
         parser.error(f"--workers must be >= 1, got {args.workers}")
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.min_workers is not None and not 1 <= args.min_workers <= args.workers:
+        parser.error(f"--min-workers must be between 1 and --workers ({args.workers}), got {args.min_workers}")
+    if args.heartbeat_timeout_s is not None and args.heartbeat_timeout_s <= 0:
+        parser.error(f"--heartbeat-timeout-s must be > 0, got {args.heartbeat_timeout_s}")
+    if args.backoff_s < 0:
+        parser.error(f"--backoff-s must be >= 0, got {args.backoff_s}")
     if args.timeout_s is not None and args.timeout_s <= 0:
         parser.error(f"--timeout-s must be > 0, got {args.timeout_s}")
     if args.grace_s < 0:
@@ -337,10 +684,13 @@ def cli(argv: Sequence[str]) -> int:
             command[0], os.X_OK):
         parser.error(f"cannot run {command[0]!r}: not found or not executable (give the command to run on each "
                      "worker, e.g. `-- python train.py`)")
-    results = launch_local_workers(command, num_workers=args.workers, timeout_s=args.timeout_s,
+    outcome = launch_with_restarts(command, num_workers=args.workers, max_restarts=args.max_restarts,
+                                   min_workers=args.min_workers, heartbeat_timeout_s=args.heartbeat_timeout_s,
+                                   backoff_s=args.backoff_s, run_dir=args.run_dir, timeout_s=args.timeout_s,
                                    grace_s=args.grace_s, stream=True, reraise_signal=False)
-    status = exit_status(results)
     summary = ", ".join(f"worker {r.index}: exit {r.returncode}{' (timed out)' if r.timed_out else ''}"
-                        for r in results)
-    print(f"keras-scale launch: {summary}; exit status {status}", file=sys.stderr, flush=True)
-    return status
+                        f"{' (hung)' if r.hung else ''}" for r in outcome.results)
+    restarts = f"{len(outcome.restarts)} restart{'s' if len(outcome.restarts) != 1 else ''}; " \
+        if args.max_restarts else ""
+    print(f"keras-scale launch: {summary}; {restarts}exit status {outcome.status}", file=sys.stderr, flush=True)
+    return outcome.status

@@ -511,6 +511,10 @@ def format_summary(summary: Dict[str, Any], title: str = "Goodput") -> str:
     if summary.get("samples_per_s"):
         head += f", {summary['samples_per_s']:,.0f} samples/s"
     lines = [head + ")"]
+    if summary.get("restarts"):
+        lines.append(f"  restarts {summary['restarts']}: {summary.get('restart_lost_s', 0):.1f} s lost between a "
+                     f"failure and the resumed first step, {summary.get('restart_redone_steps', 0)} steps redone "
+                     "(after the last checkpoint)")
     labels = {"productive_s": "productive steps", "input_wait_s": "input wait", "compile_s": "compile / trace",
               "checkpoint_s": "checkpoint (blocked)", "eval_s": "validation", "skipped_steps_s": "NaN-skipped steps",
               "redone_s": "redone work", "measure_s": "Goodput's probes", "other_s": "other (callbacks, rest)"}
@@ -648,6 +652,8 @@ class Goodput(keras.callbacks.Callback):
     ``goodput``, ``goodput_input_wait``, ``goodput_samples_per_s``, ``goodput_tflops_per_s`` and ``goodput_mfu``
     (those known) to the ``History`` that ``fit`` returns (at its end, not to the epoch logs), and with ``log_dir``
     the chief writes ``goodput/...`` scalars.
+    Under ``keras-scale launch --max-restarts`` the summary also holds ``restarts``, ``restart_lost_s`` and
+    ``restart_redone_steps``, read from the launcher's restart record (:mod:`keras_scale.heartbeat_file`).
     The chief prints a table at the end of fit (unless ``fit(verbose=0)``).
 
     List it last (``keras_scale.fit`` does): it then also sees the final checkpoint other callbacks write at
@@ -825,6 +831,9 @@ class Goodput(keras.callbacks.Callback):
         self._active = False
         self._take_reported()
         self.summary = self._summarize(self._ledger, time.perf_counter() - self._start)
+        from keras_scale.heartbeat_file import restart_summary
+
+        self.summary.update(restart_summary())  # `keras-scale launch --max-restarts`: what the restarts cost
         self._scalars.close()
         self._figures.deliver(self.model)
         verbose = (self.params or {}).get("verbose", 1) if self.verbose == "auto" else self.verbose

@@ -1,0 +1,205 @@
+"""The parts of "survive a lost worker" that need no cluster: the launcher's restart / hang / lost-worker decisions
+(with TensorFlow-free fake workers that write heartbeats), the elastic batch arithmetic of ``ks.fit``, the
+Heartbeat callback and the doctor's view of the cluster sources.
+"""
+import json
+import os
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+
+import keras_scale as ks
+import keras_scale.doctor as _doctor_module  # noqa: F401
+dr = sys.modules["keras_scale.doctor"]
+from keras_scale.callbacks.heartbeat import Heartbeat
+from keras_scale.elastic import plan_elastic, read_record, record_path
+from keras_scale.heartbeat_file import read_heartbeat, restart_summary
+from keras_scale.launch import launch_with_restarts
+
+# A fake worker: writes a start beat, then step beats; its behaviour per attempt is read from argv / marker files.
+FAKE = r'''
+import json, os, sys, time
+from keras_scale.heartbeat_file import write_beat
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+n = len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
+mode = sys.argv[1]
+attempt = len([f for f in os.listdir(".") if f.startswith(f"attempt_{index}_")])
+open(f"attempt_{index}_{attempt}", "w").close()
+if mode == "lost" and index == 2 and attempt > 0:
+    sys.exit(5)  # this machine is gone: fails at start, before any beat
+write_beat("start")
+if mode == "lost" and n == 3 and attempt > 0:
+    time.sleep(600)  # waits for the missing worker forever (as a real cluster start-up would)
+for step in range(1, 4):
+    time.sleep(0.1)
+    write_beat("step", step)
+if attempt == 0 and index == 1 and mode in ("crash", "always"):
+    sys.exit(17)
+if attempt == 0 and index == 2 and mode == "lost":
+    sys.exit(137 - 128 + 128)
+if mode == "always" and index == 1:
+    sys.exit(17)
+if mode == "hang" and attempt == 0 and index == 0:
+    time.sleep(600)  # no step progress, still alive
+write_beat("end", 3)
+print(json.dumps({"index": index, "workers": n, "attempt": attempt}))
+'''
+
+
+def _run(tmp_path, mode, num_workers=2, **kwargs):
+    script = tmp_path / "fake.py"
+    script.write_text(FAKE)
+    lines = []
+    env = {"PYTHONPATH": str(__import__("pathlib").Path(__file__).resolve().parents[1])}
+    outcome = launch_with_restarts([sys.executable, str(script), mode], num_workers=num_workers, grace_s=1,
+                                   backoff_s=0.1, run_dir=str(tmp_path / "run"), env=env, cwd=str(tmp_path),
+                                   say=lines.append, timeout_s=240, **kwargs)
+    records = [json.loads(ln) for ln in (tmp_path / "run" / "restarts.jsonl").read_text().splitlines()] \
+        if (tmp_path / "run" / "restarts.jsonl").exists() else []
+    return outcome, lines, records
+
+
+def test_a_crashed_worker_restarts_every_worker_once_and_the_restart_is_recorded(tmp_path):
+    outcome, lines, records = _run(tmp_path, "crash", max_restarts=3)
+    assert outcome.status == 0 and len(outcome.restarts) == 1
+    assert lines == ["keras-scale launch: worker 1 failed with exit status 17 (exit 17); restart 1 of 3 with 2 workers"]
+    assert [r["event"] for r in records] == ["restart", "resumed"]
+    assert records[0]["last_step"] == 3 and records[1]["redone_steps"] == 3  # no checkpoint: all 3 steps again
+    assert records[1]["lost_s"] > 0
+    assert restart_summary(str(tmp_path / "run" / "restarts.jsonl"))["restarts"] == 1
+    assert sorted(f for f in os.listdir(tmp_path) if f.startswith("attempt_")) == [
+        "attempt_0_0", "attempt_0_1", "attempt_1_0", "attempt_1_1"]  # both workers started again
+
+
+def test_after_max_restarts_the_launcher_gives_up_with_the_last_failures_status(tmp_path):
+    outcome, lines, records = _run(tmp_path, "always", max_restarts=2)
+    assert outcome.status == 17 and len(outcome.restarts) == 2
+    assert lines[-1].endswith("2 restarts used: giving up with exit status 17")
+
+
+def test_no_restarts_by_default(tmp_path):
+    outcome, lines, records = _run(tmp_path, "crash")
+    assert outcome.status == 17 and outcome.restarts == [] and records == []
+
+
+def test_a_worker_without_step_progress_is_killed_after_the_heartbeat_timeout(tmp_path):
+    start = time.monotonic()
+    outcome, lines, records = _run(tmp_path, "hang", max_restarts=1, heartbeat_timeout_s=3)
+    assert outcome.status == 0, lines
+    assert time.monotonic() - start < 120
+    assert lines[0].startswith("keras-scale launch: worker 0 made no step progress for 3 s (heartbeat: hung, killed)")
+    hung_for = records[0]["failed_at_unix"] - records[0]["last_progress_unix"]
+    assert 3 <= hung_for < 3 + 10, records
+
+
+def test_a_worker_failing_at_start_is_dropped_down_to_min_workers(tmp_path):
+    outcome, lines, records = _run(tmp_path, "lost", num_workers=3, max_restarts=4, min_workers=2)
+    assert outcome.status == 0, lines
+    assert outcome.num_workers == 2
+    assert [r["num_workers_next"] for r in records if r["event"] == "restart"] == [3, 3, 2]
+    assert "before its first step" in lines[1] and lines[2].endswith("(was 3: a worker kept failing at start)")
+
+
+def test_without_min_workers_a_lost_worker_is_never_dropped(tmp_path):
+    outcome, lines, records = _run(tmp_path, "lost", num_workers=3, max_restarts=3)
+    assert outcome.status == 5 and all(r["num_workers_next"] == 3 for r in records if r["event"] == "restart")
+
+
+def test_launcher_arguments_are_checked_early(tmp_path):
+    with pytest.raises(ValueError, match="min_workers=3 is more than num_workers=2"):
+        launch_with_restarts(["true"], num_workers=2, min_workers=3)
+    with pytest.raises(ValueError, match="heartbeat_timeout_s must be > 0"):
+        launch_with_restarts(["true"], num_workers=2, heartbeat_timeout_s=0)
+
+
+# ------------------------------------------------------------------------------------------------- elastic
+def test_elastic_keeps_the_global_batch_by_accumulation_or_refuses_with_sizes_that_work():
+    record = {"global_batch_size": 12, "replicas": 3, "micro_batch_size": 2}
+    assert plan_elastic(record, 12, 2, 1, "accum")[:3] == (6, 12, 3)   # 2 x 3 x 2 = 12
+    assert plan_elastic(record, 12, 4, 1, "accum")[:3] == (3, 12, 3)   # micro-batches of 1 <= 2
+    assert plan_elastic(record, 12, 3, 2, "accum") == (4, 12, 2, None)  # same replicas: nothing changes
+    with pytest.raises(ValueError, match="Use global_batch_size=10 or 15"):
+        plan_elastic(record, 12, 5, 1, "accum")
+    per, glob, accum, message = plan_elastic(record, 12, 2, 1, "scale_lr")
+    assert (per, glob, accum) == (4, 8, 1) and "learning rate x 8/12 (linear rule)" in message
+    assert plan_elastic(record, 12, 2, 1, False) == (6, 12, 1, None)
+
+
+def _build():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return model
+
+
+def _xy():
+    x = np.random.default_rng(0).random((24, 4)).astype("float32")
+    return x, (x.sum(axis=1, keepdims=True)).astype("float32")
+
+
+def test_fit_resumed_on_fewer_replicas_keeps_the_global_batch_with_more_accumulation(tmp_path, capsys):
+    x, y = _xy()
+    ckpt = str(tmp_path / "ckpt")
+    ks.fit(_build, x, y, global_batch_size=6, epochs=1, strategy="default", checkpoint_dir=ckpt, verbose=0,
+           default_callbacks=False)
+    assert json.loads(open(record_path(ckpt)).read()) == {"global_batch_size": 6, "replicas": 1,
+                                                           "micro_batch_size": 6}
+    # pretend the checkpoint was written by 3 replicas with micro-batches of 2 (the resumed run has 1 replica)
+    with open(record_path(ckpt), "w") as f:
+        json.dump({"global_batch_size": 6, "replicas": 3, "micro_batch_size": 2}, f)
+    history = ks.fit(_build, x, y, global_batch_size=6, epochs=2, strategy="default", checkpoint_dir=ckpt, verbose=1,
+                     default_callbacks=False)
+    out = capsys.readouterr().out
+    assert ("keras_scale: elastic: checkpoint written on 3 replicas, this run has 1: global batch 6 kept exact by "
+            "accum 3 micro-batches of 2 per replica (was <= 2); learning rate unchanged") in out
+    assert history.model.accum == 3 and len(history.history["loss"]) == 1  # epoch 2 only: epoch 1 was restored
+    assert read_record(ckpt) == {"global_batch_size": 6, "replicas": 1, "micro_batch_size": 2}  # the bound stays
+
+
+def test_fit_elastic_scale_lr_rescales_the_learning_rate_linearly(tmp_path, capsys):
+    x, y = _xy()
+    ckpt = str(tmp_path / "ckpt")
+    ks.fit(_build, x, y, global_batch_size=6, epochs=1, strategy="default", checkpoint_dir=ckpt, verbose=0,
+           default_callbacks=False)
+    with open(record_path(ckpt), "w") as f:
+        json.dump({"global_batch_size": 6, "replicas": 2, "micro_batch_size": 3}, f)
+    with pytest.warns(RuntimeWarning, match="learning_rate changed between runs"):
+        history = ks.fit(_build, x, y, global_batch_size=6, epochs=2, strategy="default", checkpoint_dir=ckpt,
+                         verbose=1, default_callbacks=False, elastic="scale_lr")
+    assert "global batch 6 -> 3; learning rate x 3/6 (linear rule)" in capsys.readouterr().out
+    assert float(history.model.optimizer.learning_rate.numpy()) == pytest.approx(0.05)
+
+
+def test_fit_rejects_an_unknown_elastic_mode():
+    x, y = _xy()
+    with pytest.raises(ValueError, match="elastic must be 'accum'"):
+        ks.fit(_build, x, y, global_batch_size=6, elastic="yes")
+
+
+def test_heartbeat_callback_writes_the_optimizer_step_and_ends_with_an_end_beat(tmp_path):
+    x, y = _xy()
+    path = str(tmp_path / "beat.json")
+    model = _build()
+    model.fit(x, y, batch_size=6, epochs=2, verbose=0, callbacks=[Heartbeat(path, interval_s=0)])
+    beat = read_heartbeat(path)
+    assert beat["phase"] == "end" and beat["step"] == 8 == int(model.optimizer.iterations.numpy())
+
+
+def test_fit_adds_the_heartbeat_when_the_launcher_asks_for_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERAS_SCALE_HEARTBEAT_FILE", str(tmp_path / "w0.json"))
+    x, y = _xy()
+    ks.fit(_build, x, y, global_batch_size=6, epochs=1, strategy="default", verbose=0, default_callbacks=False)
+    assert read_heartbeat(str(tmp_path / "w0.json"))["step"] == 4
+
+
+# -------------------------------------------------------------------------------------------------- doctor
+def test_doctor_reads_the_same_cluster_sources():
+    slurm = dr.check_tf_config(dr.Facts(env={"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "4"}))
+    assert slurm.status == "ok" and "Slurm job step: task 1 of 4 (not the chief)" in slurm.detail
+    pod = {"JOB_COMPLETION_INDEX": "0", "KERAS_SCALE_NUM_WORKERS": "2", "HOSTNAME": "train-0",
+           "KERAS_SCALE_WORKER_ADDRESS": "127.0.0.1:{index_port}", "KERAS_SCALE_PORT_BASE": "1"}
+    result = dr.check_tf_config(dr.Facts(env=pod), resolve=lambda h: ["127.0.0.1"], port_free=lambda h, p: True)
+    assert "2 task(s)" in result.detail and "worker:0" in result.detail
