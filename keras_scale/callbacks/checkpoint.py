@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import keras
 import tensorflow as tf
 
+from keras_scale import events
 from keras_scale._validate import check_int
 from keras_scale.callbacks import _checkpoint_io as _io
 from keras_scale.distribute import is_chief, is_multi_worker
@@ -1221,6 +1222,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             if signum is None:
                 signum = int(signal.SIGTERM)
             self.preempted = int(signum)
+            events.record("preemption", self._global_step, signal=signal.Signals(signum).name)
             self.model.stop_training = True
 
     # ------------------------------------------------------------------ multi-worker agreement
@@ -1629,6 +1631,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                       "train further, or a new directory to start over.", routine=False)
             return
         maybe_done = (epochs is not None and not steps and step_in_epoch and epoch + 1 >= int(epochs))
+        events.record("resume", self._global_step, path=prefix, directory=self.directory, epoch=epoch, step_in_epoch=self._skip_calls * spe)
         self._say(f"ChiefCheckpoint: resuming {_describe(epoch, self._skip_calls * spe)} from {prefix!r} "
                   f"(global batch {self._global_step})" + (
                       "; this is the last epoch and the data's length is unknown: if that was its last batch, the run "
@@ -1839,9 +1842,12 @@ class ChiefCheckpoint(keras.callbacks.Callback):
     def _save(self, epoch: int, step_in_epoch: int, stream_pos: int) -> Optional[str]:
         started = time.perf_counter()
         try:
-            return self._save_untimed(epoch, step_in_epoch, stream_pos)
+            path = self._save_untimed(epoch, step_in_epoch, stream_pos)
         finally:
             self.blocked_s += time.perf_counter() - started
+        if path:
+            events.record("checkpoint", self._global_step, path=path, directory=self.directory, epoch=epoch, step_in_epoch=step_in_epoch, blocked_s=time.perf_counter() - started, async_save=self.async_save, preemption=self._preempting)
+        return path
 
     def _state_poisoned(self) -> bool:
         """NanGuard(check_gradients=False) let a non-finite gradient through: the state must not be saved."""

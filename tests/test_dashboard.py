@@ -1,0 +1,275 @@
+"""The keras_scale TensorBoard dashboard: a real TensorBoard server lists it for a keras_scale run (and not for a
+run without keras_scale data) and its routes return that run's incidents, goodput, checkpoints and profiler verdict;
+a 100k-step run's page data comes back downsampled, every incident kept, within the 2 s budget."""
+import json
+import os
+import socket
+import time
+import urllib.request
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_scale as ks
+from keras_scale import events
+from keras_scale.tensorboard_plugin import KerasScalePlugin, data
+
+POISONED_BATCH = 3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str):
+    with urllib.request.urlopen(url, timeout=30) as r:
+        body = r.read()
+    return json.loads(body) if body[:1] in (b"{", b"[") else body.decode()
+
+
+def _model() -> keras.Model:
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    return model
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """A demo-like run (examples/quickstart.py, small): a poisoned batch NanGuard skips, Goodput, ChiefCheckpoint
+    every 4 steps, Keras's TensorBoard with per-step loss, and a ProfileWindow capture in a sub-directory."""
+    keras.utils.set_random_seed(0)
+    logdir = str(tmp_path_factory.mktemp("logs"))
+    run = os.path.join(logdir, "demo")
+    x = np.random.default_rng(0).normal(size=(160, 4)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    x[POISONED_BATCH * 16 + 2, 1] = np.nan
+    model = _model()
+    guard = ks.NanGuard(policy="skip", log_dir=run)
+    ckpt = ks.ChiefCheckpoint(os.path.join(run, "checkpoints"), save_freq=4, max_to_keep=2)
+    goodput = ks.Goodput(log_dir=run, verbose=0)
+    window = ks.ProfileWindow(os.path.join(run, "profile"), start_step=12, num_steps=2, verbose=0)
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[
+        guard, ckpt, window, keras.callbacks.TensorBoard(os.path.join(run, "tensorboard"), update_freq=1), goodput])
+    plain = os.path.join(logdir, "..", os.path.basename(logdir) + "_plain")  # no keras_scale data at all
+    _model().fit(x[:32], y[:32], epochs=1, verbose=0, callbacks=[keras.callbacks.TensorBoard(plain)])
+    return {"logdir": logdir, "run": run, "plain": os.path.abspath(plain), "guard": guard, "ckpt": ckpt,
+            "goodput": goodput, "window": window}
+
+
+def _serve(logdir: str):
+    from tensorboard import default, program
+
+    tb = program.TensorBoard(plugins=default.get_plugins() + [KerasScalePlugin])
+    tb.configure(argv=[None, "--logdir", logdir, "--host", "127.0.0.1", "--port", str(_free_port()),
+                       "--load_fast", "false", "--reload_interval", "1"])
+    import threading
+
+    server = tb._make_server()  # (TensorBoard.launch, keeping the server to shut it down)
+    threading.Thread(target=server.serve_forever, name="TensorBoard", daemon=True).start()
+    return server, server.get_url().rstrip("/")
+
+
+def test_goodput_categories_are_the_callbacks():
+    from keras_scale.callbacks.goodput import CATEGORIES
+
+    assert data.CATEGORIES == CATEGORIES
+
+
+def test_tensorboard_serves_the_runs_incidents_goodput_checkpoints_and_verdict(demo_run):
+    tb, url = _serve(demo_run["logdir"])
+    try:
+        listing = _get(url + "/data/plugins_listing")
+        assert listing["keras_scale"]["enabled"] is True
+        entry = _get(url + "/data/plugin_entry.html?name=keras_scale")
+        assert "./index.js" in entry
+        js = _get(url + "/data/plugin/keras_scale/index.js")
+        assert "export async function render" in js
+        # self-contained: the only URL in the front end is the SVG namespace (nothing fetched from the internet)
+        import re
+
+        assert set(re.findall(r"https?://[^'\"\s)]+", js)) == {"http://www.w3.org/2000/svg"}
+
+        runs = _get(url + "/data/plugin/keras_scale/runs")
+        assert [r["run"] for r in runs] == ["demo"]
+        totals = runs[0]["totals"]
+        summary = demo_run["goodput"].summary
+        assert totals["wall_s"] == pytest.approx(summary["wall_s"])
+        assert totals["productive_s"] == pytest.approx(summary["productive_s"])
+        assert totals["skipped_steps"] == summary["skipped_steps"] == 2  # the poisoned batch, in each epoch
+
+        deadline = time.monotonic() + 60  # the per-step loss arrives with TensorBoard's first reload
+        while True:
+            page = _get(url + "/data/plugin/keras_scale/run?run=demo")
+            if "loss (per step)" in page["loss"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        # the NaN skips, at the updates NanGuard reported, blamed on the inputs
+        reports = demo_run["guard"].reports
+        nans = [e for e in page["incidents"] if e["kind"] == "nan"]
+        assert [(e["step"], e["source"], e["epoch"]) for e in nans] == [(r.step, "inputs", r.epoch) for r in reports]
+        assert len(nans) == 2
+        assert "inputs" in nans[0]["details"][0]
+        # goodput per epoch: both epochs, their categories adding up to the epoch's wall time
+        assert [e["epoch"] for e in page["epochs"]] == [0, 1]
+        for epoch, mine in zip(page["epochs"], demo_run["goodput"].epoch_summaries):
+            assert epoch["wall_s"] == pytest.approx(mine["wall_s"])
+            assert sum(epoch[c] for c in data.CATEGORIES) == pytest.approx(epoch["wall_s"], rel=1e-3, abs=1e-5)
+        # every save ChiefCheckpoint made, and the newest usable one is the one it would restore
+        saves = page["checkpoints"]["saves"]
+        assert [s["step"] for s in saves] == [4, 8, 12, 16, 20]
+        assert all(s["blocked_s"] > 0 and s["async_save"] is False for s in saves)
+        kept = [s for s in saves if s["on_disk"]]
+        assert [s["step"] for s in kept] == [16, 20] and all(s["bytes"] > 0 for s in kept)
+        from keras_scale.callbacks.checkpoint import list_checkpoints
+
+        newest = list_checkpoints(demo_run["ckpt"].directory)[0][1]
+        assert page["checkpoints"]["newest_usable"] == newest
+        # the profiler verdict of the ProfileWindow capture (its stream sits in the run's sub-directory)
+        window = demo_run["window"]
+        assert window.summary is not None
+        assert [p["verdict"] for p in page["profiles"]] == [window.summary.verdict]
+        assert page["profiles"][0]["capture_dir"] == window.capture_dir
+        # the loss curve: per step from Keras's TensorBoard(update_freq=1), per epoch from the epoch records
+        assert len(page["loss"]["loss (per step)"]) == 20
+        assert [p[0] for p in page["loss"]["loss (epoch mean)"]] == [e["step"] for e in page["epochs"]]
+        assert page["gpu"]["lanes"] == {} and page["gpu"]["unavailable"] is None  # no GpuMonitor in this run
+    finally:
+        tb.shutdown()
+
+
+def test_a_run_without_keras_scale_data_leaves_the_plugin_inactive(demo_run):
+    tb, url = _serve(demo_run["plain"])
+    try:
+        listing = _get(url + "/data/plugins_listing")
+        assert listing["keras_scale"]["enabled"] is False
+        assert listing["scalars"]["enabled"] is True or "scalars" in listing  # the run itself is there
+        assert _get(url + "/data/plugin/keras_scale/runs") == []
+    finally:
+        tb.shutdown()
+
+
+def test_a_100k_step_run_loads_within_2_s_downsampled_with_every_incident(tmp_path):
+    from tensorboard.backend.event_processing import data_ingester, data_provider, plugin_event_multiplexer
+    from tensorboard.plugins import base_plugin
+    from werkzeug.test import Client
+
+    from keras_scale.callbacks._scalars import ChiefScalars
+
+    run = str(tmp_path / "long")
+    num_steps, spike_step = 100_000, 54_321
+    steps = np.arange(num_steps)
+    loss = 2.0 * np.exp(-steps / 30_000.0) + 0.01 * np.sin(steps)
+    loss[spike_step] = 50.0
+    writer = ChiefScalars(run)  # also opens the run's stream (as the callbacks' writers do)
+    writer.write_series("batch_loss", steps, loss)
+    writer.write_series("gpu0/util_mean", steps[::10], np.full(num_steps // 10, 93.0))
+    for epoch in range(100):
+        events.record("epoch", (epoch + 1) * 1000, epoch=epoch, logs={"loss": float(loss[epoch * 1000])},
+                      goodput={"wall_s": 60.0, "productive_s": 50.0, "checkpoint_s": 4.0, "other_s": 6.0})
+    for i in range(3000):
+        events.record("nan", 7 + 33 * i, epoch=(7 + 33 * i) // 1000, source="gradients", bad_steps=1,
+                      details=[f"gradient of dense/kernel: {i} non-finite values"])
+    for s in range(0, num_steps, 250):
+        events.record("checkpoint", s, path=os.path.join(run, "ckpt", f"ckpt-{s}"), blocked_s=0.05)
+    events.record("resume", 40_000, path=os.path.join(run, "ckpt", "ckpt-40000"), epoch=40, step_in_epoch=0)
+    writer.close()
+
+    # configured as the `tensorboard` command configures it (it keeps 1000 points per scalar tag by default)
+    multiplexer = plugin_event_multiplexer.EventMultiplexer(
+        size_guidance=data_ingester.DEFAULT_SIZE_GUIDANCE,
+        tensor_size_guidance=data_ingester.DEFAULT_TENSOR_SIZE_GUIDANCE)
+    multiplexer.AddRunsFromDirectory(str(tmp_path))
+    multiplexer.Reload()
+    context = base_plugin.TBContext(logdir=str(tmp_path), multiplexer=multiplexer,
+                                    data_provider=data_provider.MultiplexerDataProvider(multiplexer, str(tmp_path)))
+    plugin = KerasScalePlugin(context)
+    assert plugin.is_active()
+    client = Client(plugin.get_plugin_apps()["/run"])
+    started = time.perf_counter()
+    response = client.get("/run?run=long")
+    elapsed_s = time.perf_counter() - started
+    assert response.status_code == 200
+    page = json.loads(response.data)
+    assert elapsed_s < 2.0, f"the 100k-step run's page data took {elapsed_s:.2f} s"
+    per_step = page["loss"]["loss (per step)"]
+    assert len(per_step) <= data.MAX_POINTS
+    assert per_step[-1][0] == num_steps - 1  # (TensorBoard keeps the newest point of its sample)
+    assert len(page["gpu"]["lanes"]["0"]["utilisation %"]) <= data.MAX_POINTS
+    nans = [e for e in page["incidents"] if e["kind"] == "nan"]
+    assert len(nans) == 3000 and [e["step"] for e in nans] == [7 + 33 * i for i in range(3000)]
+    assert len(page["checkpoints"]["saves"]) == num_steps // 250
+    assert len(page["epochs"]) == 100
+    assert len(response.data) < 2_000_000  # what the browser parses stays small
+
+
+def test_downsampling_keeps_spikes_and_the_ends():
+    values = np.exp(-np.arange(100_000) / 30_000.0)
+    values[54_321] = 50.0
+    values[77_777] = -3.0
+    values[1234] = np.nan  # non-finite points are dropped, not drawn
+    points = data.downsample(list(zip(range(100_000), values.tolist())))
+    assert len(points) <= data.MAX_POINTS
+    assert (54_321, 50.0) in points and (77_777, -3.0) in points
+    assert points[0][0] == 0 and points[-1][0] == 99_999
+    assert [x for x, _ in points] == sorted(x for x, _ in points)
+    assert all(np.isfinite(v) for _, v in points)
+
+
+def test_resume_reports_the_redone_steps_and_killed_fits_still_count(tmp_path):
+    run = str(tmp_path)
+    events.record("epoch", 30, log_dir=run, epoch=0, goodput={"wall_s": 10.0, "productive_s": 8.0,
+                                                              "other_s": 2.0, "samples": 100})
+    events.record("checkpoint", 32, log_dir=run, path=os.path.join(run, "ckpt-32"))
+    events.record("nan", 50, log_dir=run, source="loss")  # ... then the process is killed at step ~50
+    stream = events.stream_path(run)
+    with open(stream, "a") as f:
+        f.write('{"kind": "nan", "st')  # the torn last line of the killed process
+    with open(stream) as f:
+        lines = [json.loads(line) for line in f.read().splitlines()[:-1]]
+    with open(stream, "w") as f:  # the resumed process (another pid) appends after the torn line
+        for line in lines:
+            f.write(json.dumps(line) + "\n")
+        f.write('{"kind": "nan", "st\n')
+        f.write(json.dumps({"kind": "resume", "step": 32, "pid": -1, "time": time.time() + 1,
+                            "path": os.path.join(run, "ckpt-32"), "epoch": 1, "step_in_epoch": 0}) + "\n")
+    page = data.run_detail("r", run)
+    assert [(e["kind"], e["step"]) for e in page["incidents"]] == [("nan", 50), ("resume", 32)]
+    assert page["incidents"][1]["redone_steps"] == 18
+    totals = page["summary"]["totals"]  # no fit_end (killed): its finished epoch counts
+    assert totals["wall_s"] == 10.0 and totals["goodput"] == pytest.approx(0.8)
+
+
+def test_record_writes_only_where_a_run_is_open_and_only_on_the_chief(tmp_path, monkeypatch):
+    run = str(tmp_path / "r")
+    events.record("nan", 1, source="inputs")  # no stream open: nothing, anywhere
+    assert events.read(run) == []
+    events.attach(run)
+    try:
+        events.record("checkpoint", 4, path="x", blocked_s=np.float32(0.5), bad=float("nan"))
+    finally:
+        events.detach(run)
+    events.record("checkpoint", 8, path="y")  # detached: not written
+    assert [(e["kind"], e["step"], e["blocked_s"], e["bad"]) for e in events.read(run)] == [
+        ("checkpoint", 4, 0.5, None)]
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["a:1", "b:2"]},
+                                                "task": {"type": "worker", "index": 1}}))
+    events.record("nan", 9, log_dir=run, source="loss")  # not the chief: nothing
+    assert len(events.read(run)) == 1
+
+
+def test_entry_point_names_the_plugin():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)
+    target = project["project"]["entry-points"]["tensorboard_plugins"]["keras_scale"]
+    module, name = target.split(":")
+    import importlib
+
+    assert getattr(importlib.import_module(module), name) is KerasScalePlugin
+    assert "tensorboard_plugin/static/*.js" in project["tool"]["setuptools"]["package-data"]["keras_scale"]
