@@ -92,7 +92,7 @@ def main() -> None:
         ks.ChiefCheckpoint(os.path.join(args.out, "checkpoints"), save_freq=16, max_to_keep=2),
         ks.HostMemoryWatch(log_dir=args.out),
         ks.LearningRateLogger(args.out, every_n_steps=1),
-        keras.callbacks.TensorBoard(os.path.join(args.out, "tensorboard")),
+        keras.callbacks.TensorBoard(os.path.join(args.out, "tensorboard"), update_freq=4),  # loss every 4 steps
         ks.Goodput(log_dir=args.out),  # last: it also sees the checkpoint written at the end; prints its table
     ]
     history = model.fit(ds, epochs=args.epochs, callbacks=callbacks, verbose=2)
@@ -122,6 +122,8 @@ def main() -> None:
 == done. Look at:
   tensorboard --logdir {args.out}                 # loss, learning rate per step, NaN counter, host RSS,
                                                   # GPU scalars (with a GPU), Profile tab (step-time breakdown)
+                                                  # keras_scale tab: goodput bars, the NaN skips on the loss
+                                                  # curve, checkpoint saves, the profile verdict (docs/dashboard.md)
   keras-scale profile-summary {os.path.join(args.out, 'profile')}   # the profiler verdict, offline
   ls {os.path.join(args.out, 'checkpoints')}      # rerun with --resume after a kill: continues at the same step
   keras-scale doctor                              # drivers, CUDA, GPUs, leftover processes

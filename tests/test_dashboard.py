@@ -104,7 +104,7 @@ def test_tensorboard_serves_the_runs_incidents_goodput_checkpoints_and_verdict(d
         deadline = time.monotonic() + 60  # the per-step loss arrives with TensorBoard's first reload
         while True:
             page = _get(url + "/data/plugin/keras_scale/run?run=demo")
-            if "loss (per step)" in page["loss"] or time.monotonic() > deadline:
+            if "batch_loss" in page["loss"] or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
         # the NaN skips, at the updates NanGuard reported, blamed on the inputs
@@ -134,7 +134,7 @@ def test_tensorboard_serves_the_runs_incidents_goodput_checkpoints_and_verdict(d
         assert [p["verdict"] for p in page["profiles"]] == [window.summary.verdict]
         assert page["profiles"][0]["capture_dir"] == window.capture_dir
         # the loss curve: per step from Keras's TensorBoard(update_freq=1), per epoch from the epoch records
-        assert len(page["loss"]["loss (per step)"]) == 20
+        assert len(page["loss"]["batch_loss"]) == 20
         assert [p[0] for p in page["loss"]["loss (epoch mean)"]] == [e["step"] for e in page["epochs"]]
         assert page["gpu"]["lanes"] == {} and page["gpu"]["unavailable"] is None  # no GpuMonitor in this run
     finally:
@@ -195,7 +195,7 @@ def test_a_100k_step_run_loads_within_2_s_downsampled_with_every_incident(tmp_pa
     assert response.status_code == 200
     page = json.loads(response.data)
     assert elapsed_s < 2.0, f"the 100k-step run's page data took {elapsed_s:.2f} s"
-    per_step = page["loss"]["loss (per step)"]
+    per_step = page["loss"]["batch_loss"]
     assert len(per_step) <= data.MAX_POINTS
     assert per_step[-1][0] == num_steps - 1  # (TensorBoard keeps the newest point of its sample)
     assert len(page["gpu"]["lanes"]["0"]["utilisation %"]) <= data.MAX_POINTS

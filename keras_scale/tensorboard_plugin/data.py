@@ -102,8 +102,8 @@ def downsample(points: Sequence[Tuple[float, float]], max_points: int = MAX_POIN
     each of ``max_points // 2`` equal buckets (a spike is never smoothed away). Non-finite y values are dropped.
 
     Example:
-        >>> downsample([(i, i % 7) for i in range(10_000)], max_points=100)[:3]
-        [(0, 0), (6, 6), (7, 0)]
+        >>> downsample([(i, i % 7) for i in range(10_000)], max_points=100)[:3]  # each bucket's min and max
+        [(0, 0), (6, 6), (202, 6)]
         >>> len(downsample([(i, float(i)) for i in range(10_000)], max_points=100)) <= 100
         True
     """
@@ -178,7 +178,8 @@ def run_summary(name: str, run_dir: str, events: Optional[List[Dict[str, Any]]] 
     counts: Dict[str, int] = {}
     for e in events:
         counts[e["kind"]] = counts.get(e["kind"], 0) + 1
-    return {"run": name, "totals": _totals(events), "counts": counts,
+    label = name if name != "." else (os.path.basename(os.path.abspath(run_dir)) or name)
+    return {"run": name, "label": label, "totals": _totals(events), "counts": counts,
             "last_step": max((e["step"] for e in events if isinstance(e.get("step"), int)), default=None)}
 
 
@@ -283,7 +284,7 @@ def _loss(events: List[Dict[str, Any]], scalars: Dict[str, Dict[str, List[Tuple[
                 per_step.extend(tags[tag])
     if per_step:
         per_step.sort()
-        series["loss (per step)"] = downsample(per_step, max_points)
+        series["batch_loss"] = downsample(per_step, max_points)
     epoch_loss, epoch_val = [], []
     for e in events:
         if e["kind"] != "epoch" or not isinstance(e.get("step"), int):

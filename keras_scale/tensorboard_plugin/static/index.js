@@ -37,7 +37,7 @@ body { font-family: Roboto, Arial, Helvetica, sans-serif; margin: 0; color: #212
   border-radius: 14px; cursor: pointer; font-size: 12px; }
 .ks .runs button.on { background: #ff7043; border-color: #ff7043; color: #fff; }
 .ks .verdict { font-size: 13px; margin: 4px 0; }
-.ks .tag { display: inline-block; padding: 1px 6px; border-radius: 3px; color: #fff; font-size: 11px; }
+.ks .tag { display: inline-block; white-space: nowrap; padding: 1px 6px; border-radius: 3px; color: #fff; font-size: 11px; }
 .ks svg text { font-size: 11px; fill: #424242; }
 .ks a { color: #1565c0; }
 `;
@@ -104,7 +104,7 @@ function compareBars(runs, categories, selected, onPick) {
   shown.forEach((r, i) => {
     const t = r.totals, y = i * row + 2, span = width - left - right;
     const name = svg('text', {x: left - 8, y: y + 15, 'text-anchor': 'end',
-      style: 'cursor:pointer' + (r.run === selected ? ';font-weight:bold' : '')}, r.run);
+      style: 'cursor:pointer' + (r.run === selected ? ';font-weight:bold' : '')}, r.label || r.run);
     name.addEventListener('click', () => onPick(r.run));
     chart.append(name);
     let x = left;
@@ -197,7 +197,7 @@ function lossChart(loss, incidents, saves) {
     const s = x0 + (x1 - x0) * k / 4;
     chart.append(svg('text', {x: X(s), y: height - 8, 'text-anchor': 'middle'}, fmt(s)));
   }
-  chart.append(svg('text', {x: width - right, y: height - 8, 'text-anchor': 'end'}, 'step'));
+  chart.append(svg('text', {x: left - 6, y: height - 8, 'text-anchor': 'end'}, 'step'));
   for (const s of saves) {
     if (s.step === null || s.step === undefined) continue;
     chart.append(tip(svg('path', {d: `M${X(s.step)},${height - bottom} l-4,7 h8 z`,
@@ -326,7 +326,7 @@ function card(title, ...children) { return el('div', {class: 'card'}, el('h2', {
 function runPage(d) {
   const t = d.summary.totals;
   return [
-    card(`Goodput per epoch: ${d.run}`, totalsLine(t), epochBars(d.epochs, d.categories), legend(d.categories)),
+    card(`Goodput per epoch: ${d.summary.label || d.run}`, totalsLine(t), epochBars(d.epochs, d.categories), legend(d.categories)),
     card('Loss and incidents', lossChart(d.loss, d.incidents, d.checkpoints.saves), incidentTable(d.incidents)),
     card('GPU', ...gpuSection(d.gpu)),
     card('Checkpoints', ...checkpointSection(d.checkpoints)),
@@ -358,8 +358,8 @@ export async function render() {
   async function show(name) {
     selected = name;
     compare.replaceChildren(compareBars(runs, categories, selected, show));
-    picker.replaceChildren(...runs.map((r) => el('button', {class: r.run === selected ? 'on' : '',
-      onclick: () => show(r.run)}, r.run)));
+    picker.replaceChildren(...(runs.length < 2 ? [] : runs.map((r) => el('button', {
+      class: r.run === selected ? 'on' : '', onclick: () => show(r.run)}, r.label || r.run))));
     page.replaceChildren(el('div', {class: 'muted'}, 'loading ' + name + ' ...'));
     try {
       const d = await getJSON('./run?run=' + encodeURIComponent(name));
