@@ -273,3 +273,99 @@ def test_entry_point_names_the_plugin():
 
     assert getattr(importlib.import_module(module), name) is KerasScalePlugin
     assert "tensorboard_plugin/static/*.js" in project["tool"]["setuptools"]["package-data"]["keras_scale"]
+
+
+def _page_via_plugin(logdir: str, run: str) -> dict:
+    """The run's page data from the plugin over TensorBoard's data provider (as the server configures it)."""
+    from tensorboard.backend.event_processing import data_ingester, data_provider, plugin_event_multiplexer
+    from tensorboard.plugins import base_plugin
+    from werkzeug.test import Client
+
+    multiplexer = plugin_event_multiplexer.EventMultiplexer(
+        size_guidance=data_ingester.DEFAULT_SIZE_GUIDANCE,
+        tensor_size_guidance=data_ingester.DEFAULT_TENSOR_SIZE_GUIDANCE)
+    multiplexer.AddRunsFromDirectory(logdir)
+    multiplexer.Reload()
+    context = base_plugin.TBContext(logdir=logdir, multiplexer=multiplexer,
+                                    data_provider=data_provider.MultiplexerDataProvider(multiplexer, logdir))
+    response = Client(KerasScalePlugin(context).get_plugin_apps()["/run"]).get(f"/run?run={run}")
+    assert response.status_code == 200, response.data
+    return json.loads(response.data)
+
+
+def test_gpu_lanes_and_advice_from_gpumonitor(tmp_path):
+    from tests.fakes.fake_nvml import FakeNvml
+
+    run = str(tmp_path / "gpu")
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    monitor = ks.GpuMonitor(interval_s=0.002, nvml=FakeNvml.with_gpus(2, util_gpu_pct=20.0, mem_used_mb=900.0,
+                                                                        power_w=80.0), log_dir=run, verbose=0)
+    _model().fit(x, x[:, :1], batch_size=8, epochs=2, verbose=0, callbacks=[monitor])
+    page = _page_via_plugin(str(tmp_path), "gpu")
+    lanes = page["gpu"]["lanes"]
+    assert sorted(lanes) == ["0", "1"]
+    for gpu in ("0", "1"):
+        assert {"utilisation %", "memory MB", "power W"} <= set(lanes[gpu])
+        assert {v for _, v in lanes[gpu]["utilisation %"]} == {20.0}
+        assert {v for _, v in lanes[gpu]["memory MB"]} == {900.0}
+    assert monitor.advice_history  # 20% utilisation: GpuMonitor advised
+    assert {(a["advice"], a["gpu"]) for a in page["gpu"]["advice"]} == {
+        (a.kind, a.gpu_index) for a in monitor.advice_history}
+
+
+def test_no_gpu_note_says_why(tmp_path):
+    from keras_scale import nvml as nvml_lib
+
+    run = str(tmp_path / "cpu")
+
+    def no_nvml():
+        raise nvml_lib.NvmlUnavailable("no NVIDIA driver found")
+
+    with pytest.warns(RuntimeWarning, match="GPU metrics are off"):
+        _model().fit(np.zeros((8, 4), "float32"), np.zeros((8, 1), "float32"), epochs=1, verbose=0,
+                     callbacks=[ks.GpuMonitor(nvml=no_nvml, log_dir=run, verbose=0)])
+    page = _page_via_plugin(str(tmp_path), "cpu")
+    assert page["gpu"]["lanes"] == {} and "no NVIDIA driver found" in page["gpu"]["unavailable"]
+
+
+def test_rollback_lr_cut_oom_resplit_and_resume_reach_the_loss_curve(tmp_path):
+    from tests import test_auto_accum as auto
+    from tests import test_nan_guard as nan
+
+    logdir, run = str(tmp_path), str(tmp_path / "incidents")
+    # an OOM re-split of accum="auto" (a layer that raises ResourceExhaustedError above 4 samples per call)
+    model = auto.compile_(ks.wrap(auto.build(threshold=4), accum="auto", log_dir=run))
+    model.fit(tf.data.Dataset.from_tensor_slices((auto.X, auto.Y)).batch(16), epochs=1, verbose=0, shuffle=False)
+    changes = model._keras_scale_auto.changes
+    # two rollbacks to NanGuard's in-memory snapshot, at two poisoned batches (tests/test_nan_guard.py)
+    x, y = nan._data(n=256)
+    model = nan._model()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    guard = ks.NanGuard(policy="rollback", max_consecutive=1, lr_factor=0.5, snapshot_every_n_steps=5, verbose=0,
+                        log_dir=run)
+    model.fit(nan._poison(nan._poison(x, 6), 8), y, batch_size=16, epochs=1, verbose=0, shuffle=False,
+              callbacks=[guard])
+    # a learning-rate cut (ReduceLROnPlateau has no log_dir: its record goes to the run Goodput opened), then a
+    # resume from ChiefCheckpoint's directory
+    ckpt_dir = os.path.join(run, "checkpoints")
+    small_x, small_y = auto.X[:32], auto.Y[:32]
+    first = _model()
+    first.fit(small_x, small_y, batch_size=8, epochs=1, verbose=0, callbacks=[
+        ks.ChiefCheckpoint(ckpt_dir), ks.Goodput(log_dir=run, verbose=0)])
+    plateau = ks.ReduceLROnPlateau(monitor="loss", patience=1, min_delta=1e6, factor=0.5, verbose=0)
+    second = _model()
+    resumed = ks.ChiefCheckpoint(ckpt_dir)
+    second.fit(small_x, small_y, batch_size=8, epochs=3, verbose=0, callbacks=[
+        resumed, plateau, ks.Goodput(log_dir=run, verbose=0)])
+
+    page = _page_via_plugin(logdir, "incidents")
+    by_kind = {}
+    for e in page["incidents"]:
+        by_kind.setdefault(e["kind"], []).append(e)
+    assert [(e["old_accum"], e["new_accum"]) for e in by_kind["oom_resplit"]] == [(o, n) for _, o, n, _ in changes]
+    assert len(by_kind["rollback"]) == guard.rollbacks >= 1
+    assert [(e["lr_factor"], e["restored_from"]) for e in by_kind["rollback"]] == [(0.5, "in-memory snapshot")] * 2
+    assert [e["source"] for e in by_kind["nan"]] == ["inputs", "inputs"]
+    assert [e["path"] for e in by_kind["resume"]] == [resumed.restored_from]
+    cuts = by_kind["lr_cut"]
+    assert len(cuts) >= 1 and cuts[0]["new_lr"] == pytest.approx(0.5 * cuts[0]["old_lr"])
