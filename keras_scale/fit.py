@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -31,6 +30,7 @@ import tensorflow as tf
 from keras_scale._validate import check_int
 from keras_scale.data import dataset_is_batched, dataset_is_file_based
 from keras_scale.callbacks.checkpoint import ChiefCheckpoint
+from keras_scale.callbacks.checkpoint.storage import Storage
 from keras_scale.callbacks.goodput import Goodput
 from keras_scale.callbacks.gpu_monitor import GpuMonitor
 from keras_scale.callbacks.nan_guard import NanGuard
@@ -545,9 +545,7 @@ def _default_callbacks(callbacks: Sequence[Any], log_dir: Optional[str], checkpo
         result.append(keras.callbacks.TensorBoard(log_dir=str(log_dir)))
         added.append(f"TensorBoard({log_dir})")
     if checkpoint_dir is not None:
-        directory = str(checkpoint_dir)
-        if "://" not in directory:
-            directory = os.path.abspath(directory)  # every worker resolves the same path, whatever its cwd
+        directory = Storage(checkpoint_dir).path  # every worker resolves the same path, whatever its cwd
         add(ChiefCheckpoint, directory)
     if monitors:  # last, so that it also sees the final checkpoint written at train end
         add(Goodput, log_dir)

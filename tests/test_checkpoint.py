@@ -457,7 +457,7 @@ def test_a_run_nanguard_stopped_resumes_training_on_fixed_data(tmp_path, monkeyp
     monkeypatch.setattr(step, "state_variables", lambda model: {
         "skipped_steps": step.get_step(model).skipped_steps, "halted": step.get_step(model).halted,
         "consecutive_bad": step.get_step(model).consecutive_bad})
-    monkeypatch.setattr(checkpoint_module, "_TRANSIENT_STEP_STATE", frozenset())
+    monkeypatch.setattr(checkpoint_module.state, "_TRANSIENT_STEP_STATE", frozenset())
     bad = X.copy()
     bad[40:48] = np.nan  # batch 6 of each epoch
     first = make_model()

@@ -1,4 +1,4 @@
-"""ChiefCheckpoint's synchronous file format (_checkpoint_io): round trip, damage found before anything is assigned,
+"""ChiefCheckpoint's synchronous file format (checkpoint/format.py): round trip, damage found before anything is assigned,
 retired data files recycled (never one kept in best/), TensorFlow-written checkpoints still resumed."""
 import glob
 import os
@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import keras_scale as ks
-from keras_scale.callbacks import _checkpoint_io as io
+from keras_scale.callbacks.checkpoint import format as io
 from keras_scale.callbacks.checkpoint import list_checkpoints, load_checkpoint
 from tests._helpers import StopAfter
 

@@ -203,7 +203,7 @@ def test_dead_workers_temp_folders_are_removed_on_the_next_start(tmp_path, live_
 
 
 def test_lock_heartbeat_refreshes_and_a_raised_fit_lets_the_directory_go(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoint_module, "_LOCK_HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(checkpoint_module.lock, "_LOCK_HEARTBEAT_S", 0.05)
     d = tmp_path / "ckpt"
     lock = d / checkpoint_module._LOCK_NAME
     seen = []

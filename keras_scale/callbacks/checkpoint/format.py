@@ -42,6 +42,8 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
+from keras_scale.callbacks.checkpoint.storage import is_local
+
 __all__ = ["FORMAT", "CorruptCheckpointError", "RawCheckpoint", "RecyclingCheckpointManager", "flatten",
            "is_raw", "load_checkpoint", "read_into", "write_checkpoint"]
 
@@ -58,8 +60,7 @@ class CorruptCheckpointError(OSError):
     """A checkpoint file is truncated, torn or damaged (size, JSON or CRC check failed)."""
 
 
-def _local(path: str) -> bool:
-    return "://" not in path
+_local = is_local  # (storage.is_local: a path of the local file system, not a URL)
 
 
 # ------------------------------------------------------------------------------------------------ names

@@ -1,0 +1,162 @@
+"""Restoring: the newest checkpoint that loads (falling back past damaged ones), the learning rate, metric
+state and NaN-skip count of an interrupted epoch."""
+from __future__ import annotations
+
+import json
+import warnings
+from typing import Any, Dict, List, Optional
+
+import tensorflow as tf
+
+from keras_scale.callbacks.checkpoint.names import (
+    _EPOCH_SKIPPED_KEY, _METRIC_KEY, _POSITION, _RUN_CONFIG_KEY, _SIGNATURE_KEY, CheckpointMismatchError)
+from keras_scale.callbacks.checkpoint import format as _io
+from keras_scale.callbacks.checkpoint.directory import list_checkpoints
+from keras_scale.callbacks.checkpoint.state import _lr_variable, _metric_variables
+
+
+class RestoreMixin:
+    """Part of :class:`ChiefCheckpoint` (a mixin: it uses the callback's own state)."""
+
+    def _restore_newest(self, everything: bool = True) -> Optional[str]:
+        target = self._checkpoint if everything else self._weights_only
+        flat = self._flat if everything else self._flat_weights
+        candidates = list_checkpoints(self.directory)
+        failures: List[str] = []
+        for number, prefix in candidates:
+            reader = None
+            try:
+                reader = _io.load_checkpoint(prefix)
+                self._check_signature(prefix, reader)  # a different model is an error, not a reason to fall back
+                # expect_partial: older checkpoints may hold objects this version no longer restores
+                _io.read_into(prefix, flat, target)
+            except CheckpointMismatchError:
+                raise
+            except ValueError as e:
+                if "shape" in str(e) and reader is not None and not reader.has_tensor(_SIGNATURE_KEY):
+                    raise CheckpointMismatchError(
+                        f"checkpoint {prefix!r} does not fit this model: {e}. Fix: give ChiefCheckpoint a new "
+                        f"directory, or remove the old checkpoints (rm -r {self.directory!r})."
+                    ) from e
+                failures.append(f"{prefix}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                continue
+            except Exception as e:  # noqa: BLE001 - torn, truncated or bit-flipped files: try the previous one
+                failures.append(f"{prefix}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
+                continue
+            self._report_fallback(failures, prefix)
+            self._say(f"ChiefCheckpoint: restored {prefix}")
+            return prefix
+        self._raise_none_loads(failures)
+        return None
+
+    @staticmethod
+    def _report_fallback(failures: List[str], prefix: str) -> None:
+        if failures:
+            warnings.warn(
+                "ChiefCheckpoint: newer checkpoint(s) could not be loaded and were skipped: "
+                + "; ".join(failures) + f". Resumed from {prefix!r} instead.", RuntimeWarning, stacklevel=3,
+            )
+
+    def _raise_none_loads(self, failures: List[str]) -> None:
+        if failures:
+            raise RuntimeError(
+                f"ChiefCheckpoint: no checkpoint in {self.directory!r} could be loaded (the model may now hold "
+                "partially restored values): " + "; ".join(failures) + ". Fix: move the damaged files away, or "
+                "point ChiefCheckpoint at an empty directory to start over."
+            )
+
+    @staticmethod
+    def _read_position(prefix: str) -> Dict[str, int]:
+        reader = _io.load_checkpoint(prefix)
+        out = {}
+        for name in _POSITION:
+            key = f"keras_scale_position/{name}/.ATTRIBUTES/VARIABLE_VALUE"
+            out[name] = int(reader.get_tensor(key)) if reader.has_tensor(key) else 0
+        return out
+
+    def _newest_readable(self) -> Optional[str]:
+        """The newest checkpoint whose every tensor reads back (CRC-checked), without needing the model."""
+        failures: List[str] = []
+        for _, prefix in list_checkpoints(self.directory):
+            try:
+                reader = _io.load_checkpoint(prefix)
+                for key in reader.get_variable_to_shape_map():
+                    reader.get_tensor(key)
+                self._read_position(prefix)
+            except Exception as e:  # noqa: BLE001 - torn, truncated or bit-flipped files
+                failures.append(f"{prefix}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
+                continue
+            self._report_fallback(failures, prefix)
+            return prefix
+        self._raise_none_loads(failures)
+        return None
+
+    def _restore_deferred(self, iterator: Any) -> None:
+        prefix, self._deferred_restore = self._deferred_restore, None
+        self._build_from_data(iterator, f"to restore {prefix!r} before the first step")
+        self._ensure_built()
+        self._build_checkpoint()
+        reader = _io.load_checkpoint(prefix)
+        self._check_signature(prefix, reader)
+        _io.read_into(prefix, self._flat, self._checkpoint)
+        self._restored_from = prefix
+        self._say(f"ChiefCheckpoint: restored {prefix}")
+        self._reconcile_learning_rate(prefix)
+
+    def _reconcile_learning_rate(self, prefix: str) -> None:
+        """A learning rate changed in the script between runs is used, with a warning naming both values; one changed
+        during training (ReduceLROnPlateau, NanGuard's rollback) is resumed as saved."""
+        self._run_config_var.assign(json.dumps({"learning_rate": self._lr_at_start}))  # the read overwrote it
+        var, new = _lr_variable(self.model), self._lr_at_start
+        if var is None or new is None:
+            return
+        restored = float(var.numpy())
+        try:
+            raw = _io.load_checkpoint(prefix).get_tensor(_RUN_CONFIG_KEY)
+            started = json.loads(raw.decode() if isinstance(raw, bytes) else raw).get("learning_rate")
+        except Exception:  # noqa: BLE001 - written by an older version: the run's starting value is unknown
+            started = None
+        if started is None:
+            if restored != new:
+                warnings.warn(
+                    f"ChiefCheckpoint: the optimizer's learning_rate is {new:g} in this run but {restored:g} in "
+                    f"{prefix!r}, which does not record the value its run started with; the checkpoint's {restored:g} "
+                    "is restored (as keras.callbacks.BackupAndRestore does; a callback such as ReduceLROnPlateau may "
+                    "have set it). To train with a new value, assign it after the restore, e.g. "
+                    f"model.optimizer.learning_rate.assign({new:g}) in the on_train_begin of a callback listed after "
+                    "ChiefCheckpoint.", RuntimeWarning, stacklevel=3)
+            return
+        if float(started) == new:
+            return  # unchanged in the script: the saved value (possibly lowered during training) continues
+        var.assign(new)
+        self._lr_override = new
+        warnings.warn(
+            f"ChiefCheckpoint: learning_rate changed between runs: this run starts with {new:g}; the run in "
+            f"{prefix!r} was started with {float(started):g} and was at {restored:g} when saved. Using this run's "
+            f"{new:g} (everything else resumes exactly). To continue with the checkpoint's value, pass the "
+            f"learning rate as before ({float(started):g}).", RuntimeWarning, stacklevel=3)
+
+    def _restore_epoch_skipped(self, prefix: str, mid_epoch: bool) -> None:
+        """The resumed epoch's NaN-skipped count continues from the saved one (a fresh epoch starts at 0)."""
+        var = self._epoch_skipped_variable()
+        if var is None:
+            return
+        reader = _io.load_checkpoint(prefix)
+        value = reader.get_tensor(_EPOCH_SKIPPED_KEY) if mid_epoch and reader.has_tensor(_EPOCH_SKIPPED_KEY) else 0
+        var.assign(tf.cast(value, var.dtype))
+
+    def _restore_metrics(self, prefix: str) -> bool:
+        """Continue the interrupted epoch's metrics (loss included) from their saved state."""
+        reader = _io.load_checkpoint(prefix)
+        variables = _metric_variables(self.model)
+        keys = [_METRIC_KEY.format(i) for i in range(len(variables))]
+        if not variables or not all(reader.has_tensor(k) for k in keys) or reader.has_tensor(
+                _METRIC_KEY.format(len(variables))):
+            return False
+        values = [reader.get_tensor(k) for k in keys]
+        if any(tuple(v.shape) != tuple(int(d) for d in var.shape) for v, var in zip(values, variables)):
+            return False
+        for var, value in zip(variables, values):
+            var.assign(value)
+        return True
+

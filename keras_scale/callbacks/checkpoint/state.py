@@ -1,0 +1,212 @@
+"""What a checkpoint holds: the variables saved and restored, and the signature that tells a checkpoint
+of another model."""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from typing import Any, Dict, List, Optional
+
+import keras
+import tensorflow as tf
+
+from keras_scale.callbacks.checkpoint.names import _NAME, _POSITION, _SIGNATURE_KEY, CheckpointMismatchError
+from keras_scale.callbacks.checkpoint import format as _io
+
+
+# Guard state that describes the moment, not the run: never saved, never restored (a restored "halted" flag
+# would freeze the resumed run).
+_TRANSIENT_STEP_STATE = frozenset({"halted", "consecutive_bad", "incidents", "diag"})
+
+
+def _tf_variable(v: Any) -> Any:
+    # The tf.Variable (or distributed variable) under a Keras variable. Checkpointing Keras variables directly
+    # breaks TensorFlow's async checkpoint from the 2nd save on (KerasVariable._copy_trackable_to_cpu creates a
+    # new tf.Variable inside a tf.function on every call).
+    return v.value if isinstance(v, keras.Variable) else v
+
+
+def _optimizer_variables(model: keras.Model) -> List[Any]:
+    return list(model.optimizer.variables) if model.optimizer is not None else []
+
+
+def _metric_variables(model: keras.Model) -> List[Any]:
+    try:
+        return list(model.metrics_variables)
+    except Exception:  # noqa: BLE001 - a model without compiled metrics
+        return []
+
+
+def _lr_variable(model: keras.Model) -> Optional[Any]:
+    """The optimizer's learning-rate variable (a float LR; ``None`` for a schedule, which is code, not state)."""
+    from keras_scale.schedules import learning_rate_variable
+
+    return learning_rate_variable(getattr(model, "optimizer", None))
+
+
+def _signature(model: keras.Model) -> Dict[str, List[List[Any]]]:
+    def describe(variables):
+        return [[getattr(v, "path", None) or v.name, [int(d) for d in v.shape]] for v in variables]
+
+    return {"model": describe(model.variables), "optimizer": describe(_optimizer_variables(model))}
+
+
+class StateMixin:
+    """Part of :class:`ChiefCheckpoint` (a mixin: it uses the callback's own state)."""
+
+    def _ensure_built(self) -> bool:
+        """Create the optimizer's variables now (as Keras's symbolic build does under a strategy) so they can be
+        restored before the first step. False when the model itself has no variables yet."""
+        model = self.model
+        if not all(layer.built for layer in model._flatten_layers()) or not model.variables:
+            return False
+        optimizer = model.optimizer
+        if optimizer is not None and not optimizer.built:
+            with model.distribute_strategy.scope():
+                optimizer.build(model.trainable_variables)
+        return True
+
+    def _state_variables(self) -> Dict[str, tf.Variable]:
+        model = self.model
+        state: Dict[str, tf.Variable] = {}
+        try:
+            from keras_scale import step as ks_step
+
+            state.update(dict(ks_step.state_variables(model) or {}))
+        except (ImportError, AttributeError):
+            pass
+        for name in _TRANSIENT_STEP_STATE:
+            state.pop(name, None)
+        try:
+            from keras_scale.schedules import lr_multiplier
+
+            mult = lr_multiplier(model.optimizer) if model.optimizer is not None else None
+        except ImportError:
+            mult = None
+        if mult is not None:
+            state["lr_multiplier"] = mult
+        return state
+
+    def _build_checkpoint(self, with_manager: bool = True) -> None:
+        model = self.model
+        if self._manager is not None:
+            self._wait()
+        # Position and signature are host-side bookkeeping: plain variables outside any strategy scope.
+        with tf.init_scope():
+            self._vars = {name: tf.Variable(0, dtype=tf.int64, trainable=False, name=f"ks_{name}")
+                          for name in _POSITION}
+            self._signature = tf.Variable("", dtype=tf.string, trainable=False, name="ks_signature")
+            self._epoch_logs_var = tf.Variable("", dtype=tf.string, trainable=False, name="ks_epoch_logs")
+            # what this run's script set (not what training made of it): tells a deliberate change at the next resume
+            self._run_config_var = tf.Variable(json.dumps({"learning_rate": self._lr_at_start}), dtype=tf.string,
+                                               trainable=False, name="ks_run_config")
+        # Variables by position (model.variables, optimizer.variables: a deterministic order for a given model
+        # and optimizer); the signature saved alongside makes restoring into a different model an error.
+        items: Dict[str, Any] = {
+            "model_variables": [_tf_variable(v) for v in model.variables],
+            "optimizer_variables": [_tf_variable(v) for v in _optimizer_variables(model)],
+            "keras_scale_position": self._vars,
+            "keras_scale_signature": self._signature,
+            "keras_scale_epoch_logs": self._epoch_logs_var,
+            "keras_scale_run_config": self._run_config_var,
+        }
+        metrics = _metric_variables(model)
+        self._num_metric_vars = len(metrics)
+        if metrics:  # the interrupted epoch's metric state; restored separately, after Keras resets metrics
+            items["metrics_variables"] = [_tf_variable(v) for v in metrics]
+        state = self._state_variables()
+        if state:
+            items["keras_scale_state"] = {k: _tf_variable(v) for k, v in state.items()}
+        epoch_skipped = self._epoch_skipped_variable()
+        if epoch_skipped is not None:  # the interrupted epoch's NaN-skipped count (its logs' nan_skipped)
+            items["keras_scale_epoch_skipped"] = epoch_skipped
+        self._checkpoint = tf.train.Checkpoint(**items)
+        # Same paths, model and optimizer only: for a mid-training rollback that keeps keras_scale's counters.
+        weights = {"model_variables": items["model_variables"], "optimizer_variables": items["optimizer_variables"]}
+        self._weights_only = tf.train.Checkpoint(**weights)
+        # Synchronous saves are written by format.py (raw bytes + JSON index); these are the same variables
+        # under the same keys, for its writer and for restoring either format.
+        self._flat, self._flat_weights = _io.flatten(items), _io.flatten(weights)
+        if not with_manager:
+            return
+        if self._chief:
+            self._sanitize_state_file()
+
+        if self.async_save:  # TensorFlow's async checkpoint; spares kept by earlier synchronous runs go
+            _io.remove_spares(self._write_dir)
+
+        def manager():
+            if self.async_save:
+                cls, target = tf.train.CheckpointManager, self._checkpoint
+            else:  # same numbering, state file and rotation; the bytes written by format.py
+                cls, target = _io.RecyclingCheckpointManager, _io.RawCheckpoint(self._checkpoint, self._flat)
+            return cls(
+                target, self._write_dir, max_to_keep=self.max_to_keep if self._chief else 1,
+                keep_checkpoint_every_n_hours=self.keep_every_n_hours if self._chief else None,
+                checkpoint_name=_NAME,
+            )
+
+        try:
+            self._manager = manager()
+        except ValueError as e:  # an empty/invalid state file; the checkpoints themselves are found by scanning
+            state_file = os.path.join(self._write_dir, "checkpoint")
+            warnings.warn(f"ChiefCheckpoint: {e}; moving the invalid {state_file!r} aside to "
+                          f"{state_file + '.invalid'!r}.", RuntimeWarning, stacklevel=2)
+            tf.io.gfile.rename(state_file, state_file + ".invalid", overwrite=True)
+            self._manager = manager()
+        self._options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=self.async_save)
+
+    def _check_signature(self, prefix: str, reader: Any) -> None:
+        if not reader.has_tensor(_SIGNATURE_KEY):
+            return
+        raw = reader.get_tensor(_SIGNATURE_KEY)
+        saved = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+        mine = _signature(self.model)
+        fix = (f"Fix: give ChiefCheckpoint a new directory for this model, or remove the old checkpoints "
+               f"(rm -r {self.directory!r}) if you meant to start over.")
+        for part, what in (("model", "model weights"), ("optimizer", "optimizer variables")):
+            theirs, ours = saved.get(part, []), mine[part]
+            if len(theirs) != len(ours):
+                def without_lr(entries):  # a float learning rate is one scalar variable ".../learning_rate"
+                    return [list(shape) for path, shape in entries
+                            if not (str(path).endswith("learning_rate") and not list(shape))]
+
+                if part == "optimizer" and without_lr(theirs) == without_lr(ours):
+                    kind = "a float" if len(theirs) > len(ours) else "a schedule"
+                    raise CheckpointMismatchError(
+                        f"checkpoint {prefix!r} was written with {kind} learning rate and this optimizer has "
+                        f"{'a schedule' if kind == 'a float' else 'a float'}: a float learning rate is an optimizer "
+                        f"variable, a schedule is not, so the two cannot be resumed into each other. Fix: keep the "
+                        f"first run's kind (a float can be changed between runs: the new value is used, with a "
+                        f"warning), or start over in a new directory."
+                    )
+                raise CheckpointMismatchError(
+                    f"checkpoint {prefix!r} was written for a different {part}: it holds {len(theirs)} {what}, "
+                    f"this {part} has {len(ours)}. {fix}"
+                )
+            for (s_path, s_shape), (m_path, m_shape) in zip(theirs, ours):
+                if list(s_shape) != list(m_shape):
+                    raise CheckpointMismatchError(
+                        f"checkpoint {prefix!r} was written for a different {part}: {s_path!r} has shape "
+                        f"{tuple(s_shape)} there but {m_path!r} has shape {tuple(m_shape)} here. {fix}"
+                    )
+
+    def _build_from_data(self, iterator: Any, why: str) -> None:
+        spec = getattr(iterator, "element_spec", None)
+        try:
+            self.model._symbolic_build(data_batch=spec)
+        except Exception as e:  # noqa: BLE001
+            raise RuntimeError(
+                f"ChiefCheckpoint could not build the model from the data ({e}) {why}. Fix: build the model before "
+                "fit (keras.Input(...) as its first layer, or model.build(input_shape))."
+            ) from e
+
+    def _start_variables(self) -> List[Any]:
+        return list(self.model.variables) + _optimizer_variables(self.model)
+
+    def _epoch_skipped_variable(self) -> Optional[tf.Variable]:
+        from keras_scale import step as ks_step
+
+        step = ks_step.get_step(self.model, create=False)
+        return None if step is None else step.epoch_skipped
+
