@@ -30,9 +30,11 @@ demo: install
 DOCTEST := -m pytest -q -ra -p no:cacheprovider --doctest-modules --timeout=60 --timeout-method=thread \
            keras_scale keras_scale_cli.py
 
+# Prints the slowest tests and, at the end, the wall time of the whole run (pass or fail).
 test: install
-	$(BIN)/python $(DOCTEST)
-	$(BIN)/python -m pytest -q -ra tests
+	@start=$$(date +%s); \
+	$(BIN)/python $(DOCTEST) && $(BIN)/python -m pytest -q -ra --durations=15 tests; rc=$$?; \
+	echo "make test: $$(( $$(date +%s) - start )) s wall ($$(nproc) CPUs)"; exit $$rc
 
 test-fast: install
 	$(BIN)/python $(DOCTEST)

@@ -52,6 +52,21 @@ def build_model() -> keras.Model:
     ], name="quickstart_cnn")
 
 
+def make_callbacks(out: str, nvml=None) -> list:
+    """The demo's callbacks: keras_scale's and Keras's TensorBoard share ``out`` (one ``train`` run).
+
+    ``tests/test_tensorboard_layout.py`` reads what they write back from a TensorBoard server."""
+    return [
+        ks.NanGuard(policy="skip"),
+        ks.GpuMonitor(interval_s=0.5, log_dir=out, nvml=nvml),
+        ks.ChiefCheckpoint(os.path.join(out, "checkpoints"), save_freq=16, max_to_keep=2),
+        ks.HostMemoryWatch(log_dir=out),
+        ks.LearningRateLogger(out, every_n_steps=1),
+        keras.callbacks.TensorBoard(out, update_freq=4),  # the same train/validation runs as keras_scale's; loss every 4 steps
+        ks.Goodput(log_dir=out),  # last: it also sees the checkpoint written at the end; prints its table
+    ]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/quickstart", help="where logs and checkpoints go")
@@ -85,16 +100,8 @@ def main() -> None:
     model = ks.wrap(build_model(), accum=4)
     model.compile(optimizer=keras.optimizers.AdamW(schedule, weight_decay=1e-4),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
-    guard = ks.NanGuard(policy="skip", log_dir=args.out)
-    callbacks = [
-        guard,
-        ks.GpuMonitor(interval_s=0.5, log_dir=args.out),
-        ks.ChiefCheckpoint(os.path.join(args.out, "checkpoints"), save_freq=16, max_to_keep=2),
-        ks.HostMemoryWatch(log_dir=args.out),
-        ks.LearningRateLogger(args.out, every_n_steps=1),
-        keras.callbacks.TensorBoard(os.path.join(args.out, "tensorboard"), update_freq=4),  # loss every 4 steps
-        ks.Goodput(log_dir=args.out),  # last: it also sees the checkpoint written at the end; prints its table
-    ]
+    callbacks = make_callbacks(args.out)
+    guard = callbacks[0]
     history = model.fit(ds, epochs=args.epochs, callbacks=callbacks, verbose=2)
     print(f"  NanGuard skipped {guard.skipped_steps} non-finite step(s); per epoch: {history.history.get('nan_skipped')}")
     print(f"  final accuracy {history.history['accuracy'][-1]:.3f}, optimizer updates "

@@ -34,9 +34,11 @@ def _installed_version(distribution: str) -> Optional[str]:
 def version_cli(argv: Sequence[str]) -> int:
     """``keras-scale version``: the versions of keras_scale, TensorFlow and Keras, read without importing them.
 
+    ``keras-scale --version`` prints the same.
+
     Example:
         version_cli([])
-        # keras_scale 0.1.0
+        # keras-scale 0.1.0
         # tensorflow 2.21.0
         # keras 3.15.0
     """
@@ -44,7 +46,7 @@ def version_cli(argv: Sequence[str]) -> int:
     parser.parse_args(list(argv))
     from keras_scale import __version__
 
-    print(f"keras_scale {__version__}")
+    print(f"keras-scale {__version__}")
     for name in ("tensorflow", "keras"):
         print(f"{name} {_installed_version(name) or 'not installed'}")
     return 0
@@ -169,19 +171,35 @@ def _unknown(name: str) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``keras-scale``: run one sub-command; returns its exit status.
 
+    A reader that stops early (``keras-scale --help | head -1``) ends the command quietly, with no
+    ``BrokenPipeError`` traceback (exit status 1, as Python's documentation advises).
+
     Example:
         main(["--version"])
         # keras-scale 0.1.0
+        # tensorflow 2.21.0
+        # keras 3.15.0
     """
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # inside the try: a closed pipe fails here, not in the interpreter's exit
+        return code
+    except BrokenPipeError:
+        try:  # the interpreter flushes stdout again at exit: point it at /dev/null first
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):  # noqa: PERF203 - a stdout without a file descriptor (in-process callers)
+            pass
+        return 1
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     args: List[str] = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         return 0
     if args[0] in ("-V", "--version"):
-        from keras_scale import __version__
-
-        print(f"keras-scale {__version__}")
-        return 0
+        return version_cli([])
     if args[0] == "help":
         if len(args) == 1:
             print(_usage())

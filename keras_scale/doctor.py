@@ -573,13 +573,18 @@ def _no_tf(f: Facts, name: str) -> Optional[CheckResult]:
     return None
 
 
+#: the lowest Python keras_scale supports: pyproject.toml's ``requires-python`` (tests/test_packaging.py checks both)
+PYTHON_FLOOR = (3, 10)
+
+
 def check_python(f: Facts) -> CheckResult:
-    """Python version (TensorFlow 2.21 wheels exist for 3.10-3.13)."""
+    """Python version (TensorFlow 2.21 wheels exist for 3.10-3.13; keras_scale requires :data:`PYTHON_FLOOR`)."""
     v = _ver(f.python_version)
     detail = f"Python {f.python_version}" + (f" ({f.python_executable})" if f.python_executable else "")
-    if v[:2] < (3, 10):
+    if v[:2] < PYTHON_FLOOR:
+        floor = ".".join(map(str, PYTHON_FLOOR))
         return CheckResult("python", "warn", detail,
-                           "Recent TensorFlow wheels need Python >= 3.10; use a newer Python.")
+                           f"keras_scale and recent TensorFlow wheels need Python >= {floor}; use a newer Python.")
     return CheckResult("python", "ok", detail)
 
 

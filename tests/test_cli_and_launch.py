@@ -50,8 +50,8 @@ def test_version_help_and_every_help_without_tensorflow():
     assert all(rc == 0 for rc, _ in runs.values()), {k: rc for k, (rc, _) in runs.items()}
     import keras_scale
 
-    assert runs["--version"][1].strip() == f"keras-scale {keras_scale.__version__}"
-    assert runs["version"][1].splitlines() == [f"keras_scale {keras_scale.__version__}",
+    assert runs["--version"][1] == runs["version"][1]  # one answer, one name
+    assert runs["version"][1].splitlines() == [f"keras-scale {keras_scale.__version__}",
                                                f"tensorflow {importlib.metadata.version('tensorflow')}",
                                                f"keras {importlib.metadata.version('keras')}"]
     for c in COMMANDS:
@@ -67,7 +67,18 @@ def test_python_m_keras_scale_still_runs_commands():
     out = subprocess.run([sys.executable, "-m", "keras_scale", "version"], capture_output=True, text=True,
                          timeout=120, cwd=REPO_ROOT, env=ENV)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("keras_scale ") and "tensorflow" in out.stdout
+    assert out.stdout.startswith("keras-scale ") and "tensorflow" in out.stdout
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    """``keras-scale --help | head -1``: the pipe closes before the command writes; it ends quietly."""
+    code = "import sys; from keras_scale_cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.Popen([sys.executable, "-c", code, "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=REPO_ROOT, env=ENV)
+    proc.stdout.close()  # the reader is gone before the first write
+    _, err = proc.communicate(timeout=120)
+    assert b"Traceback" not in err and b"BrokenPipeError" not in err, err.decode()
+    assert proc.returncode == 1
 
 
 @pytest.mark.parametrize("args, message", [
@@ -96,6 +107,7 @@ def test_plot_lr_without_matplotlib_one_line_error(tmp_path):
 
 
 def test_plot_lr_writes_the_png(tmp_path):
+    pytest.importorskip("matplotlib")  # the `plot` extra
     out = _cli("plot-lr", "--peak-lr", "0.1", "--total-steps", "100", "--warmup-steps", "10", "-o",
                str(tmp_path / "lr.png"))
     assert out.returncode == 0, out.stderr

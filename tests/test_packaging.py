@@ -78,3 +78,21 @@ def test_sdist_and_wheel_ship_the_dashboard_plugin_and_its_front_end(sdist, tmp_
 
     wheel = zipfile.ZipFile(tmp_path / "wheel" / proc.stdout.strip().splitlines()[-1])
     assert "keras_scale/tensorboard_plugin/static/index.js" in wheel.namelist()
+
+
+def test_one_python_floor_in_the_metadata_and_doctor():
+    """pyproject's requires-python, its Python classifiers and doctor's warning agree on one floor."""
+    tomllib = pytest.importorskip("tomllib")
+    with open(os.path.join(REPO_ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    import importlib
+
+    doctor = importlib.import_module("keras_scale.doctor")  # the module (keras_scale.doctor is also the function)
+    floor = ".".join(map(str, doctor.PYTHON_FLOOR))
+    assert project["requires-python"] == f">={floor}"
+    versions = sorted((tuple(map(int, c.rsplit(" ", 1)[1].split("."))) for c in project["classifiers"]
+                       if c.startswith("Programming Language :: Python :: 3.")))
+    assert versions[0] == doctor.PYTHON_FLOOR and versions == [(3, m) for m in range(versions[0][1], 14)]
+    below = f"{doctor.PYTHON_FLOOR[0]}.{doctor.PYTHON_FLOOR[1] - 1}.9"
+    assert doctor.check_python(doctor.Facts(python_version=below)).status == "warn"
+    assert doctor.check_python(doctor.Facts(python_version=f"{floor}.0")).status == "ok"

@@ -141,6 +141,7 @@ def test_bad_scale_lr_input():
 
 
 def test_plot_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")  # the `plot` extra
     path = ks.WarmupCosine(1e-3, 100, 10).plot(str(tmp_path / "lr.png"))
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -1,9 +1,16 @@
-"""Chief-only TensorBoard scalars, expressed once for every keras_scale callback.
+"""Where keras_scale's numbers go: chief-only TensorBoard scalars, and Keras's ``History``.
 
-One layout for the whole pack: every keras_scale scalar goes to the ``train`` run under ``log_dir`` (the run
-Keras's own ``TensorBoard`` callback writes ``epoch_loss`` to, so they sit side by side), with tags named
-``<piece>/<quantity_unit>`` (``nan_guard/skipped_steps``, ``host/rss_mb``, ``optimizer/learning_rate``), each
-written by one callback only.
+One layout for the whole pack, the same whatever the order of the callbacks:
+
+- TensorBoard: every keras_scale scalar goes to the ``train`` run under ``log_dir`` (the run Keras's own
+  ``TensorBoard(log_dir)`` writes ``epoch_loss`` to, so they sit side by side), with tags named
+  ``<piece>/<quantity_unit>`` (``host/rss_mb``, ``optimizer/learning_rate``, ``goodput/input_wait_s``), each
+  written by one callback only.
+- The epoch logs: keras_scale adds nothing to them (a key added in ``on_epoch_end`` would reach a ``CSVLogger`` or
+  ``TensorBoard`` listed after the callback and not one listed before it, and repeat a tag keras_scale writes
+  itself). Only the train step's own output, ``nan_skipped``, is there, which every callback sees, like ``loss``.
+- ``History``: each callback's per-epoch figures (``host_rss_mb``, ``gpu_util_mean``, ``goodput``, ...) are added to
+  the ``History`` that ``fit`` returns, at the end of ``fit`` (:class:`EpochFigures`).
 
 Example:
     writer = ChiefScalars("runs/exp", strategy=model.distribute_strategy)
@@ -13,7 +20,7 @@ Example:
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from keras_scale import events
 from keras_scale.distribute import is_chief
@@ -43,6 +50,42 @@ def _series_fn() -> Any:
 
         _SERIES_FN = write_points
     return _SERIES_FN
+
+
+class EpochFigures:
+    """A callback's per-epoch figures, handed to the ``History`` that ``fit`` returns when the fit ends.
+
+    Keras's ``History`` is the last callback and sets ``model.history`` at each epoch end, so at ``on_train_end``
+    ``model.history`` is this fit's; appending there puts the figures in ``history.history`` whatever the order of
+    the callbacks, without touching the epoch logs that ``CSVLogger``/``TensorBoard`` read.
+
+    Example:
+        >>> figures = EpochFigures()
+        >>> figures.add({"host_rss_mb": 812.0})
+        >>> figures.pending
+        [{'host_rss_mb': 812.0}]
+    """
+
+    def __init__(self) -> None:
+        self.pending: List[Dict[str, float]] = []
+
+    def clear(self) -> None:
+        """Forget the figures of a fit that raised (Keras then skips ``on_train_end`` and returns no History)."""
+        self.pending = []
+
+    def add(self, figures: Mapping[str, float]) -> None:
+        """Record one epoch's figures (call from ``on_epoch_end``)."""
+        self.pending.append(dict(figures))
+
+    def deliver(self, model: Any) -> None:
+        """Append the recorded epochs to ``model.history`` (call from ``on_train_end``); nothing without an epoch."""
+        rows, self.pending = self.pending, []
+        history = getattr(model, "history", None)
+        if not rows or not isinstance(getattr(history, "history", None), dict):
+            return
+        for row in rows:
+            for key, value in row.items():
+                history.history.setdefault(key, []).append(value)
 
 
 class ChiefScalars:

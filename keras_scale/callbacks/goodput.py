@@ -47,8 +47,8 @@ import tensorflow as tf
 
 from keras_scale import events
 from keras_scale._validate import check_int, check_number
-from keras_scale.callbacks._scalars import ChiefScalars
-from keras_scale.distribute import is_chief
+from keras_scale.callbacks._scalars import ChiefScalars, EpochFigures
+from keras_scale.distribute import chief_print, is_chief
 from keras_scale.step import SKIPPED_LOG_KEY
 
 __all__ = ["Goodput", "PEAK_TFLOPS", "peak_flops_for", "compute_dtype", "traced_flops_per_step", "summarize",
@@ -647,7 +647,7 @@ class Goodput(keras.callbacks.Callback):
     ``rolled_back_steps``, ``productive_steps``, ``samples`` (global), ``samples_per_s``, ``step_time_s``,
     ``flops_per_step``, ``tflops_per_s`` (while stepping), ``mfu`` and ``peak_flops``. Each epoch adds
     ``goodput``, ``goodput_input_wait``, ``goodput_samples_per_s``, ``goodput_tflops_per_s`` and ``goodput_mfu``
-    (those known) to the epoch logs (``History``), and with ``log_dir`` the chief writes ``goodput/...`` scalars.
+    (those known) to the ``History`` that ``fit`` returns (at its end, not to the epoch logs), and with ``log_dir`` the chief writes ``goodput/...`` scalars.
     The chief prints a table at the end of fit (unless ``fit(verbose=0)``).
 
     List it last (``keras_scale.fit`` does): it then also sees the final checkpoint other callbacks write at
@@ -708,6 +708,7 @@ class Goodput(keras.callbacks.Callback):
         strategy = self.model.distribute_strategy
         self._chief = is_chief(strategy)
         self._scalars = ChiefScalars(self.log_dir, strategy)
+        self._figures = EpochFigures()
         self._ledger = Ledger()
         self.epoch_summaries = []
         self._probes: List[float] = []
@@ -813,8 +814,7 @@ class Goodput(keras.callbacks.Callback):
                    "goodput_samples_per_s": summary["samples_per_s"], "goodput_tflops_per_s": summary["tflops_per_s"],
                    "goodput_mfu": summary["mfu"]}
         figures = {k: float(v) for k, v in figures.items() if v is not None}
-        if logs is not None:
-            logs.update(figures)
+        self._figures.add(figures)  # History gets them at the end of fit; the epoch logs stay Keras's
         scalars = {f"goodput/{k[len('goodput_'):] if k.startswith('goodput_') else k}": v for k, v in figures.items()}
         scalars.update({f"goodput/{c}": float(summary[c]) for c in CATEGORIES})
         self._scalars.write(scalars, step=epoch)
@@ -828,9 +828,11 @@ class Goodput(keras.callbacks.Callback):
         self.summary = self._summarize(self._ledger, time.perf_counter() - self._start)
         events.record("fit_end", int(self.model.optimizer.iterations.numpy()), log_dir=self.log_dir, goodput=self.summary)
         self._scalars.close()
-        if self._chief and (self.verbose == "auto" and (self.params or {}).get("verbose", 1) != 0
-                            or self.verbose not in ("auto", 0)):
-            print(format_summary(self.summary), flush=True)
+        self._figures.deliver(self.model)
+        verbose = (self.params or {}).get("verbose", 1) if self.verbose == "auto" else self.verbose
+        # the pack's one chief-only printer: Keras's print_msg (stdout, or absl logging when Keras's interactive
+        # logging is off), nothing on other workers or at verbose=0
+        chief_print(format_summary(self.summary), self.model.distribute_strategy, verbose=verbose)
 
     # ------------------------------------------------------------------ logic
     def _new_train_function(self, fn: Any) -> None:

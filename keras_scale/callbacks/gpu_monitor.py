@@ -2,8 +2,8 @@
 
 A background thread samples NVML and the host CPU every ``interval_s`` (never the batch hooks); the batch hooks
 only append a timestamp and never read a tensor. At each epoch end the samples taken during that epoch's
-training steps are reduced to mean/max per GPU. A few aggregates go to ``logs`` (``gpu_util_mean``,
-``gpu_mem_max_mb``, step time, host CPU), the per-GPU detail to TensorBoard (chief only) and ``history``, and the
+training steps are reduced to mean/max per GPU. A few aggregates go to the ``History`` that ``fit`` returns
+(``gpu_util_mean``, ``gpu_mem_max_mb``, step time, host CPU; not to the epoch logs), the per-GPU detail to TensorBoard (chief only) and ``history``, and the
 advice rules of :mod:`keras_scale.advice` look at them (input-bound, GPU idle, compute-bound, memory near full,
 throttling). Without NVML (no GPU) step time, throughput and host CPU are still logged.
 
@@ -30,7 +30,7 @@ from keras_scale import nvml as nvml_lib
 from keras_scale.advice import DEFAULT_RULES, Advice, AdviceThresholds, EpochStats, Rule, leftover_processes_message
 from keras_scale import events
 from keras_scale._validate import check_int, check_number
-from keras_scale.callbacks._scalars import ChiefScalars
+from keras_scale.callbacks._scalars import ChiefScalars, EpochFigures
 from keras_scale.distribute import chief_print
 
 __all__ = ["GpuMonitor", "aggregate_samples", "step_timing"]
@@ -260,7 +260,8 @@ class GpuMonitor(keras.callbacks.Callback):
 
     Per epoch (over the epoch's training steps; the first step, which carries tracing, is left out):
 
-    - ``logs`` (and so ``History``/``CSVLogger``/``TensorBoard``) get a few aggregates over all watched GPUs:
+    - the ``History`` that ``fit`` returns gets a few aggregates over all watched GPUs (added when ``fit`` ends;
+      the epoch logs, which ``CSVLogger``/Keras's ``TensorBoard`` read, stay Keras's whatever the callback order):
       ``gpu_util_mean`` (mean utilisation), ``gpu_mem_max_mb`` (the fullest GPU's peak), ``gpu_throttle_frac``
       (the most throttled GPU's share of samples); plus ``step_time_mean_ms``, ``steps_per_s``,
       ``samples_per_s`` (when ``batch_size`` is given) and ``host_cpu_mean_pct``. The last four stay when NVML
@@ -282,7 +283,7 @@ class GpuMonitor(keras.callbacks.Callback):
         batch_size: global samples per step, for ``samples_per_s`` (Keras callbacks do not see the batch size).
         advice: True (default rules), False, an :class:`AdviceThresholds`, or a list of rule functions.
         update_freq: ``"epoch"``, a number of steps, or seconds as ``"30s"``: how often TensorBoard gets a point.
-        full_logs: also put every per-GPU metric into ``logs`` (long lines with many GPUs).
+        full_logs: also put every per-GPU metric into ``History`` as ``gpu{i}_<metric>``.
         verbose: ``"auto"`` prints the advice when ``fit`` shows progress (not under ``fit(verbose=0)``), like
             Keras's callbacks; 1 always; 0 never (``advice_history`` records it either way; incidents still go
             through ``warnings``).
@@ -343,6 +344,7 @@ class GpuMonitor(keras.callbacks.Callback):
         self._owns_nvml = False
         self._sampler: Optional[_Sampler] = None
         self._scalars: Optional[ChiefScalars] = None
+        self._figures = EpochFigures()
         self._batch_ends: List[Tuple[int, float]] = []
         self._epoch_begin_s = 0.0
         self._advised_kinds: set = set()
@@ -353,6 +355,7 @@ class GpuMonitor(keras.callbacks.Callback):
     # ------------------------------------------------------------------------------------------- hooks
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
         self._shutdown()  # a previous fit that raised never reached on_train_end
+        self._figures.clear()
         self._advised_kinds = set()
         if self._open():
             self.leftover_processes = self._find_leftover_processes()
@@ -387,13 +390,13 @@ class GpuMonitor(keras.callbacks.Callback):
             self._write_point(time.perf_counter())  # the epoch's last window (before the epoch drains the buffer)
         record = self._summarise_epoch(epoch)
         self.history.append(record)
-        if logs is not None:
-            logs.update(self._log_values(record))
+        self._figures.add(self._log_values(record))  # History gets them at the end of fit, not the epoch logs
         if not windows and self._scalars.active:
             self._scalars.write(self._scalar_values(record), step=epoch)
         self._advise(record["stats"])
 
     def on_train_end(self, logs: Optional[dict] = None) -> None:
+        self._figures.deliver(self.model)
         self._shutdown()
 
     # ----------------------------------------------------------------------------------------- helpers

@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import keras
 
 from keras_scale._validate import check_int, check_number
-from keras_scale.callbacks._scalars import ChiefScalars
+from keras_scale.callbacks._scalars import ChiefScalars, EpochFigures
 
 __all__ = ["HostMemoryWatch", "HostMemoryGrowthWarning", "steady_growth_mb_per_epoch", "host_rss_mb"]
 
@@ -69,10 +69,11 @@ def _check(name: str, value: Any, minimum: float, integer: bool) -> Any:
 class HostMemoryWatch(keras.callbacks.Callback):
     """Record this process's host memory (RSS) each epoch and warn when it grows steadily.
 
-    - ``logs["host_rss_mb"]`` at every epoch end (so it appears in ``History`` and in callbacks after this one,
-      e.g. ``CSVLogger``); also kept in ``rss_mb_history``.
-    - With ``log_dir``, the chief (:func:`keras_scale.is_chief`) writes the scalar ``host_rss_mb`` per epoch to a
-      TensorBoard event file in ``log_dir`` (the same directory as TensorBoard's works).
+    - ``history.history["host_rss_mb"]``: one value per epoch in the ``History`` that ``fit`` returns (added when
+      ``fit`` ends, not to the epoch logs: see :mod:`keras_scale.callbacks._scalars`); also kept in
+      ``rss_mb_history`` (after the warm-up epochs).
+    - With ``log_dir``, the chief (:func:`keras_scale.is_chief`) writes ``host/rss_mb`` per epoch to the ``train``
+      run under ``log_dir`` (the run Keras's ``TensorBoard(log_dir)`` writes to).
     - After ``warmup_epochs`` (the first epoch traces functions and fills caches), if RSS grew in each of the
       last ``window_epochs`` epochs (at most one flat epoch, no real drop) by ``min_growth_mb_per_epoch`` MiB
       or more on average, a
@@ -80,7 +81,7 @@ class HostMemoryWatch(keras.callbacks.Callback):
       process checks its own memory.
 
     Args:
-        log_dir: TensorBoard directory for the ``host_rss_mb`` scalar; ``None`` for logs only.
+        log_dir: TensorBoard directory for the ``host/rss_mb`` scalar; ``None`` for logs only.
         window_epochs: how many consecutive growing epochs make a trend, >= 2.
         min_growth_mb_per_epoch: mean growth (MiB per epoch) below which growth is ignored, >= 0.
         warmup_epochs: first epochs left out of the trend, >= 0.
@@ -106,15 +107,16 @@ class HostMemoryWatch(keras.callbacks.Callback):
         self.warned = False
         self._epochs_seen = 0
         self._scalars: Any = None
+        self._figures = EpochFigures()
 
     def on_train_begin(self, logs: Optional[Dict[str, Any]] = None) -> None:
+        self._figures.clear()
         if self._scalars is None or not self._scalars.active:
             self._scalars = ChiefScalars(self.log_dir, strategy=self.model.distribute_strategy)
 
     def on_epoch_end(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
         rss = host_rss_mb()
-        if logs is not None:
-            logs["host_rss_mb"] = rss
+        self._figures.add({"host_rss_mb": rss})
         self._epochs_seen += 1
         if self._epochs_seen > self.warmup_epochs:
             self.rss_mb_history.append(rss)
@@ -124,6 +126,7 @@ class HostMemoryWatch(keras.callbacks.Callback):
             self._maybe_warn()
 
     def on_train_end(self, logs: Optional[Dict[str, Any]] = None) -> None:
+        self._figures.deliver(self.model)
         if self._scalars is not None:
             self._scalars.close()
 

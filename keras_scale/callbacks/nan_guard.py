@@ -67,7 +67,7 @@ class NanReport:
         report.source, report.details[:1]      # e.g. ('inputs', ['inputs[0]: 3 non-finite values'])
     """
 
-    epoch: int
+    epoch: int  # 0-based, as Keras's hooks count; the message prints it from 1, as Keras's progress bar does
     step: int  # optimizer updates applied before the incident
     bad_steps: int  # non-finite steps seen in this incident (since the previous check)
     source: str
@@ -79,10 +79,10 @@ class NanReport:
         scale = f"; loss scale {self.loss_scale:g}" if self.loss_scale is not None else ""
         where = "; ".join(self.details[:8]) + (" ..." if len(self.details) > 8 else "")
         if self.source == "weights":
-            return (f"NanGuard: non-finite weights at epoch {self.epoch}, update {self.step} "
+            return (f"NanGuard: non-finite weights at epoch {self.epoch + 1}, update {self.step} "
                     f"({self.bad_steps} non-finite step(s) skipped since the last check): {where}{scale}.\n"
                     f"  Likely fix: {self.advice}")
-        return (f"NanGuard: {self.bad_steps} non-finite step(s) at epoch {self.epoch}, update {self.step}, skipped "
+        return (f"NanGuard: {self.bad_steps} non-finite step(s) at epoch {self.epoch + 1}, update {self.step}, skipped "
                 f"(no update applied). First non-finite values in the {self.source}: {where}{scale}.\n"
                 f"  Likely fix: {self.advice}")
 
@@ -99,7 +99,9 @@ class NanGuard(keras.callbacks.Callback):
         max_rollbacks: give up with :class:`NanGuardGaveUp` after this many rollbacks.
         snapshot_every_n_steps: cadence (in batches) of the in-memory snapshot used by ``rollback`` without a
             checkpoint.
-        log_dir: write ``nan_guard/skipped_steps`` per epoch to TensorBoard (chief only).
+        log_dir: accepted for compatibility; NanGuard writes no scalar of its own: the epoch's skipped count is the
+            train step's ``nan_skipped`` log, which Keras's ``TensorBoard`` writes as ``epoch_nan_skipped`` and
+            ``CSVLogger`` as a column, whatever the callback order (one tag per quantity).
         verbose: print each report (chief only, on stderr: an incident).
         check_gradients: ``True`` (default): a step is skipped when its loss **or any gradient** is not finite.
             The update then waits until every gradient is computed and checked, so it no longer runs beside
@@ -209,8 +211,6 @@ class NanGuard(keras.callbacks.Callback):
         self.skipped_steps = total
         if logs is not None and step_lib.SKIPPED_LOG_KEY not in logs:  # a foreign step returning no dict
             logs[step_lib.SKIPPED_LOG_KEY] = int(self._step.epoch_skipped.numpy())
-        if self._scalars is not None:
-            self._scalars.write({"nan_guard/skipped_steps": total}, step=epoch)
 
     def on_train_end(self, logs: Optional[Dict] = None) -> None:
         self._check(final=True)

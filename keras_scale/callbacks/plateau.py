@@ -21,7 +21,7 @@ from keras_scale import events
 from keras_scale import step as step_lib
 from keras_scale._validate import check_int
 from keras_scale.callbacks.lr_logger import current_learning_rate
-from keras_scale.distribute import is_chief
+from keras_scale.distribute import chief_print
 from keras_scale.schedules import scale_learning_rate
 
 __all__ = ["ReduceLROnPlateau"]
@@ -126,7 +126,6 @@ class ReduceLROnPlateau(keras.callbacks.Callback):
             step_lib.rebuild(self.model)  # a generic schedule was wrapped: retrace (also a cached composed step)
         self.cooldown_counter = self.cooldown
         self.reductions += 1
-        if self.verbose and is_chief(self.model.distribute_strategy):
-            keras.utils.io_utils.print_msg(
-                f"\nEpoch {epoch + 1}: ReduceLROnPlateau: {self.monitor} did not improve for {self.patience} "
-                f"epoch(s): learning rate {old_lr:.4g} -> {new_lr:.4g}.")
+        chief_print(f"\nEpoch {epoch + 1}: ReduceLROnPlateau: {self.monitor} did not improve for {self.patience} "
+                    f"epoch(s): learning rate {old_lr:.4g} -> {new_lr:.4g}.", self.model.distribute_strategy,
+                    verbose=self.verbose)
