@@ -15,7 +15,7 @@ import math
 import os
 import re
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["CATEGORIES", "INCIDENT_KINDS", "find_runs", "read_run_events", "run_summary", "run_detail",
            "downsample", "MAX_POINTS"]
