@@ -1,6 +1,7 @@
 """The keras_scale TensorBoard dashboard: a real TensorBoard server lists it for a keras_scale run (and not for a
 run without keras_scale data) and its routes return that run's incidents, goodput, checkpoints and profiler verdict;
 a 100k-step run's page data comes back downsampled, every incident kept, within the 2 s budget."""
+import importlib.util
 import json
 import os
 import socket
@@ -15,6 +16,11 @@ import tensorflow as tf
 import keras_scale as ks
 from keras_scale import events
 from keras_scale.tensorboard_plugin import KerasScalePlugin, data
+from tests.conftest import REPO_ROOT
+
+_spec = importlib.util.spec_from_file_location("quickstart", os.path.join(REPO_ROOT, "examples", "quickstart.py"))
+quickstart = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(quickstart)
 
 POISONED_BATCH = 3
 
@@ -39,21 +45,29 @@ def _model() -> keras.Model:
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
-    """A demo-like run (examples/quickstart.py, small): a poisoned batch NanGuard skips, Goodput, ChiefCheckpoint
-    every 4 steps, Keras's TensorBoard with per-step loss, and a ProfileWindow capture in a sub-directory."""
+    """A demo run, small: examples/quickstart.py's own callbacks (``make_callbacks``: NanGuard, GpuMonitor on a fake
+    GPU, ChiefCheckpoint every 16 steps, HostMemoryWatch, LearningRateLogger, Keras's TensorBoard with the loss
+    every 4 steps, Goodput) on data with a poisoned batch, then a fit with a ProfileWindow capture in a
+    sub-directory, as the demo does."""
+    from tests.fakes.fake_nvml import FakeNvml
+
     keras.utils.set_random_seed(0)
     logdir = str(tmp_path_factory.mktemp("logs"))
     run = os.path.join(logdir, "demo")
     x = np.random.default_rng(0).normal(size=(160, 4)).astype("float32")
     y = x.sum(axis=1, keepdims=True)
-    x[POISONED_BATCH * 16 + 2, 1] = np.nan
+    x[POISONED_BATCH * 8 + 2, 1] = np.nan
     model = _model()
-    guard = ks.NanGuard(policy="skip", log_dir=run)
-    ckpt = ks.ChiefCheckpoint(os.path.join(run, "checkpoints"), save_freq=4, max_to_keep=2)
-    goodput = ks.Goodput(log_dir=run, verbose=0)
+    callbacks = quickstart.make_callbacks(run, nvml=FakeNvml.with_gpus(1, util_gpu_pct=70.0))
+    for callback in callbacks:
+        if isinstance(callback, ks.GpuMonitor):
+            callback.interval_s = 0.005
+    guard, ckpt, goodput = (next(c for c in callbacks if isinstance(c, t))
+                            for t in (ks.NanGuard, ks.ChiefCheckpoint, ks.Goodput))
+    goodput.verbose = 0
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=callbacks)  # 20 steps per epoch
     window = ks.ProfileWindow(os.path.join(run, "profile"), start_step=12, num_steps=2, verbose=0)
-    model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[
-        guard, ckpt, window, keras.callbacks.TensorBoard(os.path.join(run, "tensorboard"), update_freq=1), goodput])
+    _model().fit(x, np.nan_to_num(y), batch_size=8, epochs=1, verbose=0, callbacks=[window])
     plain = os.path.join(logdir, "..", os.path.basename(logdir) + "_plain")  # no keras_scale data at all
     _model().fit(x[:32], y[:32], epochs=1, verbose=0, callbacks=[keras.callbacks.TensorBoard(plain)])
     return {"logdir": logdir, "run": run, "plain": os.path.abspath(plain), "guard": guard, "ckpt": ckpt,
@@ -120,23 +134,23 @@ def test_tensorboard_serves_the_runs_incidents_goodput_checkpoints_and_verdict(d
             assert sum(epoch[c] for c in data.CATEGORIES) == pytest.approx(epoch["wall_s"], rel=1e-3, abs=1e-5)
         # every save ChiefCheckpoint made, and the newest usable one is the one it would restore
         saves = page["checkpoints"]["saves"]
-        assert [s["step"] for s in saves] == [4, 8, 12, 16, 20]
+        assert len(saves) == 3 and saves[0]["step"] == 16 and saves[-1]["step"] == 40  # save_freq=16, the final state
         assert all(s["blocked_s"] > 0 and s["async_save"] is False for s in saves)
-        kept = [s for s in saves if s["on_disk"]]
-        assert [s["step"] for s in kept] == [16, 20] and all(s["bytes"] > 0 for s in kept)
         from keras_scale.callbacks.checkpoint import list_checkpoints
 
-        newest = list_checkpoints(demo_run["ckpt"].directory)[0][1]
-        assert page["checkpoints"]["newest_usable"] == newest
+        on_disk = list_checkpoints(demo_run["ckpt"].directory)  # newest first; max_to_keep=2
+        kept = [s for s in saves if s["on_disk"]]
+        assert [s["path"] for s in kept] == [p for _, p in reversed(on_disk)] and all(s["bytes"] > 0 for s in kept)
+        assert page["checkpoints"]["newest_usable"] == on_disk[0][1]
         # the profiler verdict of the ProfileWindow capture (its stream sits in the run's sub-directory)
         window = demo_run["window"]
         assert window.summary is not None
         assert [p["verdict"] for p in page["profiles"]] == [window.summary.verdict]
         assert page["profiles"][0]["capture_dir"] == window.capture_dir
-        # the loss curve: per step from Keras's TensorBoard(update_freq=1), per epoch from the epoch records
-        assert len(page["loss"]["batch_loss"]) == 20
+        # the loss curve: every 4 steps from Keras's TensorBoard(update_freq=4), per epoch from the epoch records
+        assert [p[0] for p in page["loss"]["batch_loss"]] == list(range(4, 41, 4))
         assert [p[0] for p in page["loss"]["loss (epoch mean)"]] == [e["step"] for e in page["epochs"]]
-        assert page["gpu"]["lanes"] == {} and page["gpu"]["unavailable"] is None  # no GpuMonitor in this run
+        assert {v for _, v in page["gpu"]["lanes"]["0"]["utilisation %"]} == {70.0}  # GpuMonitor's lane
     finally:
         tb.shutdown()
 
