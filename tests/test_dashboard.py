@@ -246,7 +246,7 @@ def test_resume_reports_the_redone_steps_and_killed_fits_still_count(tmp_path):
         lines = [json.loads(line) for line in f.read().splitlines()[:-1]]
     with open(stream, "w") as f:  # the resumed process (another pid) appends after the torn line
         for line in lines:
-            f.write(json.dumps(line) + "\n")
+            f.write(json.dumps(dict(line, pid=-2)) + "\n")  # (written by the killed process)
         f.write('{"kind": "nan", "st\n')
         f.write(json.dumps({"kind": "resume", "step": 32, "pid": -1, "time": time.time() + 1,
                             "path": os.path.join(run, "ckpt-32"), "epoch": 1, "step_in_epoch": 0}) + "\n")
@@ -254,7 +254,13 @@ def test_resume_reports_the_redone_steps_and_killed_fits_still_count(tmp_path):
     assert [(e["kind"], e["step"]) for e in page["incidents"]] == [("nan", 50), ("resume", 32)]
     assert page["incidents"][1]["redone_steps"] == 18
     totals = page["summary"]["totals"]  # no fit_end (killed): its finished epoch counts
-    assert totals["wall_s"] == 10.0 and totals["goodput"] == pytest.approx(0.8)
+    assert totals["wall_s"] == 10.0 and totals["goodput"] == pytest.approx(0.8) and totals["restarts"] is None
+    # the resumed fit ends (under `keras-scale launch --max-restarts`, Goodput's summary counts the restarts)
+    events.record("fit_end", 64, log_dir=run, goodput={"wall_s": 20.0, "productive_s": 19.0, "other_s": 1.0,
+                                                       "restarts": 1, "restart_lost_s": 4.5})
+    totals = data.run_detail("r", run)["summary"]["totals"]
+    assert totals["wall_s"] == 30.0 and totals["goodput"] == pytest.approx(27 / 30)
+    assert (totals["restarts"], totals["restart_lost_s"]) == (1, 4.5)
 
 
 def test_record_writes_only_where_a_run_is_open_and_only_on_the_chief(tmp_path, monkeypatch):

@@ -132,7 +132,7 @@ def _goodput_row(goodput: Dict[str, Any]) -> Dict[str, Any]:
     row = {c: float(goodput.get(c) or 0.0) for c in CATEGORIES}
     row["wall_s"] = float(goodput.get("wall_s") or sum(row.values()))
     for key in ("goodput", "samples_per_s", "mfu", "tflops_per_s", "steps", "samples", "skipped_steps",
-                "rolled_back_steps"):
+                "rolled_back_steps", "restarts", "restart_lost_s"):
         row[key] = goodput.get(key)
     return row
 
@@ -140,14 +140,15 @@ def _goodput_row(goodput: Dict[str, Any]) -> Dict[str, Any]:
 def _totals(events: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
     """The sum over the run's fits: each finished fit's ``fit_end`` summary, else (killed) its epochs."""
     fits: List[Dict[str, Any]] = []
-    epochs_since_end: List[Dict[str, Any]] = []
+    epochs_since_end: Dict[Any, List[Dict[str, Any]]] = {}  # per process: the epochs of its fit still running
     for e in events:
         if e["kind"] == "epoch" and isinstance(e.get("goodput"), dict):
-            epochs_since_end.append(e["goodput"])
+            epochs_since_end.setdefault(e.get("pid"), []).append(e["goodput"])
         elif e["kind"] == "fit_end" and isinstance(e.get("goodput"), dict):
             fits.append(e["goodput"])
-            epochs_since_end = []
-    fits.extend(epochs_since_end)  # a fit that never ended (killed): its finished epochs
+            epochs_since_end.pop(e.get("pid"), None)
+    for epochs in epochs_since_end.values():  # a fit that never ended (killed): its finished epochs
+        fits.extend(epochs)
     if not fits:
         return None
     rows = [_goodput_row(g) for g in fits]
@@ -159,6 +160,9 @@ def _totals(events: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
     for key in ("steps", "skipped_steps", "rolled_back_steps"):
         vals = [r[key] for r in rows if r.get(key) is not None]
         total[key] = sum(vals) if vals else None
+    for key in ("restarts", "restart_lost_s"):  # `keras-scale launch --max-restarts`: the run's, so far (the last)
+        vals = [r[key] for r in rows if r.get(key) is not None]
+        total[key] = vals[-1] if vals else None
     rates = [(r["samples_per_s"], r["wall_s"]) for r in rows if r.get("samples_per_s")]
     total["samples_per_s"] = (total["samples"] / total["wall_s"] if total["samples"] and total["wall_s"] > 0
                               else (rates[-1][0] if rates else None))

@@ -93,6 +93,7 @@ function totalsLine(t) {
     ['MFU', t.mfu === null || t.mfu === undefined ? 'n/a (peak FLOP/s unknown here)' : pct(t.mfu)],
     ['steps', fmt(t.steps)], ['NaN-skipped', fmt(t.skipped_steps)], ['rolled back', fmt(t.rolled_back_steps)],
   ];
+  if (t.restarts) parts.push(['worker restarts', `${t.restarts} (${secs(t.restart_lost_s)} restart downtime)`]);
   return el('div', {class: 'totals'}, ...parts.flatMap(([k, v], i) => [i ? ' · ' : '', k + ' ', el('b', {}, v)]));
 }
 
