@@ -62,7 +62,7 @@ def make_callbacks(out: str, nvml=None) -> list:
         ks.ChiefCheckpoint(os.path.join(out, "checkpoints"), save_freq=16, max_to_keep=2),
         ks.HostMemoryWatch(log_dir=out),
         ks.LearningRateLogger(out, every_n_steps=1),
-        keras.callbacks.TensorBoard(out),  # the same train/validation runs as keras_scale's scalars
+        keras.callbacks.TensorBoard(out, update_freq=4),  # the same train/validation runs as keras_scale's; loss every 4 steps
         ks.Goodput(log_dir=out),  # last: it also sees the checkpoint written at the end; prints its table
     ]
 
@@ -129,6 +129,8 @@ def main() -> None:
 == done. Look at:
   tensorboard --logdir {args.out}                 # loss, learning rate per step, NaN counter, host RSS,
                                                   # GPU scalars (with a GPU), Profile tab (step-time breakdown)
+                                                  # keras_scale tab: goodput bars, the NaN skips on the loss
+                                                  # curve, checkpoint saves, the profile verdict (docs/dashboard.md)
   keras-scale profile-summary {os.path.join(args.out, 'profile')}   # the profiler verdict, offline
   ls {os.path.join(args.out, 'checkpoints')}      # rerun with --resume after a kill: continues at the same step
   keras-scale doctor                              # drivers, CUDA, GPUs, leftover processes

@@ -400,6 +400,8 @@ class AutoAccum:
         iteration = int(model.optimizer.iterations.numpy()) if model.optimizer is not None else 0
         self.changes.append((iteration, old, new, size))
         micro = micro_batch_size(size, new)
+        from keras_scale import events  # (this module imports keras_scale lazily)
+        events.record("oom_resplit", iteration, log_dir=self.log_dir, old_accum=old, new_accum=new, old_micro_batch=micro_batch_size(size, old), new_micro_batch=micro, batch_size=size)
         chief_print(f"keras_scale accum='auto': out of memory at optimizer step {iteration} (per-replica batch "
                     f"{size}, accum={old}, micro-batches of {micro_batch_size(size, old)}); training with "
                     f"accum={new} (micro-batches of {micro}) from the same batch on; every later batch is split "

@@ -61,6 +61,25 @@ def test_sdist_metadata_states_license_floors_and_entry_point(sdist):
     assert "keras-scale = keras_scale_cli:main" in entry_points
 
 
+def test_sdist_and_wheel_ship_the_dashboard_plugin_and_its_front_end(sdist, tmp_path):
+    archive, root = sdist
+    names = {n[len(root) + 1:] for n in archive.getnames()}
+    assert "keras_scale/tensorboard_plugin/static/index.js" in names
+    entry_points = archive.extractfile(f"{root}/keras_scale.egg-info/entry_points.txt").read().decode()
+    assert "[tensorboard_plugins]" in entry_points
+    assert "keras_scale = keras_scale.tensorboard_plugin:KerasScalePlugin" in entry_points
+    # the wheel built from that sdist (what pip installs) carries the front end too
+    archive.extractall(tmp_path)
+    code = "import sys, setuptools.build_meta as b; print(b.build_wheel(sys.argv[1]))"
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "wheel")], cwd=str(tmp_path / root),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import zipfile
+
+    wheel = zipfile.ZipFile(tmp_path / "wheel" / proc.stdout.strip().splitlines()[-1])
+    assert "keras_scale/tensorboard_plugin/static/index.js" in wheel.namelist()
+
+
 def test_one_python_floor_in_the_metadata_and_doctor():
     """pyproject's requires-python, its Python classifiers and doctor's warning agree on one floor."""
     tomllib = pytest.importorskip("tomllib")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
+from keras_scale import events
 from keras_scale.distribute import is_chief
 
 _SERIES_FN: Any = None  # one traced function for every writer, tag and fit (see ChiefScalars.write_series)
@@ -104,6 +105,8 @@ class ChiefScalars:
             import tensorflow as tf
 
             self._writer = tf.summary.create_file_writer(os.path.join(os.fspath(log_dir), self.RUN))
+            events.attach(log_dir)  # the dashboard's incident stream of this run, open while the writer is
+            self._log_dir = log_dir
 
     @property
     def active(self) -> bool:
@@ -149,3 +152,4 @@ class ChiefScalars:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+            events.detach(self._log_dir)

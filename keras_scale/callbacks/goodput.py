@@ -45,6 +45,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import keras
 import tensorflow as tf
 
+from keras_scale import events
 from keras_scale._validate import check_int, check_number
 from keras_scale.callbacks._scalars import ChiefScalars, EpochFigures
 from keras_scale.distribute import chief_print, is_chief
@@ -824,6 +825,7 @@ class Goodput(keras.callbacks.Callback):
         scalars = {f"goodput/{k[len('goodput_'):] if k.startswith('goodput_') else k}": v for k, v in figures.items()}
         scalars.update({f"goodput/{c}": float(summary[c]) for c in CATEGORIES})
         self._scalars.write(scalars, step=epoch)
+        events.record("epoch", int(self.model.optimizer.iterations.numpy()), log_dir=self.log_dir, epoch=epoch, goodput=summary, logs={k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))})
 
     def on_train_end(self, logs: Optional[Dict] = None) -> None:
         if not self._active:
@@ -834,6 +836,7 @@ class Goodput(keras.callbacks.Callback):
         from keras_scale.heartbeat_file import restart_summary
 
         self.summary.update(restart_summary())  # `keras-scale launch --max-restarts`: what the restarts cost
+        events.record("fit_end", int(self.model.optimizer.iterations.numpy()), log_dir=self.log_dir, goodput=self.summary)
         self._scalars.close()
         self._figures.deliver(self.model)
         verbose = (self.params or {}).get("verbose", 1) if self.verbose == "auto" else self.verbose

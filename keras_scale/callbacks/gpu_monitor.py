@@ -28,6 +28,7 @@ import keras
 
 from keras_scale import nvml as nvml_lib
 from keras_scale.advice import DEFAULT_RULES, Advice, AdviceThresholds, EpochStats, Rule, leftover_processes_message
+from keras_scale import events
 from keras_scale._validate import check_int, check_number
 from keras_scale.callbacks._scalars import ChiefScalars, EpochFigures
 from keras_scale.distribute import chief_print
@@ -434,6 +435,7 @@ class GpuMonitor(keras.callbacks.Callback):
     def _unavailable(self, reason: str) -> bool:
         self._close_nvml()
         self.unavailable_reason = reason
+        events.record("gpu_unavailable", None, log_dir=self.log_dir, reason=reason)
         if not self._warned_unavailable:
             self._warned_unavailable = True
             warnings.warn(f"GpuMonitor: GPU metrics are off ({reason}). Training continues; only step time, "
@@ -568,6 +570,7 @@ class GpuMonitor(keras.callbacks.Callback):
         for rule in self.rules:
             for advice in rule(stats, self.thresholds):
                 self.advice_history.append(advice)
+                events.record("gpu_advice", self._global_step, log_dir=self.log_dir, epoch=stats.epoch, advice=advice.kind, gpu=advice.gpu_index, message=advice.message)
                 key = (advice.kind, advice.gpu_index)
                 if key in self._advised_kinds:
                     continue  # say each thing once per fit; advice_history keeps every epoch

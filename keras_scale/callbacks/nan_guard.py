@@ -20,7 +20,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_scale import lifecycle
+from keras_scale import events, lifecycle
 from keras_scale import state as training_state
 from keras_scale import step as step_lib
 from keras_scale._validate import check_int
@@ -269,6 +269,7 @@ class NanGuard(keras.callbacks.Callback):
         self._poison_reported = poisoned
         report = self._report(incidents, poisoned)
         self.reports.append(report)
+        events.record("nan", report.step, log_dir=self.log_dir, **{k: v for k, v in vars(report).items() if k != "step"})
         self._say(str(report), incident=True)
         step.diag.assign(tf.zeros_like(step.diag))
         step.incidents.assign(0)
@@ -357,3 +358,4 @@ class NanGuard(keras.callbacks.Callback):
         self._say(f"NanGuard: rolled back to the {source} at update {training_state.iterations(self.model)}"
                   f" and multiplied the learning rate by {self.lr_factor:g} (rollback {self.rollbacks}/"
                   f"{self.max_rollbacks}).", incident=True)
+        events.record("rollback", training_state.iterations(self.model), log_dir=self.log_dir, restored_from=source, lr_factor=self.lr_factor, rollback=self.rollbacks, discarded_steps=max(0, updates_before - training_state.iterations(self.model)))

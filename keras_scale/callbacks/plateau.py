@@ -17,6 +17,7 @@ from typing import Any, Dict, Optional
 import keras
 import numpy as np
 
+from keras_scale import events
 from keras_scale import step as step_lib
 from keras_scale._validate import check_int
 from keras_scale.callbacks.lr_logger import current_learning_rate
@@ -120,6 +121,7 @@ class ReduceLROnPlateau(keras.callbacks.Callback):
         if old_lr <= self.min_lr:
             return
         new_lr = max(old_lr * self.factor, self.min_lr)
+        events.record("lr_cut", int(optimizer.iterations.numpy()), epoch=epoch, old_lr=old_lr, new_lr=new_lr, monitor=self.monitor)
         if scale_learning_rate(optimizer, new_lr / old_lr):
             step_lib.rebuild(self.model)  # a generic schedule was wrapped: retrace (also a cached composed step)
         self.cooldown_counter = self.cooldown

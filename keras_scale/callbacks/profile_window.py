@@ -9,6 +9,7 @@ from typing import Dict, Optional, Union
 import keras
 import tensorflow as tf
 
+from keras_scale import events
 from keras_scale._validate import check_int
 from keras_scale.distribute import chief_print, is_chief
 
@@ -230,6 +231,7 @@ class ProfileWindow(keras.callbacks.Callback):
                 stacklevel=2,
             )
             return
+        events.record("profile", self.profiled_steps[0] if self.profiled_steps else None, log_dir=self.log_dir, **self.summary.to_dict())
         message = str(self.summary)
         if not self.summary.step_numbers and self.step_times_ms:
             mean_ms = sum(self.step_times_ms) / len(self.step_times_ms)

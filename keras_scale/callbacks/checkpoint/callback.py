@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import keras
 import tensorflow as tf
 
-from keras_scale import lifecycle
+from keras_scale import events, lifecycle
 from keras_scale._validate import check_int
 from keras_scale.distribute import is_chief
 from keras_scale.callbacks.checkpoint.names import _BEST_DIR, _NAME, _REF_ATTR, log
@@ -673,9 +673,12 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
     def _save(self, epoch: int, step_in_epoch: int, stream_pos: int) -> Optional[str]:
         started = time.perf_counter()
         try:
-            return self._save_untimed(epoch, step_in_epoch, stream_pos)
+            path = self._save_untimed(epoch, step_in_epoch, stream_pos)
         finally:
             self.blocked_s += time.perf_counter() - started
+        if path:
+            events.record("checkpoint", self._global_step, path=path, directory=self.directory, epoch=epoch, step_in_epoch=step_in_epoch, blocked_s=time.perf_counter() - started, async_save=self.async_save, preemption=self._preempting)
+        return path
 
     def _state_poisoned(self) -> bool:
         """NanGuard(check_gradients=False) let a non-finite gradient through: the state must not be saved."""

@@ -9,6 +9,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from keras_scale import events
 from keras_scale.distribute import is_multi_worker
 from keras_scale.callbacks.checkpoint.names import log
 
@@ -76,6 +77,7 @@ class PreemptionMixin:
             if signum is None:
                 signum = int(signal.SIGTERM)
             self.preempted = int(signum)
+            events.record("preemption", self._global_step, signal=signal.Signals(signum).name)
             self.model.stop_training = True
 
     def _sum_over_workers(self, strategy: Any, value: float, first_replica_only: bool = False) -> float:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 import keras
 import tensorflow as tf
 
+from keras_scale import events
 from keras_scale.callbacks.checkpoint.names import _EPOCH_LOGS_KEY, log
 from keras_scale.callbacks.checkpoint import format as _io
 from keras_scale.callbacks.checkpoint.state import _metric_variables, _state_size
@@ -161,6 +162,7 @@ class ResumeMixin:
                       "train further, or a new directory to start over.", routine=False)
             return
         maybe_done = (epochs is not None and not steps and step_in_epoch and epoch + 1 >= int(epochs))
+        events.record("resume", self._global_step, path=prefix, directory=self.directory, epoch=epoch, step_in_epoch=self._skip_calls * spe)
         self._say(f"ChiefCheckpoint: resuming {_describe(epoch, self._skip_calls * spe)} from {prefix!r} "
                   f"(global batch {self._global_step})" + (
                       "; this is the last epoch and the data's length is unknown: if that was its last batch, the run "

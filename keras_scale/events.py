@@ -1,0 +1,170 @@
+"""The keras_scale incident stream: one small JSON-lines file per run, read by the TensorBoard dashboard.
+
+The callbacks already write TensorBoard scalars; what has no scalar shape (a NaN skip and its blamed source, a
+rollback, an OOM re-split, a checkpoint save, a resume, a preemption save, a profiler verdict, the goodput of an
+epoch) is recorded here, as one JSON object per line in ``<log_dir>/keras_scale/events.jsonl``:
+``{"kind": "nan", "step": 5, "time": 1733.2, "pid": 42, ...fields}``. ``step`` is the optimizer update count.
+
+Nothing to enable: a keras_scale callback given a ``log_dir`` (``NanGuard``, ``Goodput``, ``GpuMonitor``,
+``LearningRateLogger``, ``HostMemoryWatch``; anything with a :class:`keras_scale.callbacks._scalars.ChiefScalars`)
+opens the stream of that run on the chief for the duration of its fit; :func:`record` without ``log_dir``
+appends to every stream open in this process (so ``ChiefCheckpoint``, which has no ``log_dir``, lands in the run
+of the callbacks beside it); with ``log_dir`` it appends to that run's stream (chief only). Without either,
+:func:`record` does nothing. Records are small and rare (incidents and epoch ends, never per step); each line is
+written and flushed at once, so a killed run keeps everything recorded before the kill.
+
+Example:
+    >>> import tempfile
+    >>> run = tempfile.mkdtemp()
+    >>> record("nan", 5, log_dir=run, source="inputs")
+    >>> [(e["kind"], e["step"], e["source"]) for e in read(run)]
+    [('nan', 5, 'inputs')]
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from typing import Any, Dict, Iterator, List, Optional
+
+__all__ = ["record", "attach", "detach", "read", "stream_path", "STREAM_DIR", "STREAM_NAME"]
+
+STREAM_DIR = "keras_scale"
+STREAM_NAME = "events.jsonl"
+
+_lock = threading.Lock()
+_attached: Dict[str, int] = {}  # run directory -> how many open writers (ChiefScalars) point at it
+
+
+def stream_path(log_dir: str) -> str:
+    """``<log_dir>/keras_scale/events.jsonl``: where the stream of the run in ``log_dir`` lives.
+
+    Example:
+        >>> stream_path("runs/exp1")
+        'runs/exp1/keras_scale/events.jsonl'
+    """
+    return os.path.join(os.fspath(log_dir), STREAM_DIR, STREAM_NAME)
+
+
+def attach(log_dir: Optional[str]) -> None:
+    """Open the stream of ``log_dir`` for :func:`record` calls without a ``log_dir`` (counted: each
+    :func:`attach` needs one :func:`detach`). Callers decide chief-ness (``ChiefScalars`` attaches on the chief
+    only).
+
+    Example:
+        >>> attach(None)  # nothing to open
+    """
+    if log_dir is None:
+        return
+    key = os.path.abspath(os.fspath(log_dir))
+    with _lock:
+        _attached[key] = _attached.get(key, 0) + 1
+
+
+def detach(log_dir: Optional[str]) -> None:
+    """Undo one :func:`attach` of ``log_dir``.
+
+    Example:
+        >>> detach(None)
+    """
+    if log_dir is None:
+        return
+    key = os.path.abspath(os.fspath(log_dir))
+    with _lock:
+        count = _attached.get(key, 0) - 1
+        if count > 0:
+            _attached[key] = count
+        else:
+            _attached.pop(key, None)
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe: numpy scalars and arrays to Python, non-finite floats to None, unknown objects to str."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if hasattr(value, "tolist"):  # numpy scalar / array, or an eager tensor's numpy()
+        return _clean(value.tolist())
+    if hasattr(value, "numpy"):
+        try:
+            return _clean(value.numpy())
+        except Exception:  # noqa: BLE001
+            pass
+    return str(value)
+
+
+def record(kind: str, step: Optional[int] = None, log_dir: Optional[str] = None, **fields: Any) -> None:
+    """Append one incident ``{"kind", "step", "time", "pid", **fields}`` to the run's stream (see the module
+    docstring for which stream). Never raises: a dashboard record must not end a training run.
+
+    Args:
+        kind: what happened: ``"nan"``, ``"rollback"``, ``"lr_cut"``, ``"oom_resplit"``, ``"checkpoint"``,
+            ``"resume"``, ``"preemption"``, ``"worker_restart"``, ``"profile"``, ``"epoch"``, ``"fit_end"``,
+            ``"gpu_advice"``.
+        step: optimizer updates applied when it happened (the x axis of the loss curve), or None.
+        log_dir: the run directory; None: every stream a keras_scale callback opened in this process.
+        **fields: JSON-able details (numpy values and non-finite floats are converted).
+
+    Example:
+        >>> record("nan", 5, source="inputs")  # no stream open here: nothing written
+    """
+    try:
+        if log_dir is not None:
+            from keras_scale.distribute import is_chief
+
+            if not is_chief():
+                return
+            targets = [os.path.abspath(os.fspath(log_dir))]
+        else:
+            with _lock:
+                targets = list(_attached)
+        if not targets:
+            return
+        event = {"kind": str(kind), "step": None if step is None else int(step), "time": time.time(),
+                 "pid": os.getpid()}
+        event.update({k: _clean(v) for k, v in fields.items() if k not in event})
+        line = json.dumps(event, allow_nan=False, separators=(",", ":")) + "\n"
+        with _lock:
+            for run in targets:
+                path = stream_path(run)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "a", encoding="utf-8") as f:
+                    f.write(line)
+    except Exception:  # noqa: BLE001 - never end a run over a dashboard record
+        pass
+
+
+def _lines(path: str) -> Iterator[Dict[str, Any]]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    event = json.loads(line)
+                except ValueError:  # a torn last line of a killed run
+                    continue
+                if isinstance(event, dict) and "kind" in event:
+                    yield event
+    except OSError:
+        return
+
+
+def read(log_dir: str) -> List[Dict[str, Any]]:
+    """Every record of the run in ``log_dir``, in the order written (a torn line of a killed run skipped).
+
+    Example:
+        >>> read("/nonexistent")
+        []
+    """
+    return list(_lines(stream_path(log_dir)))
