@@ -265,5 +265,9 @@ def test_two_workers_chief_only_output(chief_only_job):
         assert s["steps"] == 16 and s["samples"] == 2 * 512 and s["flops_per_step"] > 0
     assert "productive training steps" in results[0].stdout
     assert "productive training steps" not in results[1].stdout
-    event_files = glob.glob(str(tmp_path / "goodput_tb" / "**" / "events.*"), recursive=True)
+    event_files = glob.glob(str(tmp_path / "goodput_tb" / "**" / "events.out.tfevents.*"), recursive=True)
     assert len(event_files) == 1 and os.sep + "train" + os.sep in event_files[0]  # the chief's, in the one run
+    from keras_scale import events  # the dashboard's stream: the chief's records only
+
+    records = events.read(str(tmp_path / "goodput_tb"))
+    assert {e["kind"] for e in records} == {"epoch", "fit_end"} and len({e["pid"] for e in records}) == 1
