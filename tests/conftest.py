@@ -48,6 +48,10 @@ def _seed_and_clear():
         gc.collect(1)
 
 
+def pytest_sessionfinish(session, exitstatus):
+    gc.collect()  # what the last tests left is freed while TensorFlow is whole, not during interpreter shutdown
+
+
 _MIRRORED = []
 
 
