@@ -600,9 +600,10 @@ def launch_with_restarts(
                 return LaunchOutcome(results, restarts, status)
             workers, why, status, at_start = _failure(results, watch, heartbeat_timeout_s, beats_seen)
             if len(restarts) >= max_restarts:
-                say(f"keras-scale launch: worker{'s' if len(workers) > 1 else ''} {', '.join(map(str, workers))} "
-                    f"{why} (exit {status}); {max_restarts} restart{'s' if max_restarts != 1 else ''} used: giving up "
-                    f"with exit status {status}")
+                if max_restarts:
+                    say(f"keras-scale launch: worker{'s' if len(workers) > 1 else ''} "
+                        f"{', '.join(map(str, workers))} {why} (exit {status}); {max_restarts} "
+                        f"restart{'s' if max_restarts != 1 else ''} used: giving up with exit status {status}")
                 return LaunchOutcome(results, restarts, status)
             next_workers = current
             if at_start:

@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -19,10 +20,14 @@ from keras_scale.elastic import plan_elastic, read_record, record_path
 from keras_scale.heartbeat_file import read_heartbeat, restart_summary
 from keras_scale.launch import launch_with_restarts
 
+_HEARTBEAT_FILE_PY = str(Path(__file__).resolve().parents[1] / "keras_scale" / "heartbeat_file.py")
+
 # A fake worker: writes a start beat, then step beats; its behaviour per attempt is read from argv / marker files.
 FAKE = r'''
 import json, os, sys, time
-from keras_scale.heartbeat_file import write_beat
+import importlib.util
+spec = importlib.util.spec_from_file_location("hb", os.environ["KS_HEARTBEAT_FILE_PY"])  # without TensorFlow
+hb = importlib.util.module_from_spec(spec); spec.loader.exec_module(hb); write_beat = hb.write_beat
 index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
 n = len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
 mode = sys.argv[1]
@@ -39,7 +44,7 @@ for step in range(1, 4):
 if attempt == 0 and index == 1 and mode in ("crash", "always"):
     sys.exit(17)
 if attempt == 0 and index == 2 and mode == "lost":
-    sys.exit(137 - 128 + 128)
+    sys.exit(9)  # crashes after its steps: not a start failure
 if mode == "always" and index == 1:
     sys.exit(17)
 if mode == "hang" and attempt == 0 and index == 0:
@@ -53,7 +58,7 @@ def _run(tmp_path, mode, num_workers=2, **kwargs):
     script = tmp_path / "fake.py"
     script.write_text(FAKE)
     lines = []
-    env = {"PYTHONPATH": str(__import__("pathlib").Path(__file__).resolve().parents[1])}
+    env = {"KS_HEARTBEAT_FILE_PY": _HEARTBEAT_FILE_PY}
     outcome = launch_with_restarts([sys.executable, str(script), mode], num_workers=num_workers, grace_s=1,
                                    backoff_s=0.1, run_dir=str(tmp_path / "run"), env=env, cwd=str(tmp_path),
                                    say=lines.append, timeout_s=240, **kwargs)
@@ -203,3 +208,57 @@ def test_doctor_reads_the_same_cluster_sources():
            "KERAS_SCALE_WORKER_ADDRESS": "127.0.0.1:{index_port}", "KERAS_SCALE_PORT_BASE": "1"}
     result = dr.check_tf_config(dr.Facts(env=pod), resolve=lambda h: ["127.0.0.1"], port_free=lambda h, p: True)
     assert "2 task(s)" in result.detail and "worker:0" in result.detail
+
+
+def test_a_resumable_fit_shards_file_based_data_by_data_not_by_file(tmp_path, capsys):
+    import tensorflow as tf
+
+    path = tmp_path / "data.csv"
+    path.write_text("\n".join(f"{i},{i % 3}" for i in range(24)))
+
+    def parse(line):
+        values = tf.strings.to_number(tf.strings.split(line, ","))
+        return tf.stack([values[0]] * 4), values[1:]
+
+    ds = tf.data.TextLineDataset(str(path)).map(parse)
+    ks.fit(_build, ds, global_batch_size=6, epochs=1, strategy="default", checkpoint_dir=str(tmp_path / "ckpt"),
+           verbose=1, default_callbacks=False)
+    out = capsys.readouterr().out
+    assert "auto-shard DATA (elastic: a global batch holds the same samples on any number of workers" in out
+    ks.fit(_build, ds, global_batch_size=6, epochs=1, strategy="default", checkpoint_dir=str(tmp_path / "ckpt2"),
+           verbose=1, default_callbacks=False, elastic=False)
+    assert "auto-shard FILE" in capsys.readouterr().out
+
+
+SAVES_ON_SIGTERM = r'''
+import os, signal, sys, time
+import importlib.util
+spec = importlib.util.spec_from_file_location("hb", os.environ["KS_HEARTBEAT_FILE_PY"])  # without TensorFlow
+hb = importlib.util.module_from_spec(spec); spec.loader.exec_module(hb); write_beat = hb.write_beat
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(42))  # what ChiefCheckpoint does: save, exit 42
+write_beat("start")
+open(f"started_{os.getpid()}", "w").close()
+time.sleep(600)
+'''
+
+
+def test_a_signal_to_the_launcher_is_forwarded_once_and_never_restarts(tmp_path):
+    import signal
+    import threading
+
+    script = tmp_path / "w.py"
+    script.write_text(SAVES_ON_SIGTERM)
+    env = {"KS_HEARTBEAT_FILE_PY": _HEARTBEAT_FILE_PY}
+
+    def signal_when_started():
+        deadline = time.monotonic() + 60
+        while len([f for f in os.listdir(tmp_path) if f.startswith("started_")]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=signal_when_started, daemon=True).start()
+    lines = []
+    outcome = launch_with_restarts([sys.executable, str(script)], num_workers=2, max_restarts=3, grace_s=10,
+                                   env=env, cwd=str(tmp_path), say=lines.append, reraise_signal=False, timeout_s=120)
+    assert outcome.status == 143 and outcome.restarts == [] and lines == []
+    assert [r.returncode for r in outcome.results] == [42, 42]
