@@ -346,7 +346,7 @@ def build(model: keras.Model, data: Any = None) -> bool:
     strategy = model.distribute_strategy
     own_step = has_own_train_step(model) or has_own_train_step(getattr(model, "inner", model))
     layers = [layer for layer in _layers(model) if layer is not model or _has_call(model)]
-    spec = getattr(data, "element_spec", data)
+    spec = _local_spec(getattr(data, "element_spec", data))
     if (not all(layer.built for layer in layers) or not model.variables) and spec is not None and _has_call(model):
         model._symbolic_build(data_batch=spec)
     if not all(layer.built for layer in layers) or not model.variables:
@@ -362,6 +362,18 @@ def build(model: keras.Model, data: Any = None) -> bool:
         return False
     _trace_train_step(model, data)
     return is_built(model)
+
+
+def _local_spec(spec: Any) -> Any:
+    """One replica's spec of a distributed iterator's element spec (Keras's symbolic build takes a local batch)."""
+    def local(s: Any) -> Any:
+        values = getattr(s, "_value_specs", None)
+        return values[0] if values else s
+
+    try:
+        return tf.nest.map_structure(local, spec)
+    except Exception:  # noqa: BLE001 - not a nest of specs
+        return spec
 
 
 def _trace_train_step(model: keras.Model, data: Any) -> None:

@@ -241,7 +241,8 @@ class StateMixin:
             a, b = theirs[path].get("class"), ours[path]["class"]
             if a != b:
                 raise CheckpointMismatchError(
-                    f"checkpoint {prefix!r} was written with {a} as {path!r}, this run uses {b}: the slots of one "
+                    f"checkpoint {prefix!r} was written for a different optimizer: {a} as {path!r}, this run uses "
+                    f"{b}: the slots of one "
                     f"mean something else to the other (even with the same shapes). Keep {a}, or start from the model "
                     f"weights only with ChiefCheckpoint(..., restore='weights_only') (fresh {b} state), or use a new "
                     f"directory.")
