@@ -36,7 +36,8 @@ from keras_scale.callbacks.checkpoint.lock import LockMixin
 from keras_scale.callbacks.checkpoint.preemption import PREEMPTION_EXIT_CODE, PreemptionMixin
 from keras_scale.callbacks.checkpoint.restore import RestoreMixin
 from keras_scale.callbacks.checkpoint.resume import ResumeMixin, _describe, _ResumeEpoch
-from keras_scale.callbacks.checkpoint.state import StateMixin, _lr_variable, _metric_variables, _signature
+from keras_scale.callbacks.checkpoint.state import (StateMixin, _lr_variable, _metric_variables, _other_lr_values,
+                                                   _signature)
 
 
 def checkpoint_for(model: keras.Model) -> Optional["ChiefCheckpoint"]:
@@ -244,6 +245,8 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         # rollback to a state saved before an earlier rollback must not undo that rollback's lowering).
         lr = _lr_variable(self.model)
         keep_lr = lr.numpy() if lr is not None and not restore_keras_scale_state else None
+        # (and every other optimizer's float learning rate: a GAN's rollback lowers both)
+        other_lrs = [] if restore_keras_scale_state else _other_lr_values(self.model)
         found = self._restore_newest(everything=restore_keras_scale_state) if list_checkpoints(self.directory) else None
         if found is not None:
             step = self._read_position(found)["global_step"]
@@ -259,6 +262,9 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
             step = -1
         if keep_lr is not None and step >= 0:
             lr.assign(keep_lr)
+        if step >= 0:
+            for var, value in other_lrs:
+                var.assign(value)
         self._check_workers_agree(strategy, step)
         return None if step < 0 else step
 

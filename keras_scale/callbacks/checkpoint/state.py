@@ -65,6 +65,18 @@ def _lr_variable(model: keras.Model) -> Optional[Any]:
     return learning_rate_variable(getattr(model, "optimizer", None))
 
 
+def _other_lr_values(model: keras.Model) -> List[Any]:
+    """``(variable, value now)`` of the float learning rate of every optimizer but ``model.optimizer``."""
+    from keras_scale.schedules import learning_rate_variable
+
+    out = []
+    for path, opt in training_state.optimizers(model).items():
+        var = learning_rate_variable(opt) if path != "optimizer" else None
+        if var is not None:
+            out.append((var, var.numpy()))
+    return out
+
+
 def _signature(model: keras.Model) -> Dict[str, Any]:
     """The model's variables (path, shape) and each optimizer's class and variables (:func:`keras_scale.state.signature`)."""
     return training_state.signature(model)
