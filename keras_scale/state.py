@@ -294,7 +294,7 @@ def _class_name(opt: Any) -> str:
 
 
 def is_built(model: keras.Model) -> bool:
-    """Every layer that holds variables has them, and every optimizer that will train has its slots.
+    """Every layer that holds variables has them, and every optimizer a step applies has its slots.
 
     A model without ``call()`` (the keras-io GAN) is never "built" for Keras, but its sub-models are: it counts as
     built when they are. An optimizer that has not been built yet (its first ``apply`` builds it) makes it False.
@@ -317,10 +317,15 @@ def _has_call(model: keras.Model) -> bool:
 
 
 def _trains(model: keras.Model, path: str) -> bool:
-    """``model.optimizer`` of a model with its own ``train_step`` may be an unused default: not required."""
+    """Whether the optimizer at ``path`` is one a step applies: Keras's own ``train_step`` applies
+    ``model.optimizer`` only (another one held by the model is state, not a trainer); a model with its own
+    ``train_step`` applies the others, and ``model.optimizer`` only when it holds no other (else it is the unused
+    default of a bare ``compile()``)."""
     from keras_scale.step import has_own_train_step
 
-    return not (path == "optimizer" and has_own_train_step(model) and len(optimizers(model)) > 1)
+    if not has_own_train_step(model):
+        return path == "optimizer"
+    return path != "optimizer" or len(optimizers(model)) == 1
 
 
 def build(model: keras.Model, data: Any = None) -> bool:
