@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from keras_scale.callbacks.checkpoint.names import _EPOCH_LOGS_KEY, log
 from keras_scale.callbacks.checkpoint import format as _io
-from keras_scale.callbacks.checkpoint.state import _metric_variables, _state_size
+from keras_scale.callbacks.checkpoint.state import _state_size
 if TYPE_CHECKING:
     from keras_scale.callbacks.checkpoint.callback import ChiefCheckpoint
 
