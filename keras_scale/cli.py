@@ -154,7 +154,9 @@ def checkpoint_cli(argv: Sequence[str]) -> int:
                          "the directory the module is imported from)")
     ex.add_argument("--to", required=True, help="output file: *.weights.h5 or *.keras")
     a = p.parse_args(list(argv))
-    if not os.path.exists(a.directory) and not os.path.exists(a.directory + ".index") and "://" not in a.directory:
+    from keras_scale.storage import is_local  # (no TensorFlow)
+
+    if is_local(a.directory) and not os.path.exists(a.directory) and not os.path.exists(a.directory + ".index"):
         p.error(f"{a.directory!r} does not exist")
     if a.action == "export":
         if not (a.to.endswith(".weights.h5") or a.to.endswith(".keras")):

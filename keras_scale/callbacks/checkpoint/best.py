@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from keras_scale.callbacks.checkpoint.names import _BEST_DIR, _NAME
 from keras_scale.callbacks.checkpoint.format import remove_entry
-from keras_scale.callbacks.checkpoint.storage import _is_local, write_atomic
+from keras_scale.storage import _is_local, write_atomic
 
 
 class BestMixin:

@@ -26,7 +26,7 @@ from keras_scale._validate import check_int
 from keras_scale.distribute import is_chief
 from keras_scale.callbacks.checkpoint.names import _BEST_DIR, _NAME, _REF_ATTR, log
 from keras_scale.callbacks.checkpoint import format as _io
-from keras_scale.callbacks.checkpoint.storage import Storage
+from keras_scale.storage import Storage
 from keras_scale.callbacks.checkpoint.best import BestMixin
 from keras_scale.callbacks.checkpoint.directory import DirectoryMixin, list_checkpoints
 from keras_scale.callbacks.checkpoint.hooks import _hook_method, _unhook

@@ -14,10 +14,10 @@ from typing import Dict, List, Tuple
 import tensorflow as tf
 
 from keras_scale.callbacks.checkpoint.names import _BEST_DIR, _INDEX_RE, _NAME, _PREFIX_RE
-from keras_scale.callbacks.checkpoint.storage import _is_local
+from keras_scale.storage import _is_local
 from keras_scale.callbacks.checkpoint.format import remove_entry
 from keras_scale.callbacks.checkpoint.lock import holder_gone, process_identity
-from keras_scale.callbacks.checkpoint.storage import write_atomic
+from keras_scale.storage import write_atomic
 
 
 def _inside(directory: str, path: str) -> bool:

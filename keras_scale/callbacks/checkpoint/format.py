@@ -37,7 +37,7 @@ from typing import Any, Dict, Iterable, List, Optional
 import numpy as np
 import tensorflow as tf
 
-from keras_scale.callbacks.checkpoint.storage import is_local
+from keras_scale.storage import is_local
 
 __all__ = ["CorruptCheckpointError", "BundleCheckpoint", "CheckpointManager", "flatten", "is_raw", "read_checkpoint",
            "load_checkpoint", "read_into", "write_checkpoint", "DATA_SUFFIX", "OBJECT_GRAPH_KEY"]

@@ -23,7 +23,7 @@ import time
 import warnings
 from typing import Any, Dict, Optional
 
-from keras_scale.callbacks.checkpoint.storage import _is_local, create_exclusive
+from keras_scale.storage import _is_local, create_exclusive
 
 _LOCK_NAME = ".keras_scale.lock"
 _LOCK_HEARTBEAT_S = 30.0

@@ -1,4 +1,4 @@
-"""Where checkpoints live: a local directory or a ``tf.io.gfile`` URL (``gs://``, ``s3://``, ...).
+"""Where files live: a local directory or a ``tf.io.gfile`` URL (``gs://``, ``s3://``, ...). Imports no TensorFlow.
 
 One place decides which operations a location supports (exclusive create, links, rename-over, ``mmap``) instead
 of ``"://" in path`` checks spread over the pack.
