@@ -174,8 +174,9 @@ def test_orphans_of_killed_writes_are_removed_and_nothing_else(tmp_path):
     planted = ["ckpt-3.data-00000-of-00001",                      # data whose index is gone
                "ckpt-15.index", "ckpt-15.data-00000-of-00001",    # complete, never recorded (newer than listed)
                "ckpt-12.data-00000-of-00001.tempstate123456",     # a write killed mid-way
-               "ckpt-12.index.tempstate99", ".ks_spare_abc"]
-    kept = ["notes.txt", "ckpt-backup.index", "my-ckpt-3.data-00000-of-00001"]  # not ours: never touched
+               "ckpt-12.index.tempstate99", ".ks_spare_abc", "checkpoint.tmp" + "0" * 32,
+               "checkpoint.tmp-123-0123456789ab"]
+    kept = ["notes.txt", "ckpt-backup.index", "my-ckpt-3.data-00000-of-00001", "checkpoint.tmp", "checkpoint.bak"]  # not ours: never touched
     for name in planted + kept:
         (d / name).write_bytes(b"x" * 100)
     (d / "ckpt-20_temp").mkdir()

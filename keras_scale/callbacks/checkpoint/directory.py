@@ -6,6 +6,7 @@ import json
 import os
 import re
 import stat
+import time
 import shutil
 import tempfile
 import warnings
@@ -16,7 +17,7 @@ import tensorflow as tf
 from keras_scale.callbacks.checkpoint.names import _BEST_DIR, _INDEX_RE, _NAME, _PREFIX_RE
 from keras_scale.storage import _is_local
 from keras_scale.callbacks.checkpoint.format import remove_entry
-from keras_scale.callbacks.checkpoint.lock import holder_gone, process_identity
+from keras_scale.callbacks.checkpoint.lock import _LOCK_NAME, holder_gone, process_identity
 from keras_scale.storage import write_atomic
 
 
@@ -102,6 +103,15 @@ _WORKER_PREFIX = "keras_scale_ckpt_worker_"
 _SCRATCH_MARKER = ".keras_scale_scratch"  # inside a non-chief worker's scratch folder: which process made it
 _ORPHAN_RE = re.compile(r"^" + _NAME + r"-(\d+)(\.index|\.data-\d{5}-of-\d{5})(\.tempstate\d+|\.ks_tmp)?$")
 _SPARE_PREFIX = ".ks_spare_"  # retired data files an earlier version kept for reuse
+# temporary files of a state-file or probe write cut short: write_atomic's, TensorFlow's atomic_write_string_to_file's
+_TEMP_RE = re.compile(r"^(checkpoint|\.ks_write_probe_\d+)\.tmp(-\d+-[0-9a-f]{12}|[0-9a-f]{32})$")
+
+
+def _older_than(path: str, age_s: float) -> bool:
+    try:
+        return time.time() - os.lstat(path).st_mtime > age_s
+    except OSError:
+        return False
 
 
 def make_scratch_dir() -> str:
@@ -165,7 +175,7 @@ def listed_but_missing(directory: str) -> List[str]:
 
 def orphans(directory: str) -> List[str]:
     """Files of this directory's naming scheme that belong to no checkpoint: temporary files of killed writes
-    (``*.tempstate<N>``, ``*.ks_tmp``, ``ckpt-N_temp/``), data files whose ``.index`` is gone (a write or a
+    (``*.tempstate<N>``, ``*.ks_tmp``, ``ckpt-N_temp/``, the state file's and the lock's), data files whose ``.index`` is gone (a write or a
     deletion cut short), spares of earlier versions, and complete checkpoints newer than the newest one the state
     file records (written, then killed before they were recorded). Nothing else.
 
@@ -182,7 +192,10 @@ def orphans(directory: str) -> List[str]:
     out = []
     for name in names:
         path = os.path.join(directory, name)
-        if name.startswith(_SPARE_PREFIX):
+        if name.startswith(_SPARE_PREFIX) or _TEMP_RE.match(name):
+            out.append(path)
+            continue
+        if name.startswith(_LOCK_NAME + ".") and _older_than(path, 60.0):  # a lock attempt cut short
             out.append(path)
             continue
         if name.startswith(_NAME + "-") and name.endswith("_temp"):
