@@ -121,12 +121,13 @@ def test_an_array_a_reader_holds_never_changes_when_training_goes_on(tmp_path):
     model = make_model()
     fit(model, [ks.ChiefCheckpoint(d, save_freq=1, max_to_keep=1), StopAfter(3)])
     _, prefix = list_checkpoints(d)[0]
-    reader = read_checkpoint(prefix)
+    reader, opened = read_checkpoint(prefix), read_checkpoint(prefix)
     held = reader.get_tensor(KERNEL)
     copy = held.copy()
     fit(make_model(), [ks.ChiefCheckpoint(d, save_freq=1, max_to_keep=1), StopAfter(12)])
     assert not os.path.exists(prefix + ".index")  # rotated out
     np.testing.assert_array_equal(held, copy)
+    np.testing.assert_array_equal(opened.get_tensor(KERNEL), copy)  # opened before, read after the deletion
     assert list_checkpoints(d)[0][0] == 12
 
 

@@ -311,6 +311,11 @@ class BundleReader:
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
         self._reader = tf.train.load_checkpoint(prefix)
+        # TensorFlow opens the data file at the first read: open it now (read the smallest tensor), so a reader
+        # keeps this checkpoint's bytes even if training deletes the files before it reads the rest
+        shapes = self._reader.get_variable_to_shape_map()
+        if shapes:
+            self.get_tensor(min(shapes, key=lambda k: int(np.prod(shapes[k] or [1]))))
 
     def has_tensor(self, key: str) -> bool:
         return self._reader.has_tensor(key)
