@@ -128,7 +128,7 @@ class ResumeMixin:
         self._batch_size = 0  # measured again in this run (it may differ: the position is kept in samples)
         epochs = (self.params or {}).get("epochs")
         try:
-            raw = _io.load_checkpoint(prefix).get_tensor(_EPOCH_LOGS_KEY)
+            raw = _io.read_checkpoint(prefix).get_tensor(_EPOCH_LOGS_KEY)
             self._saved_epoch_logs = json.loads(raw.decode() if isinstance(raw, bytes) else raw) if raw else None
         except Exception:  # noqa: BLE001 - older checkpoints have no epoch logs
             self._saved_epoch_logs = None

@@ -156,22 +156,19 @@ class StateMixin:
         self._weights_only = tf.train.Checkpoint(**weights)
         # The model's variables alone: restore="weights_only"
         self._model_only = {"model_variables": items["model_variables"]}
-        # Synchronous saves are written by format.py (raw bytes + JSON index); these are the same variables
-        # under the same keys, for its writer and for restoring either format.
+        # Synchronous saves are written by format.py (TensorFlow's bundle, directly); these are the same variables
+        # under the same keys, for its writer and for restoring.
         self._flat, self._flat_weights = _io.flatten(items), _io.flatten(weights)
         if not with_manager:
             return
         if self._chief:
             self._sanitize_state_file()
 
-        if self.async_save:  # TensorFlow's async checkpoint; spares kept by earlier synchronous runs go
-            _io.remove_spares(self._write_dir)
-
         def manager():
-            if self.async_save:
-                cls, target = tf.train.CheckpointManager, self._checkpoint
-            else:  # same numbering, state file and rotation; the bytes written by format.py
-                cls, target = _io.RecyclingCheckpointManager, _io.RawCheckpoint(self._checkpoint, self._flat)
+            # same numbering, state file and rotation either way; synchronous saves write TensorFlow's bundle
+            # directly (format.BundleCheckpoint), async ones through tf.train.Checkpoint
+            target = self._checkpoint if self.async_save else _io.BundleCheckpoint(self._checkpoint, self._flat)
+            cls = _io.CheckpointManager
             return cls(
                 target, self._write_dir, max_to_keep=self.max_to_keep if self._chief else 1,
                 keep_checkpoint_every_n_hours=self.keep_every_n_hours if self._chief else None,
