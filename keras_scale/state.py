@@ -357,15 +357,15 @@ def build(model: keras.Model, data: Any = None) -> bool:
     if not all(layer.built for layer in layers) or not model.variables:
         if not own_step or data is None:
             return False
-    if not own_step:
-        main = getattr(model, "optimizer", None)
-        if main is not None and not main.built and model.trainable_variables:
-            with strategy.scope():
-                main.build(model.trainable_variables)
+    main = getattr(model, "optimizer", None)
+    if main is not None and not main.built and model.trainable_variables and _trains(model, "optimizer"):
+        # (as Keras's symbolic build does; a train_step of its own applying model.optimizer to the model's
+        # trainable variables, the usual "customizing fit" example, gets the same slots)
+        with strategy.scope():
+            main.build(model.trainable_variables)
+    if not own_step or is_built(model) or data is None:
         return is_built(model)
-    if data is None:
-        return False
-    _trace_train_step(model, data)
+    _trace_train_step(model, data)  # other optimizers, built at their first apply (keras-io's GAN)
     return is_built(model)
 
 
