@@ -240,7 +240,7 @@ def main(argv: list | None = None) -> int:
     for variant, name in SAVERS:
         print(f"{name:44s}{blocked[variant]:16.3f} s{blocked[variant] / blocked['backup']:20.2f}"
               f"{blocked[variant] / blocked['modelcheckpoint']:19.2f}")
-    if warm:  # the first saves of a run write new files (ChiefCheckpoint recycles a retired one from then on)
+    if warm:  # the first saves of a run in a fresh directory, separately (first-call costs, a cold page cache)
         first = {v: statistics.median([b for run in runs[v] for b in run["blocked_s"][:warm]]) for v, _ in SAVERS}
         print(f"first {warm} saves of a run (new files): " + "; ".join(
             f"{name.split('(')[0].replace('keras ', '')}{'(async)' if v == 'async' else '(sync)' if v == 'sync' else ''} "

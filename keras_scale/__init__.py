@@ -56,7 +56,7 @@ if _TENSORFLOW_INSTALLED and not _COMMAND_LINE:
     from keras_scale import data  # noqa: E402
     from keras_scale.accumulation import AccumulatingModel, unwrap, wrap  # noqa: E402
     from keras_scale.auto_accum import AutoAccumGaveUp, find_micro_batch  # noqa: E402
-    from keras_scale.callbacks.checkpoint import ChiefCheckpoint, CheckpointMismatchError  # noqa: E402
+    from keras_scale.callbacks.checkpoint import ChiefCheckpoint, CheckpointMismatchError, load_checkpoint  # noqa: E402
     from keras_scale.callbacks.goodput import Goodput  # noqa: E402
     from keras_scale.callbacks.gpu_monitor import GpuMonitor  # noqa: E402
     from keras_scale.callbacks.host_memory import HostMemoryGrowthWarning, HostMemoryWatch  # noqa: E402
@@ -78,7 +78,8 @@ __all__ = [
     # the composed train step / accumulation
     "wrap", "unwrap", "AccumulatingModel", "find_micro_batch", "AutoAccumGaveUp",
     # callbacks
-    "NanGuard", "NanReport", "NanGuardGaveUp", "ChiefCheckpoint", "CheckpointMismatchError", "GpuMonitor",
+    "NanGuard", "NanReport", "NanGuardGaveUp", "ChiefCheckpoint", "CheckpointMismatchError", "load_checkpoint",
+    "GpuMonitor",
     "ProfileWindow", "HostMemoryWatch", "HostMemoryGrowthWarning", "LearningRateLogger", "ReduceLROnPlateau",
     "Goodput",
     # distribution

@@ -6,6 +6,7 @@ Example:
     $ keras-scale doctor --json
     $ keras-scale plot-lr --peak-lr 0.4 --total-steps 9000 --warmup-steps 500 -o lr.png
     $ keras-scale launch --workers 2 -- python train.py
+    $ keras-scale checkpoint ls runs/exp1/ckpt
 
 Each sub-command is a function below that imports what it needs when it runs. ``version``, ``help`` and every
 ``--help`` import no TensorFlow (the ``keras-scale`` entry point, :mod:`keras_scale_cli`, keeps ``import
@@ -129,12 +130,57 @@ def plot_lr_cli(argv: Sequence[str]) -> int:
     return 0
 
 
+def checkpoint_cli(argv: Sequence[str]) -> int:
+    """``keras-scale checkpoint ls DIR`` | ``keras-scale checkpoint export DIR [--step N] --model M --to FILE``.
+
+    ``ls`` lists a ChiefCheckpoint directory: each committed checkpoint (number, epoch and batch, size), the one a
+    resumed ``fit`` starts from, the kept best ones, problems and orphan files. ``export`` builds the model from
+    ``--model`` (a ``.keras`` file, or ``module:function`` returning the model), loads the checkpoint into it by
+    variable path (:func:`keras_scale.load_checkpoint`) and writes ``--to``: ``*.weights.h5`` (weights) or
+    ``*.keras`` (the whole model). Arguments are checked before TensorFlow is imported.
+
+    Example:
+        $ keras-scale checkpoint ls runs/exp1/ckpt
+        $ keras-scale checkpoint export runs/exp1/ckpt --model train:make_model --to exp1.weights.h5
+    """
+    p = argparse.ArgumentParser(prog="keras-scale checkpoint", description=_HELP["checkpoint"])
+    sub = p.add_subparsers(dest="action", required=True)
+    ls = sub.add_parser("ls", help="list the checkpoints of a ChiefCheckpoint directory")
+    ls.add_argument("directory", help="the directory given to ChiefCheckpoint")
+    ls.add_argument("--json", action="store_true", help="print JSON")
+    ex = sub.add_parser("export", help="write a checkpoint as model.weights.h5 or model.keras")
+    ex.add_argument("directory", help="the directory given to ChiefCheckpoint, or one checkpoint's prefix")
+    ex.add_argument("--step", type=int, default=None, help="the checkpoint number (default: the newest)")
+    ex.add_argument("--model", required=True,
+                    help="the model to load into: a .keras file, or module:function returning the model (run from "
+                         "the directory the module is imported from)")
+    ex.add_argument("--to", required=True, help="output file: *.weights.h5 or *.keras")
+    a = p.parse_args(list(argv))
+    from keras_scale.storage import is_local  # (no TensorFlow)
+
+    if is_local(a.directory) and not os.path.exists(a.directory) and not os.path.exists(a.directory + ".index"):
+        p.error(f"{a.directory!r} does not exist")
+    if a.action == "export":
+        if not (a.to.endswith(".weights.h5") or a.to.endswith(".keras")):
+            p.error(f"--to {a.to!r}: give a file ending in .weights.h5 or .keras")
+        if not (a.model.endswith(".keras") or ":" in a.model):
+            p.error(f"--model {a.model!r}: give a .keras file or module:function")
+    from keras_scale.callbacks.checkpoint import export
+
+    try:
+        return export.cli(a)
+    except (OSError, ValueError, ImportError, AttributeError) as e:
+        print(f"keras-scale checkpoint: error: {e}", file=sys.stderr)
+        return 1
+
+
 _HELP = {
     "version": "print the keras_scale, TensorFlow and Keras versions",
     "doctor": "check drivers, CUDA, GPUs, leftover processes, env variables",
     "profile-summary": "summarize the newest profiler capture in LOGDIR",
     "plot-lr": "plot a WarmupCosine learning-rate schedule to a PNG",
     "launch": "run a command as N local MultiWorkerMirroredStrategy workers",
+    "checkpoint": "list a ChiefCheckpoint directory (ls) or export a checkpoint to .weights.h5/.keras (export)",
     "help": "show the help of a command: keras-scale help COMMAND",
 }
 
@@ -144,6 +190,7 @@ COMMANDS: Dict[str, Callable[[Sequence[str]], int]] = {
     "profile-summary": profile_summary_cli,
     "plot-lr": plot_lr_cli,
     "launch": launch_cli,
+    "checkpoint": checkpoint_cli,
 }
 
 

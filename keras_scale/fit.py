@@ -31,7 +31,7 @@ import tensorflow as tf
 from keras_scale._validate import check_int
 from keras_scale.data import dataset_is_batched, dataset_is_file_based
 from keras_scale.callbacks.checkpoint import ChiefCheckpoint
-from keras_scale.callbacks.checkpoint.storage import Storage
+from keras_scale.storage import Storage
 from keras_scale.callbacks.goodput import Goodput
 from keras_scale.callbacks.gpu_monitor import GpuMonitor
 from keras_scale.callbacks.nan_guard import NanGuard

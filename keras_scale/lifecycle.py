@@ -13,7 +13,7 @@ leak into the next fit. This module makes every install exception-safe with one 
   ``train_on_batch``, ``test_on_batch``, ``predict_on_batch``, ``evaluate`` and ``predict`` (through
   ``make_train_function``/``make_test_function``/``make_predict_function``, which :func:`join` hooks on the model
   until nothing is left to undo); so after any ending the model behaves as plain Keras. A wrapped model's ``fit``
-  (and ``keras_scale.fit``) undo in a ``finally`` right away.
+  undoes in a ``finally`` right away.
 
 What a piece changes on a Keras object is installed through :func:`patch` (an instance attribute whose previous
 value comes back however the fit ends) or registered with :func:`join`/:func:`add_undo`; nothing else.

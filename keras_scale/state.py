@@ -294,7 +294,7 @@ def _class_name(opt: Any) -> str:
 
 
 def is_built(model: keras.Model) -> bool:
-    """Every layer that holds variables has them, and every optimizer that will train has its slots.
+    """Every layer that holds variables has them, and every optimizer a step applies has its slots.
 
     A model without ``call()`` (the keras-io GAN) is never "built" for Keras, but its sub-models are: it counts as
     built when they are. An optimizer that has not been built yet (its first ``apply`` builds it) makes it False.
@@ -317,10 +317,15 @@ def _has_call(model: keras.Model) -> bool:
 
 
 def _trains(model: keras.Model, path: str) -> bool:
-    """``model.optimizer`` of a model with its own ``train_step`` may be an unused default: not required."""
+    """Whether the optimizer at ``path`` is one a step applies: Keras's own ``train_step`` applies
+    ``model.optimizer`` only (another one held by the model is state, not a trainer); a model with its own
+    ``train_step`` applies the others, and ``model.optimizer`` only when it holds no other (else it is the unused
+    default of a bare ``compile()``)."""
     from keras_scale.step import has_own_train_step
 
-    return not (path == "optimizer" and has_own_train_step(model) and len(optimizers(model)) > 1)
+    if not has_own_train_step(model):
+        return path == "optimizer"
+    return path != "optimizer" or len(optimizers(model)) == 1
 
 
 def build(model: keras.Model, data: Any = None) -> bool:
@@ -346,22 +351,34 @@ def build(model: keras.Model, data: Any = None) -> bool:
     strategy = model.distribute_strategy
     own_step = has_own_train_step(model) or has_own_train_step(getattr(model, "inner", model))
     layers = [layer for layer in _layers(model) if layer is not model or _has_call(model)]
-    spec = getattr(data, "element_spec", data)
+    spec = _local_spec(getattr(data, "element_spec", data))
     if (not all(layer.built for layer in layers) or not model.variables) and spec is not None and _has_call(model):
         model._symbolic_build(data_batch=spec)
     if not all(layer.built for layer in layers) or not model.variables:
         if not own_step or data is None:
             return False
-    if not own_step:
-        main = getattr(model, "optimizer", None)
-        if main is not None and not main.built and model.trainable_variables:
-            with strategy.scope():
-                main.build(model.trainable_variables)
+    main = getattr(model, "optimizer", None)
+    if main is not None and not main.built and model.trainable_variables and _trains(model, "optimizer"):
+        # (as Keras's symbolic build does; a train_step of its own applying model.optimizer to the model's
+        # trainable variables, the usual "customizing fit" example, gets the same slots)
+        with strategy.scope():
+            main.build(model.trainable_variables)
+    if not own_step or is_built(model) or data is None:
         return is_built(model)
-    if data is None:
-        return False
-    _trace_train_step(model, data)
+    _trace_train_step(model, data)  # other optimizers, built at their first apply (keras-io's GAN)
     return is_built(model)
+
+
+def _local_spec(spec: Any) -> Any:
+    """One replica's spec of a distributed iterator's element spec (Keras's symbolic build takes a local batch)."""
+    def local(s: Any) -> Any:
+        values = getattr(s, "_value_specs", None)
+        return values[0] if values else s
+
+    try:
+        return tf.nest.map_structure(local, spec)
+    except Exception:  # noqa: BLE001 - not a nest of specs
+        return spec
 
 
 def _trace_train_step(model: keras.Model, data: Any) -> None:

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import keras_scale as ks
 from keras_scale.callbacks import checkpoint as checkpoint_module
-from keras_scale.callbacks.checkpoint import CheckpointMismatchError, checkpoint_for, list_checkpoints, load_checkpoint
+from keras_scale.callbacks.checkpoint import CheckpointMismatchError, checkpoint_for, list_checkpoints, read_checkpoint
 from tests._helpers import BATCH, X, Y, StopAfter, assert_same, fit, make_model, weights
 
 def damage(directory, number, truncate=False):
@@ -384,7 +384,7 @@ def test_only_committed_state_counts_with_async_and_final_flush(tmp_path):
     fit(model, [ckpt], epochs=1)
     # on_train_end flushed the last background write: it is recorded and loads.
     assert list_checkpoints(d)[0][0] == 10
-    reader = load_checkpoint(os.path.join(d, "ckpt-10"))
+    reader = read_checkpoint(os.path.join(d, "ckpt-10"))
     position = {k.split("/")[1]: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()
                 if k.startswith("keras_scale_position/")}
     # the save due at the epoch's last batch is taken after the epoch's end: a checkpoint at the start of epoch 2
@@ -464,9 +464,9 @@ def test_a_run_nanguard_stopped_resumes_training_on_fixed_data(tmp_path, monkeyp
     first.fit(bad, Y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
               callbacks=[ks.ChiefCheckpoint(d, save_freq=2), ks.NanGuard(policy="stop", verbose=0)])
     prefix = list_checkpoints(d)[0][1]
-    names = set(load_checkpoint(prefix).get_variable_to_shape_map())
+    names = set(read_checkpoint(prefix).get_variable_to_shape_map())
     assert "keras_scale_state/halted/.ATTRIBUTES/VARIABLE_VALUE" in names
-    assert int(load_checkpoint(prefix).get_tensor("keras_scale_state/halted/.ATTRIBUTES/VARIABLE_VALUE")) == 1
+    assert int(read_checkpoint(prefix).get_tensor("keras_scale_state/halted/.ATTRIBUTES/VARIABLE_VALUE")) == 1
     stopped_at = int(first.optimizer.iterations.numpy())
     assert stopped_at == 5
     monkeypatch.undo()
@@ -480,7 +480,7 @@ def test_a_run_nanguard_stopped_resumes_training_on_fixed_data(tmp_path, monkeyp
     assert int(second.optimizer.iterations.numpy()) == stopped_at + 14
     assert int(step.get_step(second).skipped_steps.numpy()) == 1  # the persistent count was restored
     # and new checkpoints never hold the transient flags
-    names = set(load_checkpoint(list_checkpoints(d)[0][1]).get_variable_to_shape_map())
+    names = set(read_checkpoint(list_checkpoints(d)[0][1]).get_variable_to_shape_map())
     assert not any("halted" in n or "consecutive_bad" in n for n in names)
     assert every is step.ComposedStep.variables
 
@@ -498,7 +498,7 @@ def test_async_checkpoint_holds_the_state_at_the_save_not_a_later_one(tmp_path):
         epochs=1)
     assert [n for n, _ in list_checkpoints(d)] == [10, 9, 6, 3]
     for n in (3, 6, 9):  # written in the background while the next steps already updated the weights
-        reader = load_checkpoint(os.path.join(d, f"ckpt-{n}"))
+        reader = read_checkpoint(os.path.join(d, f"ckpt-{n}"))
         saved = [reader.get_tensor(f"model_variables/{i}/.ATTRIBUTES/VARIABLE_VALUE") for i in range(4)]
         assert_same(saved, snapshots[n])
 

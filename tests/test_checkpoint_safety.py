@@ -16,7 +16,7 @@ import pytest
 
 import keras_scale as ks
 from keras_scale.callbacks import checkpoint as checkpoint_module
-from keras_scale.callbacks.checkpoint import list_checkpoints, load_checkpoint
+from keras_scale.callbacks.checkpoint import list_checkpoints, read_checkpoint
 from tests import _helpers as helpers
 from tests._helpers import X, Y, StopAfter, assert_same, make_model, weights
 from tests._helpers import load_weights_npz as _load, subprocess_env as _env
@@ -184,22 +184,26 @@ def test_an_empty_or_damaged_lock_is_taken_over_naming_it_unreadable(tmp_path, c
     assert not lock.exists()
 
 
-def test_dead_workers_temp_folders_are_removed_on_the_next_start(tmp_path, live_pid):
+def test_dead_workers_temp_folders_are_removed_on_the_next_start(tmp_path, live_pid, monkeypatch):
+    """Scratch folders the pack made (marked with their process) are removed once that process is gone; a live
+    worker's stays. (Folders without the pack's marker are never touched: tests/test_checkpoint_edges.py.)"""
+    from keras_scale.callbacks.checkpoint.directory import _SCRATCH_MARKER, make_scratch_dir
+    from keras_scale.callbacks.checkpoint.lock import _boot_id, _process_start
+
+    root = str(tmp_path / "tmp")
+    os.mkdir(root)
+    monkeypatch.setattr(tempfile, "tempdir", root)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     host = checkpoint_module._hostname()
-    root = tempfile.gettempdir()
-    gone = tempfile.mkdtemp(prefix=f"keras_scale_ckpt_worker_{host}_{dead.pid}_", dir=root)
-    alive = tempfile.mkdtemp(prefix=f"keras_scale_ckpt_worker_{host}_{live_pid}_", dir=root)
+    gone, alive = make_scratch_dir(), make_scratch_dir()
+    for path, pid in ((gone, dead.pid), (alive, live_pid)):
+        with open(os.path.join(path, _SCRATCH_MARKER), "w") as f:
+            json.dump({"pid": pid, "host": host, "start": _process_start(pid), "boot": _boot_id()}, f)
     open(os.path.join(gone, "ckpt-1.index"), "w").close()
-    try:
-        fit(make_model(), [ks.ChiefCheckpoint(str(tmp_path / "ckpt"))], epochs=1)
-        assert not os.path.exists(gone)
-        assert os.path.isdir(alive)  # its worker still runs
-    finally:
-        import shutil
-        shutil.rmtree(gone, ignore_errors=True)
-        shutil.rmtree(alive, ignore_errors=True)
+    fit(make_model(), [ks.ChiefCheckpoint(str(tmp_path / "ckpt"))], epochs=1)
+    assert not os.path.exists(gone)
+    assert os.path.isdir(alive)  # its worker still runs
 
 
 def test_lock_heartbeat_refreshes_and_a_raised_fit_lets_the_directory_go(tmp_path, monkeypatch):
@@ -371,13 +375,13 @@ def test_early_stopping_restoring_weights_before_the_checkpoint_changes_no_check
     early = keras.callbacks.EarlyStopping(monitor="val_loss", mode="max", patience=100, restore_best_weights=True)
     ckpt = ks.ChiefCheckpoint(d, keep_best_k=3)
     helpers.fit(make_model(), [Capture(), early, ckpt], epochs=3, validation_data=(X[:40], Y[:40]))
-    newest = load_checkpoint(list_checkpoints(d)[0][1])
+    newest = read_checkpoint(list_checkpoints(d)[0][1])
     saved = [newest.get_tensor(f"model_variables/{i}/.ATTRIBUTES/VARIABLE_VALUE") for i in range(4)]
     assert_same(saved, trained[2])
     assert len(ckpt.best_checkpoints) == 3
     for _, path in ckpt.best_checkpoints:  # each best checkpoint holds its own epoch's trained weights
         epoch = int(os.path.basename(path).split("-")[1]) // 10 - 1  # ckpt-10, -20, -30: epochs 0, 1, 2
-        reader = load_checkpoint(path)
+        reader = read_checkpoint(path)
         assert_same([reader.get_tensor(f"model_variables/{i}/.ATTRIBUTES/VARIABLE_VALUE") for i in range(4)],
                     trained[epoch])
 

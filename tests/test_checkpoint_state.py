@@ -97,3 +97,19 @@ def test_resuming_an_adam_run_with_adamax_is_refused_naming_both(tmp_path):
     assert ckpt.restored_from.endswith("ckpt-4") and ckpt.global_step == 8  # numbered after the restored one
     with pytest.raises(ValueError, match="weights_only"):
         ks.ChiefCheckpoint(str(tmp_path), restore="weights")
+
+
+def test_gan_in_a_dict_rolls_back_from_the_checkpoint_with_both_optimizers(tmp_path):
+    gan = make_gan(in_dict=True, gen_nan=True)
+    start = gan_weights(gan)
+    guard = ks.NanGuard(policy="rollback", max_consecutive=2, max_rollbacks=1, verbose=0)
+    with pytest.raises(ks.NanGuardGaveUp):
+        gan.fit(GAN_X, batch_size=8, epochs=1, verbose=0, shuffle=False,
+                callbacks=[ks.ChiefCheckpoint(str(tmp_path), save_freq=1), guard])
+    assert guard.rollbacks == 2  # the second one gave up
+    for a, b in zip(start[-2:], gan_weights(gan)[-2:]):  # NaN never reached the generator
+        np.testing.assert_array_equal(a, b)
+    disc, gen = gan.optimizers["disc"], gan.optimizers["gen"]
+    assert int(disc.iterations.numpy()) == 2 and int(gen.iterations.numpy()) == 0  # restored to the start once
+    assert float(disc.learning_rate.numpy()) == pytest.approx(5e-4)  # every optimizer's LR lowered, and kept
+    assert float(gen.learning_rate.numpy()) == pytest.approx(5e-4)

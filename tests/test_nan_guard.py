@@ -343,7 +343,7 @@ def _zero_row_data(batch_index=2):
 
 
 def test_loss_only_never_saves_a_non_finite_state_and_rolls_back_to_a_finite_one(tmp_path):
-    from keras_scale.callbacks.checkpoint import load_checkpoint
+    from keras_scale.callbacks.checkpoint import read_checkpoint
     x, y = _zero_row_data()
     model = _norm_model()
     guard = ks.NanGuard(verbose=0, check_gradients=False, policy="rollback")
@@ -355,7 +355,7 @@ def test_loss_only_never_saves_a_non_finite_state_and_rolls_back_to_a_finite_one
     prefixes = tf.train.get_checkpoint_state(str(tmp_path / "ckpt")).all_model_checkpoint_paths
     assert len(prefixes) > 5
     for prefix in prefixes:
-        reader = load_checkpoint(prefix)
+        reader = read_checkpoint(prefix)
         for name in reader.get_variable_to_dtype_map():
             value = reader.get_tensor(name)
             if getattr(value, "dtype", None) is not None and np.issubdtype(value.dtype, np.floating):
@@ -435,7 +435,7 @@ def _inject_model():
 
 @pytest.mark.parametrize("guard_first", [True, False])
 def test_loss_only_never_saves_a_non_finite_state_whatever_the_callback_order(tmp_path, guard_first):
-    from keras_scale.callbacks.checkpoint import load_checkpoint
+    from keras_scale.callbacks.checkpoint import read_checkpoint
     x, y = _data()
     poisoned = x.copy()
     poisoned[2 * BATCH, 0] = np.inf  # epoch 2 (of the resumed run): finite loss, inj/w -> -inf, loss stays finite
@@ -453,7 +453,7 @@ def test_loss_only_never_saves_a_non_finite_state_whatever_the_callback_order(tm
     assert not _finite(model) and [r.source for r in guard.reports] == ["weights"]  # reported once, not twice
     state = tf.train.get_checkpoint_state(str(tmp_path))
     for prefix in state.all_model_checkpoint_paths:  # the epoch-end and the final save were refused
-        reader = load_checkpoint(prefix)
+        reader = read_checkpoint(prefix)
         for name in reader.get_variable_to_dtype_map():
             value = np.asarray(reader.get_tensor(name))
             if np.issubdtype(value.dtype, np.floating):

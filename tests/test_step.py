@@ -78,7 +78,7 @@ def test_fit_after_nan_guard_gave_up_trains_normally():
     guard = ks.NanGuard(policy="rollback", max_consecutive=1, max_rollbacks=1, verbose=0)
     with pytest.raises(NanGuardGaveUp):
         model.fit(bad, y, batch_size=16, epochs=3, verbose=0, callbacks=[guard])
-    assert lifecycle.pending(model) == 1  # left behind by the died fit ...
+    assert lifecycle.pending(model) >= 1  # left behind by the died fit (the guard, the step's switches) ...
     before = [w.copy() for w in model.get_weights()]
     iterations = int(model.optimizer.iterations.numpy())
     model.fit(x, y, batch_size=16, epochs=2, verbose=0)  # ... and undone when the next (plain) fit starts

@@ -10,7 +10,8 @@ from typing import Any, Dict, List
 import tensorflow as tf
 
 from keras_scale.callbacks.checkpoint.names import _BEST_DIR, _NAME
-from keras_scale.callbacks.checkpoint.storage import _is_local
+from keras_scale.callbacks.checkpoint.format import remove_entry
+from keras_scale.storage import _is_local, write_atomic
 
 
 class BestMixin:
@@ -75,19 +76,16 @@ class BestMixin:
                 try:
                     if not _is_local(src):
                         raise OSError
-                    if os.path.exists(dst):
-                        os.remove(dst)
+                    remove_entry(dst)  # (a link there is removed, never written through)
                     os.link(src, dst)
                 except OSError:
+                    remove_entry(dst)
                     tf.io.gfile.copy(src, dst, overwrite=True)
         for e in drop:
             for name in tf.io.gfile.listdir(best_dir):
                 if name.startswith(f"{_NAME}-{e['number']}."):
                     tf.io.gfile.remove(os.path.join(best_dir, name))
-        tmp = os.path.join(best_dir, "best.json.tmp")
-        with tf.io.gfile.GFile(tmp, "w") as f:
-            json.dump(self._best, f)
-        tf.io.gfile.rename(tmp, os.path.join(best_dir, "best.json"), overwrite=True)
+        write_atomic(os.path.join(best_dir, "best.json"), json.dumps(self._best))
         self._say(f"ChiefCheckpoint: {self.monitor}={value:.6g} at epoch {epoch + 1}: kept as "
                   f"{os.path.join(best_dir, src_name)!r}")
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -28,7 +27,7 @@ from keras_scale._validate import check_int
 from keras_scale.distribute import is_chief
 from keras_scale.callbacks.checkpoint.names import _BEST_DIR, _NAME, _REF_ATTR, log
 from keras_scale.callbacks.checkpoint import format as _io
-from keras_scale.callbacks.checkpoint.storage import Storage
+from keras_scale.storage import Storage
 from keras_scale.callbacks.checkpoint.best import BestMixin
 from keras_scale.callbacks.checkpoint.directory import DirectoryMixin, list_checkpoints
 from keras_scale.callbacks.checkpoint.hooks import _hook_method, _unhook
@@ -36,7 +35,8 @@ from keras_scale.callbacks.checkpoint.lock import LockMixin
 from keras_scale.callbacks.checkpoint.preemption import PREEMPTION_EXIT_CODE, PreemptionMixin
 from keras_scale.callbacks.checkpoint.restore import RestoreMixin
 from keras_scale.callbacks.checkpoint.resume import ResumeMixin, _describe, _ResumeEpoch
-from keras_scale.callbacks.checkpoint.state import StateMixin, _lr_variable, _metric_variables, _signature
+from keras_scale.callbacks.checkpoint.state import (StateMixin, _lr_variable, _metric_variables, _other_lr_values,
+                                                   _signature)
 
 
 def checkpoint_for(model: keras.Model) -> Optional["ChiefCheckpoint"]:
@@ -69,9 +69,9 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
     state and the position in the data (epoch, batch, batches read from the current iterator, samples per
     batch). A checkpoint counts only once its files are complete and ``tf.train.CheckpointManager`` has recorded
     it in ``directory/checkpoint``, so a kill at any moment leaves the previous one usable; a newest checkpoint that
-    fails to load (size or CRC check) is reported and the one before it is used. Synchronous saves are written by
-    ``format`` (raw tensor bytes + a JSON index, into a recycled file; nothing fsynced), async ones by
-    TensorFlow; :func:`load_checkpoint` reads both (docs/checkpoint.md, "File format and durability").
+    fails to load (CRC, dtype or shape check) is reported and the one before it is used. The files are TensorFlow's
+    tensor bundle (new files for every save, never rewritten in place; nothing fsynced), read by every TensorFlow
+    tool and by :func:`keras_scale.load_checkpoint` (docs/checkpoint.md, "File format and durability").
 
     On ``fit`` start (``restore=True``) the newest checkpoint that loads is restored and training continues at
     the same epoch *and* batch: the already-applied batches of the interrupted epoch are read from the data and
@@ -82,6 +82,7 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
 
     On SIGTERM or SIGUSR1 (preemption) the state is saved at the next step boundary (all workers agree on the
     step), training ends, and the process exits with :data:`PREEMPTION_EXIT_CODE` (42); rerunning resumes exactly.
+    Repeats of the signal never abort the save (only SIGKILL, or SIGINT/Ctrl-C, ends the process at once).
 
     Under ``MultiWorkerMirroredStrategy`` only the chief (:func:`keras_scale.distribute.is_chief`) writes into
     ``directory``; the other workers take part in each save but write to a private temporary directory that
@@ -187,7 +188,10 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         self._fit_history: Any = None
         self._start_state_wanted = False
         self._prev_handlers: Dict[int, Any] = {}
+        self._exit_window_until = 0.0  # monotonic time until which repeated signals are ignored while exiting
         self._lock_path: Optional[str] = None
+        self._lock_ino: Optional[tuple] = None  # (st_dev, st_ino) of the lock this process created
+        self._scratch_dir: Optional[str] = None  # a non-chief worker's private folder, made by this process
         self._lock_stop: Optional[threading.Event] = None
         self._fit_thread: Optional[int] = None
         self.blocked_s = 0.0
@@ -244,6 +248,8 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         # rollback to a state saved before an earlier rollback must not undo that rollback's lowering).
         lr = _lr_variable(self.model)
         keep_lr = lr.numpy() if lr is not None and not restore_keras_scale_state else None
+        # (and every other optimizer's float learning rate: a GAN's rollback lowers both)
+        other_lrs = [] if restore_keras_scale_state else _other_lr_values(self.model)
         found = self._restore_newest(everything=restore_keras_scale_state) if list_checkpoints(self.directory) else None
         if found is not None:
             step = self._read_position(found)["global_step"]
@@ -259,6 +265,9 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
             step = -1
         if keep_lr is not None and step >= 0:
             lr.assign(keep_lr)
+        if step >= 0:
+            for var, value in other_lrs:
+                var.assign(value)
         self._check_workers_agree(strategy, step)
         return None if step < 0 else step
 
@@ -275,7 +284,7 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         if self._checkpoint is None:
             self._write_dir = self._write_dir or self.directory
             self._build_checkpoint(with_manager=False)
-        reader = _io.load_checkpoint(prefix)
+        reader = _io.read_checkpoint(prefix)
         self._check_signature(prefix, reader)
         _io.read_into(prefix, self._flat_weights, self._weights_only)
         return self._read_position(prefix)["global_step"]
@@ -330,12 +339,11 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         error: Optional[BaseException] = None
         try:
             self._prepare_write_dir()
-        except (PermissionError, RuntimeError) as e:  # the chief cannot use the directory
+        except (OSError, RuntimeError) as e:  # the chief cannot use the directory, or its checkpoints are gone
             error = e
         # Multi-worker: every worker stops when the chief cannot start (instead of waiting in a collective).
         if self._sum_over_workers(strategy, 1.0 if error is not None else 0.0) > 0:
-            if not self._chief and self._write_dir and self._write_dir != self.directory:
-                shutil.rmtree(self._write_dir, ignore_errors=True)
+            self._remove_scratch()
             raise error if error is not None else RuntimeError(
                 f"ChiefCheckpoint: the chief could not start in {self.directory!r} (see its error); this worker "
                 "stops too.")
@@ -587,9 +595,8 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         if isinstance(getattr(model, "_initial_epoch", None), _ResumeEpoch):
             model._initial_epoch = None  # Keras never resets it: a later fit() would start there too
         self._resume_pending = False
-        if not self._chief and self._write_dir and self._write_dir != self.directory:
-            shutil.rmtree(self._write_dir, ignore_errors=True)
-        self._restore_signal_handlers()
+        self._remove_scratch()
+        self._release_signal_handlers()
         self._release_lock()
 
     @staticmethod

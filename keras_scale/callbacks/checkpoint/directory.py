@@ -2,19 +2,23 @@
 sane, stale temporary folders and non-chief workers' scratch folders."""
 from __future__ import annotations
 
+import json
 import os
 import re
+import stat
+import time
 import shutil
 import tempfile
-import time
 import warnings
 from typing import Dict, List, Tuple
 
 import tensorflow as tf
 
-from keras_scale.callbacks.checkpoint.names import _INDEX_RE, _NAME, _PREFIX_RE
-from keras_scale.callbacks.checkpoint.storage import _is_local
-from keras_scale.callbacks.checkpoint.lock import _hostname, _pid_alive
+from keras_scale.callbacks.checkpoint.names import _BEST_DIR, _INDEX_RE, _NAME, _PREFIX_RE
+from keras_scale.storage import _is_local
+from keras_scale.callbacks.checkpoint.format import remove_entry
+from keras_scale.callbacks.checkpoint.lock import _LOCK_NAME, holder_gone, process_identity
+from keras_scale.storage import write_atomic
 
 
 def _inside(directory: str, path: str) -> bool:
@@ -96,14 +100,37 @@ def list_checkpoints(directory: str) -> List[Tuple[int, str]]:
 
 
 _WORKER_PREFIX = "keras_scale_ckpt_worker_"
+_SCRATCH_MARKER = ".keras_scale_scratch"  # inside a non-chief worker's scratch folder: which process made it
+_ORPHAN_RE = re.compile(r"^" + _NAME + r"-(\d+)(\.index|\.data-\d{5}-of-\d{5})(\.tempstate\d+|\.ks_tmp)?$")
+_SPARE_PREFIX = ".ks_spare_"  # retired data files an earlier version kept for reuse
+# temporary files of a state-file or probe write cut short: write_atomic's, TensorFlow's atomic_write_string_to_file's
+_TEMP_RE = re.compile(r"^(checkpoint|\.ks_write_probe_\d+)\.tmp(-\d+-[0-9a-f]{12}|[0-9a-f]{32})$")
+
+
+def _older_than(path: str, age_s: float) -> bool:
+    try:
+        return time.time() - os.lstat(path).st_mtime > age_s
+    except OSError:
+        return False
+
+
+def make_scratch_dir() -> str:
+    """A fresh private folder (``tempfile.mkdtemp``) for a non-chief worker's share of each save, marked with the
+    process that made it, so that only that process -- or, once it is gone, a later start on this host -- removes it.
+
+    Example:
+        path = make_scratch_dir()
+    """
+    path = tempfile.mkdtemp(prefix=_WORKER_PREFIX)
+    write_atomic(os.path.join(path, _SCRATCH_MARKER), json.dumps(process_identity()))
+    return path
 
 
 def _remove_dead_worker_dirs() -> List[str]:
-    """Remove private save folders of non-chief workers on this host whose process is gone."""
+    """Remove scratch folders that :func:`make_scratch_dir` made for a process of this host that is gone (its marker
+    says which). Anything else in the temp dir -- whatever its name -- is never touched."""
     removed = []
     root = tempfile.gettempdir()
-    me = _hostname()
-    pattern = re.compile(r"^" + _WORKER_PREFIX + r"(?P<host>[A-Za-z0-9.-]+)_(?P<pid>\d+)_")
     try:
         names = os.listdir(root)
     except OSError:
@@ -112,21 +139,79 @@ def _remove_dead_worker_dirs() -> List[str]:
         if not name.startswith(_WORKER_PREFIX):
             continue
         path = os.path.join(root, name)
+        marker = os.path.join(path, _SCRATCH_MARKER)
         try:
-            st = os.lstat(path)
+            st, mst = os.lstat(path), os.lstat(marker)
         except OSError:
+            continue  # no marker: not made by make_scratch_dir
+        if (not stat.S_ISDIR(st.st_mode) or not stat.S_ISREG(mst.st_mode) or st.st_uid != os.getuid()
+                or mst.st_uid != os.getuid()):
             continue
-        if not os.path.isdir(path) or os.path.islink(path) or st.st_uid != os.getuid():
+        try:
+            with open(marker) as f:
+                holder = json.load(f)
+        except (OSError, ValueError):
             continue
-        m = pattern.match(name)
-        if m:
-            dead = m.group("host") == me and not _pid_alive(int(m.group("pid")))
-        else:  # older naming without host/pid: only when untouched for a day
-            dead = time.time() - st.st_mtime > 86400
-        if dead:
+        if isinstance(holder, dict) and holder_gone(holder):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
+
+
+def listed_but_missing(directory: str) -> List[str]:
+    """Checkpoints the ``checkpoint`` state file names (in ``directory``) whose ``.index`` file is gone."""
+    try:
+        state = tf.train.get_checkpoint_state(directory)
+    except Exception:  # noqa: BLE001 - a torn/garbled state file
+        return []
+    out = []
+    for p in list(state.all_model_checkpoint_paths) if state is not None else []:
+        name = os.path.basename(p.rstrip("/"))
+        ours = _inside(directory, p) or _inside(directory, os.path.join(directory, p))  # (others: ignored, warned)
+        if ours and _PREFIX_RE.match(name) and not tf.io.gfile.exists(os.path.join(directory, name) + ".index"):
+            out.append(os.path.join(directory, name))
+    return out
+
+
+def orphans(directory: str) -> List[str]:
+    """Files of this directory's naming scheme that belong to no checkpoint: temporary files of killed writes
+    (``*.tempstate<N>``, ``*.ks_tmp``, ``ckpt-N_temp/``, the state file's and the lock's), data files whose ``.index`` is gone (a write or a
+    deletion cut short), spares of earlier versions, and complete checkpoints newer than the newest one the state
+    file records (written, then killed before they were recorded). Nothing else.
+
+    Example:
+        orphans("ckpt")   # ['ckpt/ckpt-12.data-00000-of-00001.tempstate8812...']
+    """
+    try:
+        names = [n.rstrip("/") for n in tf.io.gfile.listdir(directory)]
+    except (tf.errors.OpError, OSError):
+        return []
+    listed, _, from_state = _scan(directory)
+    newest = max((n for n, _ in listed), default=None) if from_state else None
+    indexes = {n for n in names if _INDEX_RE.match(n)}
+    out = []
+    for name in names:
+        path = os.path.join(directory, name)
+        if name.startswith(_SPARE_PREFIX) or _TEMP_RE.match(name):
+            out.append(path)
+            continue
+        if name.startswith(_LOCK_NAME + ".") and _older_than(path, 60.0):  # a lock attempt cut short
+            out.append(path)
+            continue
+        if name.startswith(_NAME + "-") and name.endswith("_temp"):
+            out.append(path)
+            continue
+        m = _ORPHAN_RE.match(name)
+        if not m:
+            continue
+        number, kind, temp = int(m.group(1)), m.group(2), m.group(3)
+        if temp:
+            out.append(path)
+        elif newest is not None and number > newest:
+            out.append(path)
+        elif kind != ".index" and f"{_NAME}-{number}.index" not in indexes:
+            out.append(path)
+    return out
 
 
 class DirectoryMixin:
@@ -139,39 +224,64 @@ class DirectoryMixin:
             probe = os.path.join(self.directory, f".ks_write_probe_{os.getpid()}")
             try:
                 tf.io.gfile.makedirs(self.directory)
-                with tf.io.gfile.GFile(probe, "w") as f:
-                    f.write("ok")
-                tf.io.gfile.remove(probe)
+                write_atomic(probe, "ok")
+                remove_entry(probe)
             except Exception as e:  # noqa: BLE001 - any failure here means we cannot save
                 raise PermissionError(
                     f"ChiefCheckpoint cannot write to directory {self.directory!r}: {e}. Fix: pass a directory "
                     "this process can create and write (check permissions, disk space and the mount)."
                 ) from e
             self._acquire_lock()
-            self._remove_stale_temp_dirs()
+            self._remove_orphans()
         else:
-            # Other workers write their (identical) share of each save to a private place, removed at the end;
-            # host and pid in the name let the next start on this host remove it if this process dies.
-            self._write_dir = tempfile.mkdtemp(prefix=f"{_WORKER_PREFIX}{_hostname()}_{os.getpid()}_")
+            # Other workers write their (identical) share of each save to a private place, removed at the end; its
+            # marker lets a later start on this host remove it if this process dies.
+            self._write_dir = make_scratch_dir()
+            self._scratch_dir = self._write_dir
+        missing = listed_but_missing(self.directory) if self.restore else []
+        if missing and not list_checkpoints(self.directory):
+            raise FileNotFoundError(
+                f"ChiefCheckpoint: {os.path.join(self.directory, 'checkpoint')!r} records {len(missing)} "
+                f"checkpoint(s) ({', '.join(os.path.basename(p) for p in missing)}) but their .index files are "
+                f"missing ({', '.join(repr(p + '.index') for p in missing)}), and no other checkpoint is in the "
+                "directory: resuming is impossible and starting over would silently discard the run. Fix: restore "
+                "the files (e.g. from a backup), or, to start over, delete the directory's 'checkpoint' state file "
+                "or pass restore=False or another directory.")
 
-    def _remove_stale_temp_dirs(self) -> None:
-        # TensorFlow writes ckpt-N_temp/ first and merges it into ckpt-N.*; a kill mid-write leaves it behind.
-        # Only real folders directly inside the directory: a link is never followed.
-        try:
-            for name in tf.io.gfile.listdir(self.directory):
-                name = name.rstrip("/")
-                if not (name.startswith(_NAME + "-") and name.endswith("_temp")):
-                    continue
-                path = os.path.join(self.directory, name)
-                if _is_local(path):
-                    if os.path.islink(path):
-                        os.remove(path)  # the link only, never its target
-                    elif os.path.isdir(path):
-                        shutil.rmtree(path, ignore_errors=True)
-                else:
+    def _remove_scratch(self) -> None:
+        """Remove the scratch folder this process made (nothing else)."""
+        path, self._scratch_dir = self._scratch_dir, None
+        if path:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _remove_orphans(self) -> None:
+        """Delete what :func:`orphans` finds (a link is removed itself, never followed), here and in ``best/``."""
+        for path in orphans(self.directory) + self._best_orphans():
+            try:
+                if _is_local(path) and os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                elif not _is_local(path) and tf.io.gfile.isdir(path):
                     tf.io.gfile.rmtree(path)
-        except (tf.errors.OpError, OSError):
-            pass
+                else:
+                    remove_entry(path)
+            except (tf.errors.OpError, OSError):
+                pass
+
+    def _best_orphans(self) -> List[str]:
+        best_dir = os.path.join(self.directory, _BEST_DIR)
+        if not _is_local(best_dir) or os.path.islink(best_dir) or not os.path.isdir(best_dir):
+            return []
+        try:
+            with open(os.path.join(best_dir, "best.json")) as f:
+                kept = {int(e["number"]) for e in json.load(f)}
+        except (OSError, ValueError, TypeError, KeyError):
+            return []
+        out = []
+        for name in os.listdir(best_dir):
+            m = _ORPHAN_RE.match(name)
+            if (m and (m.group(3) or int(m.group(1)) not in kept)) or name.startswith("best.json.tmp"):
+                out.append(os.path.join(best_dir, name))
+        return out
 
     def _report_directory_problems(self) -> None:
         if not self._chief:
@@ -204,8 +314,5 @@ class DirectoryMixin:
                 + "".join(f'all_model_checkpoint_paths: "{n}"\n' for n in names)
                 + "".join(f"all_model_checkpoint_timestamps: {t:.6f}\n" for t in stamps)
                 + f"last_preserved_timestamp: {min(stamps) - 1.0:.6f}\n")
-        tmp = state_file + ".tmp"
-        with tf.io.gfile.GFile(tmp, "w") as f:
-            f.write(text)
-        tf.io.gfile.rename(tmp, state_file, overwrite=True)
+        write_atomic(state_file, text)
 

@@ -1,66 +1,55 @@
-"""ChiefCheckpoint's own file format for synchronous saves: raw tensor bytes plus a JSON index.
+"""ChiefCheckpoint's files: TensorFlow's own tensor-bundle format, written new for every checkpoint.
 
-Why not TensorFlow's tensor bundle (``tf.train.Checkpoint.write``): it copies every tensor into an 8 MB buffer,
-checksums it with CRC32C and always writes new files; on this kind of machine most of a save is the kernel
-allocating page-cache pages for a new 0.5 GB file. Here a save
+A synchronous save writes ``<prefix>.index`` (an SSTable of ``BundleEntryProto``, TensorFlow's format) and
+``<prefix>.data-00000-of-00001`` (the raw tensor bytes, each CRC32C-checksummed) with ``tf.raw_ops.SaveV2``
+directly: one op, no temporary folder and merge (``tf.train.Checkpoint.write`` writes ``<prefix>_temp/`` and
+merges it), and the object graph (``_CHECKPOINTABLE_OBJECT_GRAPH``) serialized once per run, not per save. So every
+TensorFlow tool reads the files: ``tf.train.latest_checkpoint``, ``tf.train.load_checkpoint``,
+``tf.train.list_variables`` and ``tf.train.Checkpoint(...).read``. Asynchronous saves are TensorFlow's own
+``tf.train.Checkpoint`` writes, in the same format.
 
-* reads each variable without a copy (``memoryview`` of the CPU tensor; a device tensor is copied to the host),
-* writes the bytes with ``pwrite`` straight from that buffer into a *recycled* file -- the data file of a
-  checkpoint that rotation just retired (``max_to_keep``) -- so its page-cache pages are overwritten in place
-  instead of being freed and allocated again (databases recycle their log segments for the same reason),
-* checksums each tensor with ``zlib.crc32`` while it is hot in the CPU cache,
-* makes the checkpoint appear atomically: the data file is renamed to ``<prefix>.data-00000-of-00001``, then the
-  index is written to a temporary name and renamed to ``<prefix>.index``. The checkpoint counts only once the
-  ``checkpoint`` state file names it (written by ``tf.train.CheckpointManager`` after both renames), exactly as
-  before. A process killed at any moment leaves the previous checkpoint usable.
+Files are never rewritten in place: TensorFlow writes each file under a random temporary name and renames it into
+place (data first, index last), and a checkpoint counts only once the ``checkpoint`` state file names it (written
+by :class:`CheckpointManager` after the write completed). A retired checkpoint's files are deleted, never reused:
+a reader that opened them (an evaluator, a copy to object storage) keeps its bytes (POSIX keeps a deleted file's
+data while it is open), and every tensor read is checked against its CRC32C by TensorFlow's reader.
 
 Durability: nothing is fsynced (the same as TensorFlow's and Keras's savers). A checkpoint survives the death of
-the process (the kernel holds its pages and writes them back within ~30 s) but not necessarily a power loss or
-kernel crash shortly after a save; a checkpoint torn that way fails its size or CRC check on restore and the
-previous one is used. ``write_checkpoint(..., fsync=True)`` flushes data, index and directory before returning.
+the process but not necessarily a power loss shortly after a save; a checkpoint torn that way fails its CRC check
+on restore and the previous one is used.
 
-Restore memory-maps the data file, checks every tensor's CRC before assigning any (a damaged checkpoint never
-half-overwrites the model) and assigns from the mapped pages. Checkpoints written by TensorFlow (older versions
-of ChiefCheckpoint, and ``async_save=True``) are read by TensorFlow as before; :func:`load_checkpoint` tells them
-apart by the index file's first byte.
+Restore (:func:`read_into`) checks the dtype and shape of every entry against its variable and reads (CRC-checks)
+every tensor before assigning any, so a damaged or foreign checkpoint never half-overwrites the model.
 
 Example:
-    reader = load_checkpoint("ckpt/ckpt-300")
+    reader = read_checkpoint("ckpt/ckpt-300")
     reader.get_tensor("keras_scale_position/global_step/.ATTRIBUTES/VARIABLE_VALUE")
-    # array(300)
+    # 300
 """
 from __future__ import annotations
 
 import base64
 import json
-import mmap
 import os
-import uuid
 import zlib
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional
 
 import numpy as np
 import tensorflow as tf
 
-from keras_scale.callbacks.checkpoint.storage import is_local
+from keras_scale.storage import is_local
 
-__all__ = ["FORMAT", "CorruptCheckpointError", "RawCheckpoint", "RecyclingCheckpointManager", "flatten",
-           "is_raw", "load_checkpoint", "read_into", "write_checkpoint"]
+__all__ = ["CorruptCheckpointError", "BundleCheckpoint", "CheckpointManager", "flatten", "is_raw", "read_checkpoint",
+           "load_checkpoint", "read_into", "write_checkpoint", "DATA_SUFFIX", "OBJECT_GRAPH_KEY"]
 
-FORMAT = "keras_scale.raw/1"
 DATA_SUFFIX = ".data-00000-of-00001"
-SPARE_PREFIX = ".ks_spare_"  # a retired data file kept for the next save to overwrite in place
-_ALIGN_BYTES = 64
-_CHUNK_BYTES = 4 << 20  # checksum and write in pieces that stay in the CPU cache in between
-_MAX_SPARES = 2
+OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+LEGACY_FORMAT = "keras_scale.raw/1"  # synchronous saves of earlier versions (read only)
 _ATTR = ".ATTRIBUTES/VARIABLE_VALUE"
 
 
 class CorruptCheckpointError(OSError):
     """A checkpoint file is truncated, torn or damaged (size, JSON or CRC check failed)."""
-
-
-_local = is_local  # (storage.is_local: a path of the local file system, not a URL)
 
 
 # ------------------------------------------------------------------------------------------------ names
@@ -85,129 +74,98 @@ def flatten(items: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-# ------------------------------------------------------------------------------------------------ writing
-def _host_buffer(variable: Any) -> Tuple[np.ndarray, memoryview]:
-    """The variable's value as a host numpy array and a byte view of it, without a copy on CPU."""
-    value = variable.read_value() if hasattr(variable, "read_value") else tf.convert_to_tensor(variable)
-    array = np.asarray(value)  # zero-copy for a CPU tensor (TensorFlow's __array__); device tensors come to the host
-    return array, memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))  # any dtype, as bytes
-
-
-def _take_spare(directory: str) -> Optional[str]:
+def remove_entry(path: str) -> None:
+    """Delete a file or link at ``path`` (never what a link points to); a missing one is fine."""
     try:
-        names = sorted(n for n in os.listdir(directory) if n.startswith(SPARE_PREFIX))
-    except OSError:
-        return None
+        if is_local(path):
+            os.unlink(path)
+        else:
+            tf.io.gfile.remove(path)
+    except (FileNotFoundError, tf.errors.NotFoundError):
+        pass
+    except IsADirectoryError:
+        pass
+
+
+def clear_prefix(prefix: str) -> None:
+    """Remove whatever sits at checkpoint ``prefix``'s file names before it is written (a torn earlier write, a
+    planted link): TensorFlow opens some of them by name, and a link must never lead a write out of the directory."""
+    directory, base = os.path.split(prefix)
+    try:
+        names = os.listdir(directory or ".") if is_local(prefix) else tf.io.gfile.listdir(directory)
+    except (OSError, tf.errors.OpError):
+        return
     for name in names:
-        path = os.path.join(directory, name)
-        if os.path.isfile(path) and not os.path.islink(path):
-            return path
-    return None
+        name = name.rstrip("/")
+        if name == base + ".index" or name.startswith(base + ".data-") or name.startswith(base + ".index."):
+            remove_entry(os.path.join(directory, name))
+        elif name == base + "_temp":  # tf.train.Checkpoint.write's temporary folder
+            path = os.path.join(directory, name)
+            if is_local(path) and (os.path.islink(path) or not os.path.isdir(path)):
+                remove_entry(path)
+            else:
+                tf.io.gfile.rmtree(path)
 
 
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+# ------------------------------------------------------------------------------------------------ writing
+def object_graph(tf_checkpoint: tf.train.Checkpoint) -> bytes:
+    """The serialized ``TrackableObjectGraph`` of ``tf_checkpoint`` (what ``tf.train.Checkpoint.read`` matches
+    objects by), as TensorFlow's own writer stores it under ``_CHECKPOINTABLE_OBJECT_GRAPH``."""
+    from tensorflow.python.checkpoint import graph_view, save_util
+
+    _, _, _, proto = save_util.serialize_graph_view(graph_view.ObjectGraphView(tf_checkpoint))
+    return proto.SerializeToString()
 
 
-def write_checkpoint(prefix: str, variables: Dict[str, Any], fsync: bool = False) -> Dict[str, Any]:
-    """Write ``variables`` (``{key: variable}``) as checkpoint ``prefix`` (``<prefix>.index`` +
-    ``<prefix>.data-00000-of-00001``); returns the index. Numeric tensors go to the data file, string scalars
-    into the index.
+def _value(variable: Any) -> Any:
+    return variable.read_value() if hasattr(variable, "read_value") else tf.convert_to_tensor(variable)
+
+
+def write_checkpoint(prefix: str, variables: Dict[str, Any], graph: Optional[bytes] = None) -> str:
+    """Write ``variables`` (``{key: variable}``) as TensorFlow tensor bundle ``prefix`` (``<prefix>.index`` +
+    ``<prefix>.data-00000-of-00001``), plus the object graph ``graph`` if given; returns ``prefix``.
 
     Example:
         write_checkpoint("/tmp/ck/ckpt-1", flatten({"w": model.variables}))
+        tf.train.load_checkpoint("/tmp/ck/ckpt-1").get_tensor("w/0/.ATTRIBUTES/VARIABLE_VALUE")
     """
-    directory = os.path.dirname(prefix) or "."
-    tensors: Dict[str, Any] = {}
-    strings: Dict[str, str] = {}
-    buffers: List[Tuple[int, memoryview]] = []
-    offset = 0
-    for key, variable in variables.items():
-        dtype = tf.as_dtype(variable.dtype)
-        if dtype == tf.string:
-            raw = variable.numpy()
-            raw = raw if isinstance(raw, bytes) else str(raw).encode()
-            strings[key] = base64.b64encode(raw).decode("ascii")
-            continue
-        array, view = _host_buffer(variable)
-        offset = -(-offset // _ALIGN_BYTES) * _ALIGN_BYTES
-        tensors[key] = {"dtype": dtype.name, "shape": [int(d) for d in array.shape], "offset": offset,
-                        "nbytes": view.nbytes}
-        buffers.append((offset, view))
-        offset += view.nbytes
-    total = offset
-    keys = [k for k in tensors]
-    data_path = prefix + DATA_SUFFIX
-    if _local(prefix):
-        path = _take_spare(directory) or os.path.join(directory, f"{SPARE_PREFIX}{uuid.uuid4().hex}")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-        try:
-            for key, (start, view) in zip(keys, buffers):
-                crc = 0
-                for i in range(0, view.nbytes, _CHUNK_BYTES):
-                    piece = view[i:i + _CHUNK_BYTES]
-                    crc = zlib.crc32(piece, crc)
-                    written = 0
-                    while written < piece.nbytes:
-                        written += os.pwrite(fd, piece[written:], start + i + written)
-                tensors[key]["crc32"] = crc
-            os.ftruncate(fd, total)
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(path, data_path)
-    else:  # object stores: one sequential write, no recycling
-        with tf.io.gfile.GFile(data_path, "wb") as f:
-            position = 0
-            for key, (start, view) in zip(keys, buffers):
-                if start > position:
-                    f.write(b"\0" * (start - position))
-                f.write(view.tobytes())
-                tensors[key]["crc32"] = zlib.crc32(view)
-                position = start + view.nbytes
-    del buffers
-    index = {"format": FORMAT, "data_bytes": total, "tensors": tensors, "strings": strings}
-    text = json.dumps(index, separators=(",", ":"))
-    tmp = prefix + ".index.ks_tmp"
-    with tf.io.gfile.GFile(tmp, "w") as f:
-        f.write(text)
-    if fsync and _local(prefix):
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    tf.io.gfile.rename(tmp, prefix + ".index", overwrite=True)
-    if fsync and _local(prefix):
-        _fsync_dir(directory)
-    return index
+    clear_prefix(prefix)
+    names = list(variables)
+    tensors = [_value(variables[k]) for k in names]
+    if graph is not None:
+        names.append(OBJECT_GRAPH_KEY)
+        tensors.append(tf.constant(graph, dtype=tf.string))
+    with tf.device("/cpu:0"):
+        tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names, shape_and_slices=[""] * len(names), tensors=tensors)
+    return prefix
 
 
-class RawCheckpoint:
-    """Stands in for a ``tf.train.Checkpoint`` inside a ``tf.train.CheckpointManager`` so that the manager's
-    numbering, state file and rotation stay as they are while the bytes are written by :func:`write_checkpoint`.
+class BundleCheckpoint:
+    """Stands in for a ``tf.train.Checkpoint`` inside :class:`CheckpointManager` so that the manager's
+    numbering, state file and rotation stay TensorFlow's while the files are written by :func:`write_checkpoint`.
 
     Example:
-        manager = RecyclingCheckpointManager(RawCheckpoint(tf_ckpt, flatten(items)), "ckpt")
+        manager = CheckpointManager(BundleCheckpoint(tf_ckpt, flatten(items)), "ckpt")
         manager.save(checkpoint_number=100)
     """
 
-    def __init__(self, tf_checkpoint: tf.train.Checkpoint, variables: Dict[str, Any], fsync: bool = False) -> None:
+    def __init__(self, tf_checkpoint: tf.train.Checkpoint, variables: Dict[str, Any]) -> None:
         self._tf_checkpoint = tf_checkpoint
         self.variables = variables
-        self.fsync = fsync
+        self._graph: Optional[bytes] = None
+        self._with_counter: Optional[Dict[str, Any]] = None
 
     @property
     def save_counter(self) -> tf.Variable:
         return self._tf_checkpoint.save_counter
 
     def _write(self, file_prefix: str, options: Any = None, write_done_callback: Any = None) -> str:
-        write_checkpoint(file_prefix, self.variables, fsync=self.fsync)
+        if self._graph is None:  # once: the set of objects does not change within a run
+            counter = self._tf_checkpoint.save_counter  # (created by now: the manager counts saves)
+            self._with_counter = dict(self.variables)
+            self._with_counter[f"save_counter/{_ATTR}"] = counter
+            self._graph = object_graph(self._tf_checkpoint)
+        write_checkpoint(file_prefix, self._with_counter, self._graph)
         for callback in list(getattr(options, "experimental_write_callbacks", None) or []):
             callback(file_prefix)
         if write_done_callback is not None:
@@ -220,17 +178,24 @@ class RawCheckpoint:
         """Nothing to wait for: :meth:`_write` returns once the checkpoint is complete."""
 
 
-class RecyclingCheckpointManager(tf.train.CheckpointManager):
-    """A ``tf.train.CheckpointManager`` whose rotation keeps one retired data file (not hard-linked elsewhere,
-    e.g. into ``best/``) as a spare that the next :func:`write_checkpoint` overwrites in place.
+class CheckpointManager(tf.train.CheckpointManager):
+    """``tf.train.CheckpointManager`` that records the state file *before* it deletes retired checkpoints (a kill
+    during rotation never leaves the state file naming a deleted checkpoint), deletes an index before its data
+    (a torn deletion leaves only an orphan data file, removed at the next start), and clears a checkpoint's file
+    names before each write (no link is followed out of the directory).
 
     Example:
-        manager = RecyclingCheckpointManager(RawCheckpoint(tf_ckpt, variables), "ckpt", max_to_keep=2)
+        manager = CheckpointManager(tf.train.Checkpoint(w=w), "ckpt", max_to_keep=2, checkpoint_name="ckpt")
     """
 
-    recycle = True
+    _retired: Optional[List[str]] = None
 
-    def _sweep(self) -> None:  # the loop of tf.train.CheckpointManager._sweep, discarding through _discard
+    def save(self, checkpoint_number: Any = None, check_interval: bool = True, options: Any = None) -> Any:
+        if isinstance(checkpoint_number, int) and is_local(self._prefix):
+            clear_prefix(f"{self._prefix}-{checkpoint_number}")
+        return super().save(checkpoint_number=checkpoint_number, check_interval=check_interval, options=options)
+
+    def _sweep(self) -> None:  # tf.train.CheckpointManager._sweep's loop, deleting only after _record_state
         if not self._max_to_keep:
             return
         while len(self._maybe_delete) > self._max_to_keep:
@@ -240,62 +205,30 @@ class RecyclingCheckpointManager(tf.train.CheckpointManager):
                          >= self._last_preserved_timestamp)):
                 self._last_preserved_timestamp = timestamp
                 continue
-            self._discard(filename)
+            self._retired = (self._retired or []) + [filename]
 
-    def _discard(self, prefix: str) -> None:
-        for path in tf.io.gfile.glob(prefix + ".index"):
-            tf.io.gfile.remove(path)
-        directory = os.path.dirname(prefix) or "."
-        for path in tf.io.gfile.glob(prefix + ".data-?????-of-?????"):
-            if self.recycle and _local(path) and _count_spares(directory) < _MAX_SPARES:
-                try:
-                    st = os.lstat(path)
-                    if st.st_nlink == 1 and os.path.isfile(path) and not os.path.islink(path):
-                        os.rename(path, os.path.join(directory, f"{SPARE_PREFIX}{uuid.uuid4().hex}"))
-                        continue
-                except OSError:
-                    pass
-            try:
-                tf.io.gfile.remove(path)
-            except tf.errors.NotFoundError:
-                pass
+    def _record_state(self) -> None:
+        super()._record_state()
+        retired, self._retired = self._retired or [], None
+        for prefix in retired:
+            delete_checkpoint(prefix)
 
 
-def _count_spares(directory: str) -> int:
-    try:
-        return sum(1 for n in os.listdir(directory) if n.startswith(SPARE_PREFIX))
-    except OSError:
-        return 0
-
-
-def remove_spares(directory: str) -> None:
-    """Delete the spare data files kept for recycling in ``directory`` (they hold no checkpoint).
-
-    Example:
-        remove_spares("ckpt")
-    """
-    if not _local(directory):
-        return
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return
-    for name in names:
-        if name.startswith(SPARE_PREFIX) or name.endswith(".index.ks_tmp"):
-            path = os.path.join(directory, name)
-            if os.path.isfile(path) or os.path.islink(path):
-                try:
-                    os.remove(path)
-                except OSError:
-                    pass
+def delete_checkpoint(prefix: str) -> None:
+    """Delete checkpoint ``prefix``'s files, the index first (what is left of a torn deletion is an orphan data
+    file, never an index without its data)."""
+    remove_entry(prefix + ".index")
+    for path in tf.io.gfile.glob(prefix + ".data-?????-of-?????"):
+        remove_entry(path)
 
 
 # ------------------------------------------------------------------------------------------------ reading
 def is_raw(prefix: str) -> bool:
-    """True when ``prefix`` was written by :func:`write_checkpoint` (its index is JSON, TensorFlow's is a table).
+    """True when ``prefix`` is a synchronous checkpoint of an earlier keras_scale (a JSON index; TensorFlow's is
+    an SSTable).
 
     Example:
-        is_raw("ckpt/ckpt-300")  # True
+        is_raw("ckpt/ckpt-300")  # False for everything this version writes
     """
     try:
         with tf.io.gfile.GFile(prefix + ".index", "rb") as f:
@@ -304,14 +237,12 @@ def is_raw(prefix: str) -> bool:
         return False
 
 
-class RawReader:
-    """Reads a :func:`write_checkpoint` checkpoint with the interface of ``tf.train.load_checkpoint``'s reader.
-
-    Tensors come back as read-only arrays over the memory-mapped data file, each checked against its CRC.
+class LegacyReader:
+    """Reads a synchronous checkpoint of an earlier keras_scale (raw bytes + a JSON index) with the interface of
+    ``tf.train.load_checkpoint``'s reader; every tensor returned is a copy, checked against its CRC32.
 
     Example:
-        RawReader("ckpt/ckpt-300").get_variable_to_shape_map()
-        # {'model_variables/0/.ATTRIBUTES/VARIABLE_VALUE': [2048, 2048], ...}
+        LegacyReader("old/ckpt-300").get_variable_to_shape_map()
     """
 
     def __init__(self, prefix: str) -> None:
@@ -321,30 +252,22 @@ class RawReader:
                 self._index = json.loads(f.read().decode("utf-8"))
         except (ValueError, UnicodeDecodeError) as e:
             raise CorruptCheckpointError(f"{prefix}.index is not a readable checkpoint index ({e})") from e
-        if not isinstance(self._index, dict) or self._index.get("format") != FORMAT:
-            raise CorruptCheckpointError(f"{prefix}.index is not a {FORMAT} index (format "
-                                         f"{self._index.get('format') if isinstance(self._index, dict) else None!r})")
+        if not isinstance(self._index, dict) or self._index.get("format") != LEGACY_FORMAT:
+            raise CorruptCheckpointError(f"{prefix}.index is not a {LEGACY_FORMAT} index")
         self._tensors: Dict[str, Dict[str, Any]] = self._index["tensors"]
         self._strings: Dict[str, str] = self._index["strings"]
         self._data: Any = None
-        self._checked: set = set()
 
     def _buffer(self) -> Any:
         if self._data is None:
             path = self.prefix + DATA_SUFFIX
             expected = int(self._index["data_bytes"])
-            if _local(path):
-                with open(path, "rb") as f:
-                    size = os.fstat(f.fileno()).st_size
-                    if size != expected:
-                        raise CorruptCheckpointError(f"{path} holds {size} bytes, its index says {expected}: the "
-                                                     "file is truncated or torn")
-                    self._data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
-            else:
-                with tf.io.gfile.GFile(path, "rb") as f:
-                    self._data = f.read()
-                if len(self._data) != expected:
-                    raise CorruptCheckpointError(f"{path} holds {len(self._data)} bytes, its index says {expected}")
+            with tf.io.gfile.GFile(path, "rb") as f:
+                data = f.read()
+            if len(data) != expected:
+                raise CorruptCheckpointError(f"{path} holds {len(data)} bytes, its index says {expected}: the file "
+                                             "is truncated or torn")
+            self._data = data
         return self._data
 
     def has_tensor(self, key: str) -> bool:
@@ -366,58 +289,98 @@ class RawReader:
         if key not in self._tensors:
             raise KeyError(f"{key!r} is not in checkpoint {self.prefix!r}")
         entry = self._tensors[key]
-        dtype = tf.as_dtype(entry["dtype"]).as_numpy_dtype
         view = memoryview(self._buffer())[entry["offset"]:entry["offset"] + entry["nbytes"]]
-        if key not in self._checked:
-            if zlib.crc32(view) != entry["crc32"]:
-                raise CorruptCheckpointError(f"{self.prefix}: tensor {key!r} fails its CRC check (the data file is "
-                                             "damaged)")
-            self._checked.add(key)
-        return np.frombuffer(view, dtype=dtype).reshape(entry["shape"])
+        if zlib.crc32(view) != entry["crc32"]:
+            raise CorruptCheckpointError(f"{self.prefix}: tensor {key!r} fails its CRC check (the data file is "
+                                         "damaged)")
+        dtype = tf.as_dtype(entry["dtype"]).as_numpy_dtype
+        return np.frombuffer(view, dtype=dtype).reshape(entry["shape"]).copy()
 
     def keys(self) -> Iterable[str]:
         return list(self._tensors) + list(self._strings)
 
 
-def load_checkpoint(prefix: str) -> Any:
-    """A reader for checkpoint ``prefix`` in either format (``has_tensor``, ``get_tensor``,
-    ``get_variable_to_shape_map``): :class:`RawReader` for ChiefCheckpoint's synchronous saves,
-    ``tf.train.load_checkpoint`` for TensorFlow-written ones.
+class BundleReader:
+    """``tf.train.load_checkpoint``'s reader whose failures to read a tensor (TensorFlow's CRC32C check: "Checksum
+    does not match", a truncated file) are :class:`CorruptCheckpointError`, naming the checkpoint and the key.
 
     Example:
-        load_checkpoint("ckpt/ckpt-300").get_tensor("keras_scale_signature/.ATTRIBUTES/VARIABLE_VALUE")
+        BundleReader("ckpt/ckpt-300").get_tensor("model_variables/0/.ATTRIBUTES/VARIABLE_VALUE")
+    """
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self._reader = tf.train.load_checkpoint(prefix)
+        # TensorFlow opens the data file at the first read: open it now (read the smallest tensor), so a reader
+        # keeps this checkpoint's bytes even if training deletes the files before it reads the rest
+        shapes = self._reader.get_variable_to_shape_map()
+        if shapes:
+            self.get_tensor(min(shapes, key=lambda k: int(np.prod(shapes[k] or [1]))))
+
+    def has_tensor(self, key: str) -> bool:
+        return self._reader.has_tensor(key)
+
+    def get_variable_to_shape_map(self) -> Dict[str, List[int]]:
+        return self._reader.get_variable_to_shape_map()
+
+    def get_variable_to_dtype_map(self) -> Dict[str, tf.DType]:
+        return self._reader.get_variable_to_dtype_map()
+
+    def get_tensor(self, key: str) -> Any:
+        if not self._reader.has_tensor(key):
+            raise KeyError(f"{key!r} is not in checkpoint {self.prefix!r}")
+        try:
+            return self._reader.get_tensor(key)
+        except (tf.errors.OpError, RuntimeError) as e:
+            raise CorruptCheckpointError(f"{self.prefix}: tensor {key!r} cannot be read: "
+                                         f"{(str(e).splitlines() or [''])[0]}") from e
+
+
+def read_checkpoint(prefix: str) -> Any:
+    """A reader for checkpoint ``prefix`` (``has_tensor``, ``get_tensor``, ``get_variable_to_shape_map``,
+    ``get_variable_to_dtype_map``): :class:`BundleReader` over ``tf.train.load_checkpoint``'s, which checks each tensor's CRC32C as it reads
+    it and returns a copy (a later save never changes an array you hold). Checkpoints of earlier keras_scale
+    versions are read by :class:`LegacyReader`.
+
+    Example:
+        read_checkpoint("ckpt/ckpt-300").get_tensor("keras_scale_signature/.ATTRIBUTES/VARIABLE_VALUE")
     """
     if is_raw(prefix):
-        return RawReader(prefix)
-    return tf.train.load_checkpoint(prefix)
+        return LegacyReader(prefix)
+    return BundleReader(prefix)
 
 
-def read_into(prefix: str, variables: Dict[str, Any], tf_checkpoint: Any) -> None:
-    """Restore checkpoint ``prefix`` into ``variables`` (``{key: variable}``); a TensorFlow-written checkpoint is
-    read by ``tf_checkpoint`` (the ``tf.train.Checkpoint`` over the same variables) instead.
+load_checkpoint = read_checkpoint  # the name earlier versions used
+
+
+def read_into(prefix: str, variables: Dict[str, Any], tf_checkpoint: Any = None) -> None:
+    """Restore checkpoint ``prefix`` into ``variables`` (``{key: variable}``).
 
     Keys the checkpoint lacks are left alone and keys it has beyond ``variables`` are ignored (as
-    ``expect_partial``). Every tensor's size and CRC are checked before the first one is assigned.
+    ``expect_partial``). Every entry's dtype and shape are compared with its variable, and every tensor of the
+    checkpoint is read (CRC-checked) before the first one is assigned: a mismatch is a ``ValueError`` naming the key, damage a
+    :class:`CorruptCheckpointError`; either way no variable has changed.
+    (``tf_checkpoint`` is accepted for older callers and not used.)
 
     Example:
-        read_into("ckpt/ckpt-300", flatten(items), tf.train.Checkpoint(**items))
+        read_into("ckpt/ckpt-300", flatten(items))
     """
-    if not is_raw(prefix):
-        tf_checkpoint.read(prefix).expect_partial()
-        return
-    reader = RawReader(prefix)
-    plan = []
-    for key, variable in variables.items():
-        if not reader.has_tensor(key):
-            continue
-        value = reader.get_tensor(key)  # checks the CRC
-        if key in reader._tensors:
-            theirs = tuple(value.shape)
-            ours = tuple(int(d) for d in variable.shape)
-            if theirs != ours:
-                raise ValueError(f"checkpoint {prefix!r}: {key!r} has shape {theirs} there but the variable has shape "
-                                 f"{ours}")
-        plan.append((variable, value))
+    reader = read_checkpoint(prefix)
+    dtypes = reader.get_variable_to_dtype_map()
+    shapes = reader.get_variable_to_shape_map()
+    present = [(key, variable) for key, variable in variables.items() if key in dtypes]
+    for key, variable in present:
+        ours = tf.as_dtype(variable.dtype).base_dtype
+        if dtypes[key].base_dtype != ours:
+            raise ValueError(f"checkpoint {prefix!r}: {key!r} has dtype {dtypes[key].name} there but the variable "
+                             f"{getattr(variable, 'name', key)!r} has dtype {ours.name}; nothing was restored")
+        theirs, mine = tuple(shapes[key]), tuple(int(d) for d in variable.shape)
+        if theirs != mine:
+            raise ValueError(f"checkpoint {prefix!r}: {key!r} has shape {theirs} there but the variable has shape "
+                             f"{mine}; nothing was restored")
+    plan = [(variable, reader.get_tensor(key)) for key, variable in present]  # CRC-checked, copies
+    for key in set(dtypes) - set(variables):  # the rest (object graph, counters): the whole checkpoint is intact
+        reader.get_tensor(key)
     for variable, value in plan:
         _assign(variable, value)
 
@@ -428,7 +391,7 @@ def _assign(variable: Any, value: Any) -> None:
     from tensorflow.python.distribute import distribute_utils
 
     if not distribute_utils.is_distributed_variable(variable):
-        variable.assign(value)  # TensorFlow copies into the variable's own buffer (no alias of the mapped file)
+        variable.assign(value)
         return
     tensor = tf.convert_to_tensor(value, dtype=variable.dtype)
     if distribute_utils.is_sync_on_read(variable) and variable.aggregation == tf.VariableAggregation.SUM:

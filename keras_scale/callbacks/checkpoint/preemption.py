@@ -4,6 +4,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 import keras
@@ -17,6 +18,7 @@ from keras_scale.callbacks.checkpoint.names import log
 #: Exit status of a process that ``ChiefCheckpoint`` ended after SIGTERM/SIGUSR1 with its state saved (the
 #: convention of TensorFlow's ``PreemptionCheckpointHandler``). Key a restart/requeue on it.
 PREEMPTION_EXIT_CODE = 42
+_REPEAT_WINDOW_S = 60.0  # after a preemption save, repeats of the signal are ignored this long while exiting
 
 
 class PreemptionMixin:
@@ -24,6 +26,7 @@ class PreemptionMixin:
 
     def _install_signal_handlers(self) -> None:
         self._restore_signal_handlers()
+        self._exit_window_until = 0.0
         if threading.current_thread() is not threading.main_thread():
             log.info("ChiefCheckpoint: fit runs outside the main thread; SIGTERM/SIGUSR1 are not handled")
             return
@@ -45,12 +48,20 @@ class PreemptionMixin:
         self._prev_handlers.clear()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        if self._preempt_requested is None and self._fit_running(frame):
-            self._preempt_requested = signum  # acted on at the next step boundary
-            log.warning("ChiefCheckpoint: received %s; saving at the next step boundary",
-                        signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        if self._fit_running(frame):
+            if self._preempt_requested is None:
+                self._preempt_requested = signum  # acted on at the next step boundary
+                log.warning("ChiefCheckpoint: received %s; saving at the next step boundary", name)
+            else:  # schedulers and launchers repeat signals: a repeat never aborts the save
+                log.warning("ChiefCheckpoint: received %s again; the preemption save goes on (ignored; SIGKILL, or "
+                            "SIGINT/Ctrl-C, ends the process at once)", name)
             return
-        # A second signal, or our fit is no longer running (it raised): behave as if we had never been here.
+        if time.monotonic() < self._exit_window_until:
+            # the preemption save is done and the process is on its way out with the preemption exit status
+            log.warning("ChiefCheckpoint: received %s while exiting after the preemption save (ignored)", name)
+            return
+        # Our fit is no longer running (it raised, or ended long ago): behave as if we had never been here.
         prev = self._prev_handlers.get(signum, signal.SIG_DFL)
         self._restore_signal_handlers()
         if callable(prev):
@@ -58,6 +69,14 @@ class PreemptionMixin:
         elif prev != signal.SIG_IGN:
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
+
+    def _release_signal_handlers(self) -> None:
+        """At the fit's end: give the handlers back, except when the fit ends the process after a preemption save
+        (then repeats of the signal within ``_REPEAT_WINDOW_S`` are still ignored, so the exit status stays 42)."""
+        if self._preempting and self.preemption_exit_code is not None:
+            self._exit_window_until = time.monotonic() + _REPEAT_WINDOW_S
+            return
+        self._restore_signal_handlers()
 
     def _check_preemption(self, agree_now: bool) -> None:
         if self._preempting:

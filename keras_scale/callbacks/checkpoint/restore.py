@@ -26,7 +26,7 @@ class RestoreMixin:
         for number, prefix in candidates:
             reader = None
             try:
-                reader = _io.load_checkpoint(prefix)
+                reader = _io.read_checkpoint(prefix)
                 self._check_signature(prefix, reader)  # a different model is an error, not a reason to fall back
                 # expect_partial: older checkpoints may hold objects this version no longer restores
                 _io.read_into(prefix, flat, target)
@@ -67,7 +67,7 @@ class RestoreMixin:
 
     @staticmethod
     def _read_position(prefix: str) -> Dict[str, int]:
-        reader = _io.load_checkpoint(prefix)
+        reader = _io.read_checkpoint(prefix)
         out = {}
         for name in _POSITION:
             key = f"keras_scale_position/{name}/.ATTRIBUTES/VARIABLE_VALUE"
@@ -79,7 +79,7 @@ class RestoreMixin:
         failures: List[str] = []
         for _, prefix in list_checkpoints(self.directory):
             try:
-                reader = _io.load_checkpoint(prefix)
+                reader = _io.read_checkpoint(prefix)
                 for key in reader.get_variable_to_shape_map():
                     reader.get_tensor(key)
                 self._read_position(prefix)
@@ -99,7 +99,7 @@ class RestoreMixin:
         if self.restore == "weights_only":
             self._restore_model_weights(prefix)
             return
-        reader = _io.load_checkpoint(prefix)
+        reader = _io.read_checkpoint(prefix)
         self._check_signature(prefix, reader)
         _io.read_into(prefix, self._flat, self._checkpoint)
         self._restored_from = prefix
@@ -111,7 +111,7 @@ class RestoreMixin:
         data position start fresh."""
         import tensorflow as tf
 
-        reader = _io.load_checkpoint(prefix)
+        reader = _io.read_checkpoint(prefix)
         self._check_signature(prefix, reader, weights_only=True)
         items = self._model_only
         _io.read_into(prefix, _io.flatten(items), tf.train.Checkpoint(**items))
@@ -128,7 +128,7 @@ class RestoreMixin:
             return
         restored = float(var.numpy())
         try:
-            raw = _io.load_checkpoint(prefix).get_tensor(_RUN_CONFIG_KEY)
+            raw = _io.read_checkpoint(prefix).get_tensor(_RUN_CONFIG_KEY)
             started = json.loads(raw.decode() if isinstance(raw, bytes) else raw).get("learning_rate")
         except Exception:  # noqa: BLE001 - written by an older version: the run's starting value is unknown
             started = None
@@ -157,13 +157,13 @@ class RestoreMixin:
         var = self._epoch_skipped_variable()
         if var is None:
             return
-        reader = _io.load_checkpoint(prefix)
+        reader = _io.read_checkpoint(prefix)
         value = reader.get_tensor(_EPOCH_SKIPPED_KEY) if mid_epoch and reader.has_tensor(_EPOCH_SKIPPED_KEY) else 0
         var.assign(tf.cast(value, var.dtype))
 
     def _restore_metrics(self, prefix: str) -> bool:
         """Continue the interrupted epoch's metrics (loss included) from their saved state."""
-        reader = _io.load_checkpoint(prefix)
+        reader = _io.read_checkpoint(prefix)
         variables = _metric_variables(self.model)
         keys = [_METRIC_KEY.format(i) for i in range(len(variables))]
         if not variables or not all(reader.has_tensor(k) for k in keys) or reader.has_tensor(

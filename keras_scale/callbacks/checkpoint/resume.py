@@ -13,7 +13,7 @@ import tensorflow as tf
 from keras_scale import events
 from keras_scale.callbacks.checkpoint.names import _EPOCH_LOGS_KEY, log
 from keras_scale.callbacks.checkpoint import format as _io
-from keras_scale.callbacks.checkpoint.state import _metric_variables, _state_size
+from keras_scale.callbacks.checkpoint.state import _state_size
 if TYPE_CHECKING:
     from keras_scale.callbacks.checkpoint.callback import ChiefCheckpoint
 
@@ -129,7 +129,7 @@ class ResumeMixin:
         self._batch_size = 0  # measured again in this run (it may differ: the position is kept in samples)
         epochs = (self.params or {}).get("epochs")
         try:
-            raw = _io.load_checkpoint(prefix).get_tensor(_EPOCH_LOGS_KEY)
+            raw = _io.read_checkpoint(prefix).get_tensor(_EPOCH_LOGS_KEY)
             self._saved_epoch_logs = json.loads(raw.decode() if isinstance(raw, bytes) else raw) if raw else None
         except Exception:  # noqa: BLE001 - older checkpoints have no epoch logs
             self._saved_epoch_logs = None

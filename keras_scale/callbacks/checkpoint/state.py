@@ -65,6 +65,18 @@ def _lr_variable(model: keras.Model) -> Optional[Any]:
     return learning_rate_variable(getattr(model, "optimizer", None))
 
 
+def _other_lr_values(model: keras.Model) -> List[Any]:
+    """``(variable, value now)`` of the float learning rate of every optimizer but ``model.optimizer``."""
+    from keras_scale.schedules import learning_rate_variable
+
+    out = []
+    for path, opt in training_state.optimizers(model).items():
+        var = learning_rate_variable(opt) if path != "optimizer" else None
+        if var is not None:
+            out.append((var, var.numpy()))
+    return out
+
+
 def _signature(model: keras.Model) -> Dict[str, Any]:
     """The model's variables (path, shape) and each optimizer's class and variables (:func:`keras_scale.state.signature`)."""
     return training_state.signature(model)
@@ -144,22 +156,19 @@ class StateMixin:
         self._weights_only = tf.train.Checkpoint(**weights)
         # The model's variables alone: restore="weights_only"
         self._model_only = {"model_variables": items["model_variables"]}
-        # Synchronous saves are written by format.py (raw bytes + JSON index); these are the same variables
-        # under the same keys, for its writer and for restoring either format.
+        # Synchronous saves are written by format.py (TensorFlow's bundle, directly); these are the same variables
+        # under the same keys, for its writer and for restoring.
         self._flat, self._flat_weights = _io.flatten(items), _io.flatten(weights)
         if not with_manager:
             return
         if self._chief:
             self._sanitize_state_file()
 
-        if self.async_save:  # TensorFlow's async checkpoint; spares kept by earlier synchronous runs go
-            _io.remove_spares(self._write_dir)
-
         def manager():
-            if self.async_save:
-                cls, target = tf.train.CheckpointManager, self._checkpoint
-            else:  # same numbering, state file and rotation; the bytes written by format.py
-                cls, target = _io.RecyclingCheckpointManager, _io.RawCheckpoint(self._checkpoint, self._flat)
+            # same numbering, state file and rotation either way; synchronous saves write TensorFlow's bundle
+            # directly (format.BundleCheckpoint), async ones through tf.train.Checkpoint
+            target = self._checkpoint if self.async_save else _io.BundleCheckpoint(self._checkpoint, self._flat)
+            cls = _io.CheckpointManager
             return cls(
                 target, self._write_dir, max_to_keep=self.max_to_keep if self._chief else 1,
                 keep_checkpoint_every_n_hours=self.keep_every_n_hours if self._chief else None,
@@ -241,7 +250,8 @@ class StateMixin:
             a, b = theirs[path].get("class"), ours[path]["class"]
             if a != b:
                 raise CheckpointMismatchError(
-                    f"checkpoint {prefix!r} was written with {a} as {path!r}, this run uses {b}: the slots of one "
+                    f"checkpoint {prefix!r} was written for a different optimizer: {a} as {path!r}, this run uses "
+                    f"{b}: the slots of one "
                     f"mean something else to the other (even with the same shapes). Keep {a}, or start from the model "
                     f"weights only with ChiefCheckpoint(..., restore='weights_only') (fresh {b} state), or use a new "
                     f"directory.")

@@ -1,0 +1,230 @@
+"""Using ChiefCheckpoint's checkpoints outside training: load one into a model by variable path, list a directory,
+export to Keras's own files.
+
+Example:
+    >>> import keras_scale as ks
+    >>> model = make_model()                                      # doctest: +SKIP
+    >>> ks.load_checkpoint(model, "runs/exp1/ckpt")               # doctest: +SKIP
+    'runs/exp1/ckpt/ckpt-3000'
+    >>> model.save("exp1.keras")                                  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import keras
+import tensorflow as tf
+
+from keras_scale.callbacks.checkpoint.directory import _scan, list_checkpoints, orphans
+from keras_scale.callbacks.checkpoint.format import _assign, read_checkpoint
+from keras_scale.callbacks.checkpoint.names import _BEST_DIR, _NAME, _POSITION, _SIGNATURE_KEY, CheckpointMismatchError
+
+__all__ = ["load_checkpoint", "resolve_checkpoint", "describe_directory"]
+
+_MODEL_KEY = "model_variables/{}/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+def resolve_checkpoint(path: Union[str, os.PathLike], step: Optional[int] = None) -> str:
+    """The checkpoint prefix ``path`` names: a prefix (``ckpt/ckpt-300``) as it is, a ChiefCheckpoint directory its
+    newest committed checkpoint (or the one numbered ``step``, also among ``best/``).
+
+    Example:
+        resolve_checkpoint("ckpt")            # 'ckpt/ckpt-300'
+        resolve_checkpoint("ckpt", step=200)  # 'ckpt/ckpt-200'
+    """
+    path = os.fspath(path)
+    if tf.io.gfile.isdir(path):
+        found = list_checkpoints(path)
+        best = os.path.join(path, _BEST_DIR)
+        if step is not None:
+            for number, prefix in found + (list_checkpoints(best) if tf.io.gfile.isdir(best) else []):
+                if number == step:
+                    return prefix
+            candidate = os.path.join(best, f"{_NAME}-{step}")
+            if tf.io.gfile.exists(candidate + ".index"):
+                return candidate
+            raise FileNotFoundError(f"no checkpoint {step} in {path!r} (it has {[n for n, _ in found] or 'none'}). "
+                                    "Fix: pass one of those steps, or none for the newest.")
+        if not found:
+            raise FileNotFoundError(f"{path!r} holds no checkpoint (no ckpt-N.index recorded or found). Fix: pass "
+                                    "the directory given to ChiefCheckpoint, or a checkpoint prefix such as "
+                                    f"{os.path.join(path, _NAME + '-100')!r}.")
+        return found[0][1]
+    if path.endswith(".index"):
+        path = path[: -len(".index")]
+    if not tf.io.gfile.exists(path + ".index"):
+        raise FileNotFoundError(f"{path!r} is neither a checkpoint directory nor a checkpoint prefix (no "
+                                f"{path + '.index'!r}).")
+    return path
+
+
+def _normalized(path: str) -> str:
+    # without the model's own name and Keras's auto-numbering ("sequential_3/dense_1/kernel" -> "dense/kernel")
+    parts = path.split("/")
+    parts = parts[1:] if len(parts) > 1 else parts
+    return "/".join(re.sub(r"_\d+$", "", p) for p in parts)
+
+
+def _keyed(paths: List[str], key: Any) -> List[Tuple[str, int]]:
+    seen: Dict[str, int] = {}
+    out = []
+    for p in paths:
+        k = key(p)
+        out.append((k, seen.get(k, 0)))
+        seen[k] = seen.get(k, 0) + 1
+    return out
+
+
+def load_checkpoint(model: keras.Model, path: Union[str, os.PathLike], step: Optional[int] = None) -> str:
+    """Load the model weights of a :class:`~keras_scale.ChiefCheckpoint` checkpoint into ``model``, matching
+    variables by their path (``layer/kernel``), not by position: a Dropout's seed state or a reordered list of
+    variables never shifts a weight into the wrong place. ``path`` is the checkpoint directory (its newest
+    checkpoint, or ``step``) or one checkpoint's prefix. Paths are compared as saved; when the model's own name or
+    Keras's automatic numbering differs (``dense_3`` in a process that built other models first), they are compared
+    without them, each name's variables in their order. Every shape and dtype is checked and every tensor read
+    (CRC-checked) before the first assignment. Only the model is loaded (not the optimizer); returns the prefix used.
+
+    Example:
+        >>> model = make_model()                                 # doctest: +SKIP
+        >>> ks.load_checkpoint(model, "ckpt")                    # doctest: +SKIP
+        'ckpt/ckpt-300'
+        >>> model.save_weights("model.weights.h5")               # doctest: +SKIP
+    """
+    prefix = resolve_checkpoint(path, step)
+    variables = list(model.variables)
+    if not variables:
+        raise ValueError("load_checkpoint: the model has no variables yet. Fix: build it first (a keras.Input as "
+                         "its first layer, model.build(input_shape), or call it on one batch).")
+    reader = read_checkpoint(prefix)
+    if not reader.has_tensor(_SIGNATURE_KEY):
+        raise CheckpointMismatchError(f"{prefix!r} records no variable paths (not written by ChiefCheckpoint); "
+                                      "load it with tf.train.Checkpoint(...).read instead.")
+    raw = reader.get_tensor(_SIGNATURE_KEY)
+    saved = [str(p) for p, _ in json.loads(raw.decode() if isinstance(raw, bytes) else raw)["model"]]
+    ours = [getattr(v, "path", None) or v.name for v in variables]
+    mapping: Optional[Dict[int, int]] = None
+    for key in (lambda p: p, _normalized):
+        theirs_k, ours_k = _keyed(saved, key), _keyed(ours, key)
+        if sorted(theirs_k) == sorted(ours_k) and len(set(ours_k)) == len(ours_k):
+            where = {k: i for i, k in enumerate(theirs_k)}
+            mapping = {j: where[k] for j, k in enumerate(ours_k)}
+            break
+    if mapping is None:
+        missing = sorted(set(map(_normalized, ours)) - set(map(_normalized, saved)))
+        extra = sorted(set(map(_normalized, saved)) - set(map(_normalized, ours)))
+        raise CheckpointMismatchError(
+            f"{prefix!r} holds {len(saved)} model variables, this model {len(ours)}; they do not match by path "
+            f"(only in the model: {missing[:5]}; only in the checkpoint: {extra[:5]}). Fix: build the model the "
+            "training script built (same layers, same names).")
+    dtypes, shapes = reader.get_variable_to_dtype_map(), reader.get_variable_to_shape_map()
+    plan = []
+    for j, var in enumerate(variables):
+        key = _MODEL_KEY.format(mapping[j])
+        if key not in dtypes:
+            raise CheckpointMismatchError(f"{prefix!r} lacks {key!r} ({ours[j]!r}); the checkpoint is incomplete.")
+        if dtypes[key].base_dtype != tf.as_dtype(var.dtype).base_dtype or list(shapes[key]) != list(var.shape):
+            raise CheckpointMismatchError(
+                f"{prefix!r}: {saved[mapping[j]]!r} is {dtypes[key].name}{tuple(shapes[key])} there but "
+                f"{ours[j]!r} is {tf.as_dtype(var.dtype).name}{tuple(var.shape)} here; nothing was loaded.")
+        plan.append((var, key))
+    values = [(var, reader.get_tensor(key)) for var, key in plan]  # all read (CRC-checked) before any assignment
+    for var, value in values:
+        _assign(getattr(var, "value", var) if isinstance(var, keras.Variable) else var, value)
+    return prefix
+
+
+def _size(prefix: str) -> int:
+    directory, base = os.path.split(prefix)
+    total = 0
+    for name in tf.io.gfile.listdir(directory):
+        if name == base + ".index" or name.startswith(base + ".data-"):
+            total += tf.io.gfile.stat(os.path.join(directory, name)).length
+    return total
+
+
+def _position(prefix: str) -> Dict[str, int]:
+    try:
+        reader = read_checkpoint(prefix)
+        return {n: int(reader.get_tensor(f"keras_scale_position/{n}/.ATTRIBUTES/VARIABLE_VALUE"))
+                for n in _POSITION if reader.has_tensor(f"keras_scale_position/{n}/.ATTRIBUTES/VARIABLE_VALUE")}
+    except Exception:  # noqa: BLE001 - unreadable index: shown as such
+        return {}
+
+
+def describe_directory(directory: str) -> Dict[str, Any]:
+    """What ``keras-scale checkpoint ls`` prints: the committed checkpoints (number, position, bytes), which one a
+    resumed ``fit`` starts from, the kept best ones, problems and orphan files.
+
+    Example:
+        describe_directory("ckpt")["resumes"]   # 'ckpt/ckpt-300'
+    """
+    found, problems, _ = _scan(directory)
+    rows = [{"number": n, "prefix": p, "bytes": _size(p), **_position(p)} for n, p in found]
+    best: List[Dict[str, Any]] = []
+    try:
+        with tf.io.gfile.GFile(os.path.join(directory, _BEST_DIR, "best.json")) as f:
+            best = json.load(f)
+    except Exception:  # noqa: BLE001 - none kept
+        best = []
+    for e in best:
+        e["prefix"] = os.path.join(directory, _BEST_DIR, f"{_NAME}-{e.get('number')}")
+    return {"directory": directory, "checkpoints": rows, "resumes": rows[0]["prefix"] if rows else None,
+            "best": best, "problems": problems, "orphans": orphans(directory)}
+
+
+def _human(num_bytes: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if num_bytes < 1024 or unit == "GB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+    return str(num_bytes)
+
+
+def _build_model(spec: str) -> keras.Model:
+    if spec.endswith(".keras"):
+        return keras.saving.load_model(spec, compile=False)
+    import importlib
+    import sys
+
+    module_name, _, function = spec.partition(":")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    model = getattr(importlib.import_module(module_name), function)()
+    if not isinstance(model, keras.Model):
+        raise ValueError(f"--model {spec!r} returned {type(model).__name__}, not a keras.Model")
+    return model
+
+
+def cli(args: Any) -> int:
+    """The work of ``keras-scale checkpoint ls|export`` (arguments parsed by :func:`keras_scale.cli.checkpoint_cli`)."""
+    if args.action == "ls":
+        info = describe_directory(args.directory)
+        if args.json:
+            print(json.dumps(info, indent=2, default=str))
+            return 0
+        print(f"{args.directory}: {len(info['checkpoints'])} checkpoint(s)")
+        for row in info["checkpoints"]:
+            where = (f"epoch {row['epoch'] + 1}, batch {row['step_in_epoch']}" if "epoch" in row
+                     else "position unknown")
+            mark = "  <- a resumed fit starts here" if row["prefix"] == info["resumes"] else ""
+            print(f"  {_NAME}-{row['number']:<10} {where:<24} {_human(row['bytes']):>10}{mark}")
+        for e in info["best"]:
+            print(f"  best: {os.path.basename(e['prefix'])} {e.get('monitor')}={e.get('value'):.6g} "
+                  f"(epoch {int(e.get('epoch', 0)) + 1})")
+        for problem in info["problems"]:
+            print(f"  problem: {problem}")
+        if info["orphans"]:
+            print(f"  {len(info['orphans'])} orphan file(s) of killed writes (removed at the next start): "
+                  + ", ".join(os.path.basename(p) for p in info["orphans"][:5]))
+        return 0
+    model = _build_model(args.model)
+    prefix = load_checkpoint(model, args.directory, step=args.step)
+    if args.to.endswith(".weights.h5"):
+        model.save_weights(args.to)
+    else:
+        model.save(args.to)
+    print(f"wrote {args.to} from {prefix}")
+    return 0
