@@ -18,7 +18,7 @@ from keras_scale.launch import launch_local_workers, make_tf_config
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
            TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
-COMMANDS = ["version", "doctor", "profile-summary", "plot-lr", "launch"]
+COMMANDS = ["version", "doctor", "profile-summary", "plot-lr", "launch", "checkpoint"]
 
 
 def _cli(*args, timeout=120, pre=""):

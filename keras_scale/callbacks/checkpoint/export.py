@@ -2,11 +2,9 @@
 export to Keras's own files.
 
 Example:
-    >>> import keras_scale as ks
-    >>> model = make_model()                                      # doctest: +SKIP
-    >>> ks.load_checkpoint(model, "runs/exp1/ckpt")               # doctest: +SKIP
-    'runs/exp1/ckpt/ckpt-3000'
-    >>> model.save("exp1.keras")                                  # doctest: +SKIP
+    model = make_model()
+    ks.load_checkpoint(model, "runs/exp1/ckpt")   # 'runs/exp1/ckpt/ckpt-3000'
+    model.save("exp1.keras")
 """
 from __future__ import annotations
 
@@ -88,10 +86,9 @@ def load_checkpoint(model: keras.Model, path: Union[str, os.PathLike], step: Opt
     (CRC-checked) before the first assignment. Only the model is loaded (not the optimizer); returns the prefix used.
 
     Example:
-        >>> model = make_model()                                 # doctest: +SKIP
-        >>> ks.load_checkpoint(model, "ckpt")                    # doctest: +SKIP
-        'ckpt/ckpt-300'
-        >>> model.save_weights("model.weights.h5")               # doctest: +SKIP
+        model = make_model()
+        ks.load_checkpoint(model, "ckpt")      # 'ckpt/ckpt-300'
+        model.save_weights("model.weights.h5")
     """
     prefix = resolve_checkpoint(path, step)
     variables = list(model.variables)
