@@ -4,12 +4,17 @@ Parts, each switched on by the piece that needs it and otherwise free:
 
 - **accumulation** (``keras_scale.wrap``): split the batch ``fit`` delivers into micro-batches, run
   forward+backward on one micro-batch at a time, sum the gradients;
-- **one all-reduce per update**: the accumulated gradients (plus a "loss was non-finite" flag and the batch's
-  loss normaliser) are all-reduced once, then handed to the optimizer with its own all-reduce switched off, so
+- **one all-reduce per update**: the accumulated gradients (plus a "loss was non-finite" flag, the batch's
+  loss normaliser when the replicas' batches can be uneven, and the gradients' ``sum |g|`` when the guard checks
+  them) are all-reduced once, then handed to the optimizer with its own all-reduce switched off, so
   clipping, weight decay, EMA and loss scaling see the global gradient, exactly as on one device. The gradient
   is the global mean: each micro-batch on each replica is weighted by its share of the global normaliser (its
   samples, or its valid mask entries for a masked single-output model), so uneven last batches, uneven
-  replicas and masks give the big-batch gradient;
+  replicas and masks give the big-batch gradient; with a static per-replica batch (even by construction) and
+  no mask, Keras's plain sum already is that mean and the gradients are not scaled at all;
+- **logged numbers**: the loss and metric trackers record what plain Keras records for the same batch (a split
+  batch's loss and per-output losses once per step, from its micro-batches); a skipped step puts them back, and
+  while no step of the epoch was taken every logged value is NaN;
 - **non-finite guard** (``keras_scale.NanGuard``): a step whose loss or gradients are not finite applies no
   update at all (no optimizer moment, no ``iterations`` bump, BatchNorm statistics restored); every replica
   takes the same decision because it is made on reduced values; counters and a diagnosis of the first bad
@@ -107,6 +112,20 @@ def _all_gradients_finite(grads: List[Any]) -> tf.Tensor:
     total = tf.add_n(sums) if len(sums) > 1 else sums[0]
     return tf.cond(tf.math.is_finite(total), lambda: tf.constant(True),
                    lambda: tf.reduce_all([_all_finite(v) for v in values]))
+
+
+_SAFE_MAGNITUDE = 1e38  # a sum of |gradients| below this (float32 max 3.4e38): no reduced element overflowed
+
+
+def _magnitude(grads: List[Any]) -> tf.Tensor:
+    """``sum |g|`` over every element of ``grads`` (float32): non-finite when an element is, and an upper bound
+    of every element of the gradients' sum over replicas (so it also catches an overflow in the all-reduce)."""
+    values = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
+    sums = [tf.cast(tf.reduce_sum(tf.abs(v if v.dtype in (tf.float32, tf.float64) else tf.cast(v, tf.float32))),
+                    tf.float32) for v in values if v.dtype.is_floating]
+    if not sums:
+        return tf.constant(0.0)
+    return tf.add_n(sums) if len(sums) > 1 else sums[0]
 
 
 def _values_finite(variables: List[Any]) -> tf.Tensor:
@@ -556,7 +575,10 @@ class ComposedStep:
         grads, trainable, share, loss_bad, pred_bad, stats = self._accumulate(x, y, sample_weight, batch_size)
         if stats is not None:
             self._record_split_logs(stats, batch_size, x, outputs, logged)
-        reduced_grads, any_loss_bad, present, local = self._all_reduce(grads, share, loss_bad, batch_size)
+        # (the guard's gradient check travels in the all-reduce: see _all_reduce)
+        fold_check = self.guard and (self.check_gradients or is_loss_scaled(optimizer))
+        reduced_grads, any_loss_bad, present, local, grads_bad = self._all_reduce(
+            grads, share, loss_bad, batch_size, even=first.shape[0] is not None, check=fold_check)
         self._count_samples(batch_size, reduced_grads)
 
         if not self.guard:  # (guarded: the update sits in a cond on all reduced gradients, atomic already)
@@ -575,7 +597,8 @@ class ComposedStep:
                                            for g in reduced_grads if g is not None]
             with tf.control_dependencies(deps):
                 any_loss_bad = tf.identity(any_loss_bad)
-        bad = self._decide_bad(optimizer, any_loss_bad, [g for g in reduced_grads if g is not None])
+        bad = self._decide_bad(optimizer, any_loss_bad, [g for g in reduced_grads if g is not None],
+                               grads_bad=grads_bad)
         apply_now = self._apply_now(bad)
         self._conditional_apply(lambda g: optimizer.apply(g, trainable), reduced_grads, apply_now, snapshot,
                                 already_reduced=True)
@@ -645,7 +668,8 @@ class ComposedStep:
         return reads
 
     def _all_reduce(self, grads: List[Any], share: Optional[tf.Tensor], loss_bad: tf.Tensor,
-                    batch_size: tf.Tensor) -> Tuple[List[Any], tf.Tensor, List[int], List[Any]]:
+                    batch_size: tf.Tensor, even: bool = False, check: bool = False
+                    ) -> Tuple[List[Any], tf.Tensor, List[int], List[Any], Optional[tf.Tensor]]:
         """ONE all-reduce per update: gradients, the non-finite-loss flag and the normaliser; the global mean.
 
         Each replica holds ``A_r = sum_k f_k grad_k / R`` (``f_k`` a micro-batch's share of the replica's batch,
@@ -653,6 +677,15 @@ class ComposedStep:
         ``B_r`` samples per replica the big-batch gradient is ``sum_r B_r A_r / (sum_r B_r N_r / R)``, which is
         Keras's plain sum of ``A_r`` when the replicas' batches are even; uneven last batches (7 samples on 2
         replicas) get the global mean, not the mean of per-replica means.
+
+        ``even``: the per-replica batch has a static size (tf.distribute gives uneven splits an unknown size), so
+        every replica holds ``B`` samples and, unmasked, the plain sum IS the global mean: no scaling pass
+        before or after the all-reduce and no normaliser in it. ``check`` (a guard that checks gradients, on
+        several replicas): each replica adds ``sum |payload|`` to the same all-reduce, so the decision needs no
+        pass over the reduced gradients: the reduced sum is finite and far from overflow exactly when no reduced
+        gradient element can be non-finite (else the exact per-element check runs). Returns the reduced
+        gradients, the any-loss-bad flag, the present indices, this replica's gradients, and (``check``) whether
+        a reduced gradient is non-finite (``None``: decide from the reduced gradients).
         """
         present = [i for i, g in enumerate(grads) if g is not None]
         local = [grads[i] for i in present]
@@ -661,16 +694,31 @@ class ComposedStep:
         if replicas == 1:
             for i in present:
                 reduced_grads[i] = grads[i] if share is None else _scaled(grads[i], tf.math.divide_no_nan(1.0, share))
-            return reduced_grads, loss_bad > 0, present, local
-        b = tf.cast(batch_size, tf.float32)
-        weight = b if share is None else b * share
-        payload = [_scaled(g, b, no_nan=True) for g in local]  # an empty replica adds 0, not 0 * NaN
-        reduced = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM,
-                                                                 payload + [loss_bad, weight])
-        scale = tf.math.divide_no_nan(float(replicas), reduced[-1])
-        for i, g in zip(present, reduced[:-2]):
-            reduced_grads[i] = _scaled(g, scale)
-        return reduced_grads, reduced[-2] > 0, present, local
+            return reduced_grads, loss_bad > 0, present, local, None
+        if even and share is None:
+            payload, extra = list(local), [loss_bad]
+        else:
+            b = tf.cast(batch_size, tf.float32)
+            weight = b if share is None else b * share
+            payload = [_scaled(g, b, no_nan=True) for g in local]  # an empty replica adds 0, not 0 * NaN
+            extra = [loss_bad, weight]
+        if check:
+            extra.append(_magnitude(payload))
+        reduced = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, payload + extra)
+        summed, reduced_extra = reduced[:len(payload)], reduced[len(payload):]
+        scale = None
+        if len(extra) - int(check) == 2:  # the normaliser: scale to the global mean
+            scale = tf.math.divide_no_nan(float(replicas), reduced_extra[1])
+            summed = [_scaled(g, scale) for g in summed]
+        for i, g in zip(present, summed):
+            reduced_grads[i] = g
+        grads_bad = None
+        if check:
+            bound = reduced_extra[-1] if scale is None else reduced_extra[-1] * tf.maximum(scale, 1.0)
+            safe = tf.logical_and(tf.math.is_finite(bound), bound < _SAFE_MAGNITUDE)
+            grads_bad = tf.cond(safe, lambda: tf.constant(False),
+                                lambda: tf.logical_not(_all_gradients_finite(summed)))
+        return reduced_grads, reduced_extra[0] > 0, present, local, grads_bad
 
     def _count_samples(self, batch_size: tf.Tensor, after: List[Any]) -> None:
         """Add this replica's batch to ``samples_seen``, once the step got that far (an OOM retried by
