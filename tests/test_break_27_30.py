@@ -88,3 +88,19 @@ def test_records_outside_a_fit_still_follow_attach_and_detach(tmp_path):
     finally:
         events.detach(run)
     assert _kinds(run) == [("checkpoint", 4)]
+
+
+def test_checkpoints_are_found_after_the_log_directory_is_moved(tmp_path):
+    from keras_scale.tensorboard_plugin import data
+
+    x, y = _data()
+    run = str(tmp_path / "cluster" / "exp")
+    _model().fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[
+        ks.Goodput(log_dir=run, verbose=0), ks.ChiefCheckpoint(os.path.join(run, "ckpt"), save_freq=4,
+                                                               max_to_keep=1)])
+    moved = str(tmp_path / "laptop" / "exp")
+    os.makedirs(os.path.dirname(moved))
+    os.rename(run, moved)  # copied off the cluster: the stream still holds the old absolute paths
+    saves = data.run_detail("exp", moved)["checkpoints"]
+    assert [(s["step"], s["on_disk"]) for s in saves["saves"]] == [(4, False), (8, True)]  # max_to_keep=1
+    assert saves["newest_usable"] == os.path.join(moved, "ckpt", "ckpt-8")
