@@ -8,9 +8,11 @@ epoch) is recorded here, as one JSON object per line in ``<log_dir>/keras_scale/
 Nothing to enable: a keras_scale callback given a ``log_dir`` (``NanGuard``, ``Goodput``, ``GpuMonitor``,
 ``LearningRateLogger``, ``HostMemoryWatch``; anything with a :class:`keras_scale.callbacks._scalars.ChiefScalars`)
 opens the stream of that run on the chief for the duration of its fit; :func:`record` without ``log_dir``
-appends to every stream open in this process (so ``ChiefCheckpoint``, which has no ``log_dir``, lands in the run
-of the callbacks beside it); with ``log_dir`` it appends to that run's stream (chief only). Without either,
-:func:`record` does nothing. Records are small and rare (incidents and epoch ends, never per step); each line is
+appends to the streams opened in the same ``fit`` (so ``ChiefCheckpoint``, which has no ``log_dir``, lands in the
+run of the callbacks beside it, whatever their order: a record made in a fit before its streams are open, e.g.
+``ChiefCheckpoint``'s resume at train begin when it is listed first, is written when the first one opens; a
+stream left open by a fit that raised receives nothing from later fits); with ``log_dir`` it appends to that
+run's stream (chief only). Without either, :func:`record` does nothing. Records are small and rare (incidents and epoch ends, never per step); each line is
 written and flushed at once, so a killed run keeps everything recorded before the kill.
 
 Example:
@@ -36,6 +38,59 @@ STREAM_NAME = "events.jsonl"
 
 _lock = threading.Lock()
 _attached: Dict[str, int] = {}  # run directory -> how many open writers (ChiefScalars) point at it
+# run directory -> the Keras fit frames it was attached in (None: outside a fit); a fit that raised skips its
+# callbacks' on_train_end, so its streams stay attached: records of later fits must not reach them
+_attached_fits: Dict[str, List[Any]] = {}
+# records made inside a fit while no stream of that fit was open: (fit frame, line), written when one opens
+_pending: List[Any] = []
+_MAX_PENDING = 1000
+
+
+def _current_fit() -> Any:
+    """The innermost Keras ``fit`` frame on this thread's stack, or None (outside a fit, another thread)."""
+    try:
+        import sys
+
+        from keras_scale.lifecycle import _is_keras_fit
+
+        frame = sys._getframe(2)
+        while frame is not None:
+            if _is_keras_fit(frame.f_code):
+                return frame
+            frame = frame.f_back
+    except Exception:  # noqa: BLE001
+        pass
+    return None
+
+
+def _on_stack(fit: Any) -> bool:
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame is fit:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _forget_dead_fits() -> None:
+    """Inside a fit (under ``_lock``): drop the attachments and pending records of fits no longer running."""
+    for key in list(_attached):
+        live = [f for f in _attached_fits.get(key, []) if f is None or _on_stack(f)]
+        if live:
+            _attached[key], _attached_fits[key] = len(live), live
+        else:
+            _attached.pop(key, None)
+            _attached_fits.pop(key, None)
+    _pending[:] = [(f, line) for f, line in _pending if _on_stack(f)]
+
+
+def _write(run: str, lines: List[str]) -> None:
+    path = stream_path(run)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("".join(lines))
 
 
 def stream_path(log_dir: str) -> str:
@@ -59,8 +114,20 @@ def attach(log_dir: Optional[str]) -> None:
     if log_dir is None:
         return
     key = os.path.abspath(os.fspath(log_dir))
+    fit = _current_fit()
     with _lock:
+        if fit is not None:
+            _forget_dead_fits()
         _attached[key] = _attached.get(key, 0) + 1
+        _attached_fits.setdefault(key, []).append(fit)
+        if fit is not None:
+            mine = [line for f, line in _pending if f is fit]
+            _pending[:] = [(f, line) for f, line in _pending if f is not fit]
+            if mine:
+                try:
+                    _write(key, mine)
+                except OSError:
+                    pass
 
 
 def detach(log_dir: Optional[str]) -> None:
@@ -72,12 +139,20 @@ def detach(log_dir: Optional[str]) -> None:
     if log_dir is None:
         return
     key = os.path.abspath(os.fspath(log_dir))
+    fit = _current_fit()
     with _lock:
         count = _attached.get(key, 0) - 1
         if count > 0:
             _attached[key] = count
+            fits = _attached_fits.get(key, [])
+            mine = [i for i, f in enumerate(fits) if f is fit]
+            if mine:
+                del fits[mine[0]]
+            elif fits:
+                fits.pop()
         else:
             _attached.pop(key, None)
+            _attached_fits.pop(key, None)
 
 
 def _clean(value: Any) -> Any:
@@ -124,21 +199,26 @@ def record(kind: str, step: Optional[int] = None, log_dir: Optional[str] = None,
             if not is_chief():
                 return
             targets = [os.path.abspath(os.fspath(log_dir))]
+            fit = None
         else:
+            fit = _current_fit()
             with _lock:
+                if fit is not None:
+                    _forget_dead_fits()  # what is left was attached in this fit (or in an enclosing one)
                 targets = list(_attached)
-        if not targets:
-            return
+            if not targets and fit is None:
+                return
         event = {"kind": str(kind), "step": None if step is None else int(step), "time": time.time(),
                  "pid": os.getpid()}
         event.update({k: _clean(v) for k, v in fields.items() if k not in event})
         line = json.dumps(event, allow_nan=False, separators=(",", ":")) + "\n"
         with _lock:
+            if not targets:  # inside a fit whose streams are not open yet: written when the first one opens
+                if len(_pending) < _MAX_PENDING:
+                    _pending.append((fit, line))
+                return
             for run in targets:
-                path = stream_path(run)
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                with open(path, "a", encoding="utf-8") as f:
-                    f.write(line)
+                _write(run, [line])
     except Exception:  # noqa: BLE001 - never end a run over a dashboard record
         pass
 

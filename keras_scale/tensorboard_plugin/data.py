@@ -238,14 +238,34 @@ def _state_file_entries(directory: str) -> Optional[List[str]]:
     return [os.path.basename(m) for m in re.findall(r'all_model_checkpoint_paths:\s*"([^"]+)"', text)]
 
 
-def _checkpoints(events: List[Dict[str, Any]]) -> Dict[str, Any]:
+def _relocated(directory: str, run_dir: Optional[str]) -> str:
+    """Where a checkpoint directory recorded with an absolute path is now: the same path, or, when the log
+    directory was moved or copied (``rsync`` off the cluster), the longest tail of that path found under
+    ``run_dir`` (``/old/runs/exp/ckpt`` -> ``<run_dir>/ckpt``)."""
+    if not directory or run_dir is None or os.path.isdir(directory):
+        return directory
+    parts = [p for p in os.path.normpath(directory).split(os.sep) if p]
+    for i in range(len(parts)):
+        candidate = os.path.join(run_dir, *parts[i:])
+        if os.path.isdir(candidate):
+            return candidate
+    return directory
+
+
+def _checkpoints(events: List[Dict[str, Any]], run_dir: Optional[str] = None) -> Dict[str, Any]:
     saves = [e for e in events if e["kind"] == "checkpoint"]
     best: Dict[str, Dict[str, Any]] = {}
     states: Dict[str, Optional[List[str]]] = {}
+    moved: Dict[str, str] = {}
     rows = []
     for e in saves:
         path = e.get("path") or ""
         directory = e.get("directory") or os.path.dirname(path)
+        if directory not in moved:
+            moved[directory] = _relocated(directory, run_dir)
+        if moved[directory] != directory:
+            path = os.path.join(moved[directory], os.path.basename(path)) if path else path
+            directory = moved[directory]
         if directory not in best:
             try:
                 with open(os.path.join(directory, "best", "best.json"), encoding="utf-8") as f:
@@ -352,7 +372,7 @@ def run_detail(name: str, run_dir: str, read_scalars: Optional[ScalarReader] = N
             row = _goodput_row(e["goodput"])
             row.update({"epoch": e.get("epoch"), "step": e.get("step"), "pid": e.get("pid")})
             epochs.append(row)
-    saves = _checkpoints(events)
+    saves = _checkpoints(events, run_dir)
     detail = {
         "run": name,
         "categories": list(CATEGORIES),

@@ -1,0 +1,106 @@
+"""Found by trying the dashboard's incident stream as a user would (issues 27/30): a record without ``log_dir``
+(``ChiefCheckpoint``'s saves and resumes) lands in the run of the fit it happens in, whatever the order of the
+callbacks, and never in the run of an earlier fit that raised."""
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import keras_scale as ks
+from keras_scale import events
+
+
+def _model() -> keras.Model:
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(64, 4)).astype("float32"), rng.normal(size=(64, 1)).astype("float32")
+
+
+def _kinds(run):
+    return [(e["kind"], e["step"]) for e in events.read(run)]
+
+
+class _RaiseAtBatch(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 5:
+            raise RuntimeError("a user's callback fails mid-epoch")
+
+
+@pytest.mark.parametrize("same_model", [False, True], ids=["new_model", "same_model"])
+def test_a_fit_that_raised_leaves_no_stream_open_for_the_next_fit(tmp_path, same_model):
+    x, y = _data()
+    old, new = str(tmp_path / "old"), str(tmp_path / "new")
+    model = _model()
+    with pytest.raises(RuntimeError):  # on_train_end never runs: the callbacks' streams are not closed
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[
+            ks.NanGuard(log_dir=old), ks.Goodput(log_dir=old, verbose=0), ks.HostMemoryWatch(log_dir=old),
+            ks.ChiefCheckpoint(str(tmp_path / "old_ckpt"), save_freq=4), _RaiseAtBatch()])
+    before = _kinds(old)
+    assert before == [("checkpoint", 4)]
+    second = model if same_model else _model()
+    second.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[
+        ks.Goodput(log_dir=new, verbose=0), ks.ChiefCheckpoint(str(tmp_path / "new_ckpt"), save_freq=4)])
+    assert _kinds(old) == before  # nothing of the second fit in the first run's dashboard
+    saves = [e for e in events.read(new) if e["kind"] == "checkpoint"]
+    assert [e["step"] for e in saves] == [4, 8]
+    assert all(e["directory"] == str(tmp_path / "new_ckpt") for e in saves)
+
+
+def test_a_fit_with_no_stream_of_its_own_writes_into_no_earlier_run(tmp_path):
+    x, y = _data()
+    old = str(tmp_path / "old")
+    with pytest.raises(RuntimeError):
+        _model().fit(x, y, batch_size=8, epochs=1, verbose=0,
+                     callbacks=[ks.Goodput(log_dir=old, verbose=0), _RaiseAtBatch()])
+    _model().fit(x, y, batch_size=8, epochs=1, verbose=0,
+                 callbacks=[ks.ChiefCheckpoint(str(tmp_path / "ckpt"), save_freq=4)])
+    assert _kinds(old) == []
+
+
+@pytest.mark.parametrize("checkpoint_first", [True, False], ids=["checkpoint_first", "checkpoint_last"])
+def test_the_resume_is_on_the_dashboard_whatever_the_callback_order(tmp_path, checkpoint_first):
+    x, y = _data()
+    run, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
+    for epochs in (1, 2):  # the second fit resumes from the first one's checkpoint
+        others = [ks.NanGuard(log_dir=run), ks.Goodput(log_dir=run, verbose=0)]
+        checkpoint = ks.ChiefCheckpoint(ckpt, save_freq=4)
+        _model().fit(x, y, batch_size=8, epochs=epochs, verbose=0,
+                     callbacks=[checkpoint] + others if checkpoint_first else others + [checkpoint])
+    resumes = [e for e in events.read(run) if e["kind"] == "resume"]
+    assert [(e["step"], e["epoch"], os.path.basename(e["path"])) for e in resumes] == [(8, 1, "ckpt-8")]
+    with open(events.stream_path(run)) as f:
+        assert all(json.loads(line) for line in f)  # one whole record per line
+
+
+def test_records_outside_a_fit_still_follow_attach_and_detach(tmp_path):
+    run = str(tmp_path / "r")
+    events.record("nan", 1)  # nothing open, outside a fit: nothing kept for later
+    events.attach(run)
+    try:
+        events.record("checkpoint", 4, path="x")
+    finally:
+        events.detach(run)
+    assert _kinds(run) == [("checkpoint", 4)]
+
+
+def test_checkpoints_are_found_after_the_log_directory_is_moved(tmp_path):
+    from keras_scale.tensorboard_plugin import data
+
+    x, y = _data()
+    run = str(tmp_path / "cluster" / "exp")
+    _model().fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[
+        ks.Goodput(log_dir=run, verbose=0), ks.ChiefCheckpoint(os.path.join(run, "ckpt"), save_freq=4,
+                                                               max_to_keep=1)])
+    moved = str(tmp_path / "laptop" / "exp")
+    os.makedirs(os.path.dirname(moved))
+    os.rename(run, moved)  # copied off the cluster: the stream still holds the old absolute paths
+    saves = data.run_detail("exp", moved)["checkpoints"]
+    assert [(s["step"], s["on_disk"]) for s in saves["saves"]] == [(4, False), (8, True)]  # max_to_keep=1
+    assert saves["newest_usable"] == os.path.join(moved, "ckpt", "ckpt-8")
