@@ -716,12 +716,13 @@ def choose_strategy(strategy: Union[str, Any] = "auto", all_reduce: str = "auto"
     log = logging.getLogger("keras_scale")
     if kind == "multi_worker":
         config = None
-        if not tf_config():
-            found = cluster_tf_config()
+        found = cluster_tf_config()  # the source strategy_plan and is_chief read: a TF_CONFIG that names no
+        if found is None or found[0] != "TF_CONFIG":  # cluster ('{"task": ...}' only) does not shadow Slurm
             if found is None or found[1] is None:
                 raise ValueError(
                     "strategy='multi_worker' needs a cluster: set TF_CONFIG (see docs/fit.md), run under "
                     "`srun` with several tasks, or in a Kubernetes Indexed Job with KERAS_SCALE_NUM_WORKERS set."
+                    + (" (TF_CONFIG is set but names no cluster.)" if tf_config() else "")
                 )
             config = found[1]
         from keras_scale.heartbeat_file import write_beat

@@ -1658,14 +1658,31 @@ def check_tf_config(f: Facts, resolve: Callable[[str], List[str]] = _resolve,
     raw = f.env.get("TF_CONFIG", "").strip()
     fix = ('TF_CONFIG looks like {"cluster": {"worker": ["host1:port", "host2:port"]}, "task": {"type": "worker", '
            '"index": 0}}; `keras-scale launch` sets it for local workers.')
-    from keras_scale.distribute import cluster_task, kubernetes_tf_config, tf_config
+    from keras_scale.distribute import _kubernetes_task, _slurm_task, cluster_task, kubernetes_tf_config, tf_config
 
+    slurm, pod = _slurm_task(f.env), _kubernetes_task(f.env)
+    other = (f"a Slurm job step with {slurm[1]} tasks" if slurm is not None else
+             f"a Kubernetes Indexed Job of {pod[1]} workers" if pod is not None else None)
+    shadowed = ""
+    if raw:
+        try:
+            named = bool((tf_config({"TF_CONFIG": raw}) or {}).get("cluster"))
+        except (ValueError, AttributeError):
+            named = True  # malformed: choose_strategy and is_chief stop on it, so it is checked (an error) below
+            if other is not None:
+                fix = f"Unset TF_CONFIG to use {other} (also in this environment), or fix it: " + fix
+        if not named and other is not None:  # it does not shadow the other sources: they are what training uses
+            shadowed = f" TF_CONFIG is set but names no cluster ({raw[:80]!r}): it is ignored."
+            raw = ""
+        elif named and other is not None:
+            shadowed = (f" TF_CONFIG wins over {other} also in this environment (TF_CONFIG is read first); if it "
+                        "is left over (e.g. exported before sbatch), unset it.")
     if not raw:  # the other cluster sources, in the order choose_strategy and is_chief read them
         source, _, index, num_workers = cluster_task(f.env)
         if source == "Slurm":
-            return CheckResult(name, "ok", f"Slurm job step: task {index} of {num_workers} "
+            return CheckResult(name, "warn" if shadowed else "ok", f"Slurm job step: task {index} of {num_workers} "
                                f"({'the chief' if index == 0 else 'not the chief'}); choose_strategy() derives "
-                               "TF_CONFIG from it.")
+                               "TF_CONFIG from it." + shadowed, "Unset TF_CONFIG." if shadowed else "")
         if source != "Kubernetes":
             return CheckResult(name, "ok", "TF_CONFIG unset: single-machine training.")
         raw = json.dumps(kubernetes_tf_config(f.env))  # checked below like a TF_CONFIG
@@ -1729,6 +1746,9 @@ def check_tf_config(f: Facts, resolve: Callable[[str], List[str]] = _resolve,
     else:
         return CheckResult(name, "warn", f"{detail}; its address {my_host} is not an address of this machine "
                        f"({', '.join(resolved.get(my_host, []))}).", "Set task.index to this machine's entry.")
+    if shadowed:
+        return CheckResult(name, "warn", detail + f", port {my_port} free." + shadowed, "Unset TF_CONFIG if it is "
+                           "not meant for this run.")
     return CheckResult(name, "ok", detail + f", port {my_port} free.")
 
 

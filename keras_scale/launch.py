@@ -567,6 +567,26 @@ def launch_with_restarts(
         with open(record_path, "a") as f:
             f.write(json.dumps(entry) + "\n")
 
+    # Between attempts (the restart backoff, while no worker runs) a SIGTERM/SIGINT ends the run cleanly: no
+    # restart, the status 128 + signal, the run directory cleaned up (without this handler SIGTERM killed the
+    # launcher outright and Ctrl-C raised KeyboardInterrupt out of the backoff's sleep).
+    between: List[int] = []
+    woken = threading.Event()
+
+    def on_signal_between(signum: int, frame: Any) -> None:
+        between.append(signum)
+        woken.set()
+
+    previous_handlers: Dict[int, Any] = {}
+
+    def restore_handlers() -> None:
+        for signum, handler in previous_handlers.items():
+            signal.signal(signum, handler)
+        previous_handlers.clear()
+
+    if forward_signals and threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            previous_handlers[signum] = signal.signal(signum, on_signal_between)
     try:
         while True:
             previous = restarts[-1] if restarts else None
@@ -593,7 +613,8 @@ def launch_with_restarts(
             if all(r.ok for r in results):
                 return LaunchOutcome(results, restarts, 0)
             if results[0].signal_forwarded is not None:
-                if reraise_signal and forward_signals and threading.current_thread() is threading.main_thread():
+                if reraise_signal and previous_handlers:
+                    restore_handlers()
                     signal.raise_signal(results[0].signal_forwarded)
                 return LaunchOutcome(results, restarts, status)
             if any(r.timed_out for r in results):
@@ -622,8 +643,16 @@ def launch_with_restarts(
                     "num_workers_next": next_workers, "last_step": restart.last_step,
                     "last_progress_unix": restart.last_progress_unix, "failed_at_unix": restart.failed_at_unix})
             current = next_workers
-            time.sleep(min(backoff_s * 2 ** (restart.restart - 1), 30.0))
+            woken.wait(min(backoff_s * 2 ** (restart.restart - 1), 30.0))
+            if between:  # no worker runs now: nothing to forward
+                say(f"keras-scale launch: {_signal_name(between[0])} received during the restart backoff: not "
+                    f"restarting (exit {128 + between[0]})")
+                if reraise_signal and previous_handlers:
+                    restore_handlers()
+                    signal.raise_signal(between[0])
+                return LaunchOutcome(results, restarts, 128 + between[0])
     finally:
+        restore_handlers()
         if own_dir:
             shutil.rmtree(run_dir, ignore_errors=True)
 

@@ -1,0 +1,89 @@
+"""Break tests of "survive a lost worker" (issue 29), written by a tester as a user would hit them; TF-free fake
+workers where the launcher's own logic is what is tested."""
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+from keras_scale.launch import launch_with_restarts
+
+CRASHES = r'''
+import os, sys, time
+index = __import__("json").loads(os.environ["TF_CONFIG"])["task"]["index"]
+open(f"attempt_{index}_{os.getpid()}", "w").close()
+time.sleep(0.2)
+if index == 1:
+    raise RuntimeError("boom in epoch 1")
+'''
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_the_restart_backoff_ends_the_run_cleanly_without_restarting(tmp_path, signum):
+    # before: SIGTERM in the backoff killed the launcher outright (no summary, its temporary run dir left behind)
+    # and Ctrl-C raised KeyboardInterrupt out of time.sleep with a traceback
+    script = tmp_path / "w.py"
+    script.write_text(CRASHES)
+    lines = []
+
+    def say(line):
+        lines.append(line)
+        if "restart 1 of" in line:  # the backoff (30 s) starts now
+            threading.Timer(0.3, os.kill, (os.getpid(), signum)).start()
+
+    started = time.monotonic()
+    outcome = launch_with_restarts([sys.executable, str(script)], num_workers=2, max_restarts=3, backoff_s=30,
+                                   grace_s=1, cwd=str(tmp_path), say=say, reraise_signal=False, timeout_s=120)
+    assert time.monotonic() - started < 25  # did not sit out the backoff
+    assert outcome.status == 128 + signum and len(outcome.restarts) == 1
+    assert "received during the restart backoff: not restarting" in lines[-1]
+    assert len([f for f in os.listdir(tmp_path) if f.startswith("attempt_")]) == 2  # no second attempt
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are given back
+
+
+SLURM_STEP = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "node[1-2]",
+              "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "1(x2)"}
+
+
+def test_a_tf_config_naming_no_cluster_does_not_shadow_the_slurm_step_the_plan_and_is_chief_use(monkeypatch):
+    # before: strategy_plan and is_chief read the Slurm step (task 1 of 2) while choose_strategy built the strategy
+    # from the TF_CONFIG that names no cluster: every task trained alone, silently
+    import keras_scale.distribute as dist
+
+    for key, value in SLURM_STEP.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("TF_CONFIG", '{"task": {"type": "worker", "index": 0}}')
+    built = {}
+
+    class Built(Exception):
+        pass
+
+    def multi_worker(all_reduce, config):  # what choose_strategy would build MultiWorkerMirroredStrategy from
+        built["config"] = config
+        raise Built
+
+    monkeypatch.setattr(dist, "_multi_worker", multi_worker)
+    assert dist.strategy_plan("auto")[0] == "multi_worker" and dist.is_chief() is False
+    with pytest.raises(Built):
+        dist.choose_strategy()
+    assert built["config"] == {"cluster": {"worker": ["node1:8888", "node2:8888"]},
+                               "task": {"type": "worker", "index": 1}}
+
+
+def test_doctor_says_which_cluster_source_wins_when_tf_config_and_slurm_are_both_set():
+    import keras_scale.doctor as _doctor  # noqa: F401
+    dr = sys.modules["keras_scale.doctor"]
+    ignored = dr.check_tf_config(dr.Facts(env={**SLURM_STEP, "TF_CONFIG": '{"task": {"type": "worker"}}'}))
+    assert ignored.status == "warn" and "Slurm job step: task 1 of 2" in ignored.detail
+    assert "names no cluster" in ignored.detail and "ignored" in ignored.detail
+    broken = dr.check_tf_config(dr.Facts(env={**SLURM_STEP, "TF_CONFIG": "{not json"}))
+    assert broken.status == "error" and "Unset TF_CONFIG to use a Slurm job step with 2 tasks" in broken.fix
+    tf_config = '{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker", "index": 0}}'
+    wins = dr.check_tf_config(dr.Facts(env={**SLURM_STEP, "TF_CONFIG": tf_config}), resolve=lambda h: ["127.0.0.1"],
+                              port_free=lambda h, p: True)
+    assert wins.status == "warn" and "TF_CONFIG wins over a Slurm job step with 2 tasks" in wins.detail
+    alone = dr.check_tf_config(dr.Facts(env={"TF_CONFIG": tf_config}), resolve=lambda h: ["127.0.0.1"],
+                               port_free=lambda h, p: True)
+    assert alone.status == "ok"
