@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from keras_scale._validate import check_int
 from keras_scale import lifecycle
-from keras_scale.step import get_step
+from keras_scale.step import check_wrappable, get_step
 
 __all__ = ["AccumulatingModel", "wrap", "unwrap"]
 
@@ -145,12 +145,17 @@ class AccumulatingModel(keras.Model):
         # a fit starts: undo what a died fit left, then the composed function for this fit's parts (cached)
         if lifecycle.called_by_keras_fit():
             lifecycle.fit_starts(self)
+        elif not lifecycle.fit_running(self):
+            lifecycle.end(self)  # train_on_batch: what a fit left is undone (the composed step stays)
         return get_step(self).place_train_function(force)
 
     def fit(self, x: Any = None, y: Any = None, batch_size: Optional[int] = None, **kwargs: Any) -> Any:
         self._check_batch_size(x, batch_size)
         self._warn_sparse_gradients()
-        return super().fit(x, y, batch_size=batch_size, **kwargs)
+        try:
+            return super().fit(x, y, batch_size=batch_size, **kwargs)
+        finally:  # however the fit ended (returned, raised, interrupted): what its pieces installed is undone
+            lifecycle.end(self)
 
     def _warn_sparse_gradients(self) -> None:
         """Warn once: an Embedding's gradient with a non-SGD optimizer differs from Keras's once split.
@@ -310,7 +315,10 @@ def wrap(model: keras.Model, accum: Union[int, str, None] = None, micro_batch_si
     """Return a model that trains ``model``'s weights with exact gradient accumulation.
 
     Args:
-        model: any Keras model (create it inside the strategy scope for multi-device training).
+        model: any Keras model (create it inside the strategy scope for multi-device training) whose class does not
+            define its own ``train_step`` or ``compute_loss`` (refused here: the wrapper would replace them). A
+            model compiled before ``wrap`` passes its compilation on (the same optimizer object, loss,
+            ``loss_weights``, metrics); compiling the wrapper afterwards replaces it.
         accum: split each batch into this many micro-batches; ``"auto"``: start unsplit and split finer
             whenever a step runs out of device memory, retrying the same batch (:mod:`keras_scale.auto_accum`);
             what it learns is the largest micro-batch SIZE that fits: each batch of ``b`` samples per replica
@@ -343,11 +351,30 @@ def wrap(model: keras.Model, accum: Union[int, str, None] = None, micro_batch_si
         1
         >>> other = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
         >>> auto = wrap(other, accum="auto")   # split only when a step runs out of memory
+        >>> third = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        >>> third.compile(optimizer="adam", loss="mse")
+        >>> wrap(third, accum=2).optimizer is third.optimizer   # compiled first: the compilation carries over
+        True
     """
     if isinstance(model, AccumulatingModel):
         raise ValueError("model is already wrapped; use keras_scale.unwrap(model) first or keep one wrap.")
-    return AccumulatingModel(model, accum=accum, micro_batch_size=micro_batch_size, unroll=unroll,
-                             max_micro_batch_size=max_micro_batch_size, log_dir=log_dir, verbose=verbose)
+    if isinstance(model, keras.Model):
+        check_wrappable(model)  # here, not at fit start: whatever order wrap and compile come in
+    wrapped = AccumulatingModel(model, accum=accum, micro_batch_size=micro_batch_size, unroll=unroll,
+                                max_micro_batch_size=max_micro_batch_size, log_dir=log_dir, verbose=verbose)
+    if getattr(model, "compiled", False):
+        _carry_compilation(model, wrapped)
+    return wrapped
+
+
+def _carry_compilation(model: keras.Model, wrapped: AccumulatingModel) -> None:
+    """``model`` was compiled before ``wrap``: compile the wrapper the same way, with the same optimizer object
+    (its state, its schedule), loss, loss_weights, metrics and options, so ``compile; wrap; fit`` just works."""
+    config = getattr(model, "_compile_config", None)
+    kwargs = dict(config.config) if config is not None else {}
+    kwargs["optimizer"] = model.optimizer
+    with wrapped.distribute_strategy.scope():
+        wrapped.compile(**kwargs)
 
 
 def unwrap(model: keras.Model) -> keras.Model:

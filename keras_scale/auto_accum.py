@@ -289,17 +289,10 @@ class AutoAccum:
 
     # ---------------------------------------------------------------- recovery
     def _state_variables(self) -> List[Any]:
-        """What a train step may change besides weights and optimizer slots: non-trainable variables of
-        trainable layers (BatchNorm moving statistics, counters), seed-generator states, metric accumulators.
+        """What a failed attempt may have changed besides weights and slots (:mod:`keras_scale.state` defines it)."""
+        from keras_scale import state as training_state
 
-        Frozen layers' variables (``layer.trainable = False``: a fine-tuned model's backbone) are not copied:
-        a train step does not change them, and copying them every step would cost memory and bandwidth.
-        """
-        model = self.model
-        frozen = {id(v) for layer in model._flatten_layers() if not layer.trainable for v in layer.variables}
-        state = [v for v in model.non_trainable_variables
-                 if id(v) not in frozen or "seed_generator" in getattr(v, "path", "")]
-        return state + list(model.metrics_variables)
+        return training_state.step_mutable_variables(self.model)
 
     def _snapshot(self) -> Tuple[Any, List[tf.Tensor]]:
         """On-device copies of what a failed attempt may have changed, and ``optimizer.iterations``.
@@ -518,7 +511,9 @@ def find_micro_batch(model: keras.Model, sample_batch: Any, max_size: Optional[i
         total = min(total, int(max_size))
     if total < 1:
         raise ValueError(f"find_micro_batch needs a sample batch with at least one sample, got {total}.")
-    state = list(model.non_trainable_variables)
+    from keras_scale import state as training_state
+
+    state = training_state.step_mutable_variables(model)  # the probe must leave BN statistics and metrics as they were
     saved = [v.numpy() for v in state]
 
     @tf.function(reduce_retracing=True)

@@ -7,9 +7,20 @@ leak into the next fit. This module makes every install exception-safe with one 
 - a piece calls :func:`join` from its ``set_model`` (Keras calls it while building the fit's ``CallbackList``,
   before ``make_train_function``), registering an ``undo`` for what it is about to install;
 - it calls :func:`leave` from ``on_train_end``, which runs the ``undo`` at once;
-- if the fit died, the next ``fit`` of the model runs the left-over ``undo`` at its start: from the piece's own
-  ``set_model`` when it takes part again, else from ``make_train_function`` (Keras calls it once per fit, after
-  ``set_model``), which :func:`join` hooks on the model until nothing is left to undo.
+- if the fit died (an exception, a ``KeyboardInterrupt`` from a user callback), the next use of the model runs
+  the left-over ``undo`` before anything else: a ``fit`` (from the piece's own ``set_model`` when it takes part
+  again, else from ``make_train_function``, which Keras calls once per fit after ``set_model``), and
+  ``train_on_batch``, ``test_on_batch``, ``predict_on_batch``, ``evaluate`` and ``predict`` (through
+  ``make_train_function``/``make_test_function``/``make_predict_function``, which :func:`join` hooks on the model
+  until nothing is left to undo); so after any ending the model behaves as plain Keras. A wrapped model's ``fit``
+  undoes in a ``finally`` right away.
+
+What a piece changes on a Keras object is installed through :func:`patch` (an instance attribute whose previous
+value comes back however the fit ends) or registered with :func:`join`/:func:`add_undo`; nothing else.
+
+Where the stack must be looked at (is this Keras's own ``fit``?) it is here only, in :func:`called_by_keras_fit`
+and :func:`fit_running`, guarded by a fingerprint: the code object of the installed Keras's
+``TensorFlowTrainer.fit``, found once (a name-based check when that Keras hides it).
 
 The hook also lets :mod:`keras_scale.step` put the right train function in place for the fit that starts. Only
 the call from Keras's own ``fit`` counts as a fit start (:func:`called_by_keras_fit`); a callback that calls
@@ -30,15 +41,20 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Tuple
 
-__all__ = ["join", "leave", "fit_starts", "pending", "called_by_keras_fit"]
+__all__ = ["join", "leave", "joined", "patch", "add_undo", "end", "fit_starts", "pending", "called_by_keras_fit",
+           "fit_running"]
 
 _ATTR = "_keras_scale_lifecycle"
+
+
+_HOOKED = ("make_train_function", "make_test_function", "make_predict_function")
 
 
 class _Session:
     def __init__(self) -> None:
         self.undo: Dict[int, Tuple[Any, Callable[[], None]]] = {}
         self.joined: set = set()
+        self.extra: Dict[int, list] = {}  # owner -> further undos (patch, add_undo), run last-in first-out
 
 
 def _session(model: Any, create: bool = False) -> Any:
@@ -64,13 +80,110 @@ def join(model: Any, owner: Any, undo: Callable[[], None]) -> None:
         1
     """
     session = _session(model, create=True)
-    stale = session.undo.pop(id(owner), None)
-    if stale is not None:
-        stale[1]()
+    if id(owner) in session.undo:
+        _run_undo(session, id(owner))
     session.undo[id(owner)] = (owner, undo)
     session.joined.add(id(owner))
-    if "make_train_function" not in vars(model):
-        object.__setattr__(model, "make_train_function", _HookedMakeTrainFunction(model))
+    for name in _HOOKED:
+        if name not in vars(model):
+            object.__setattr__(model, name, _HookedMake(model, name))
+
+
+def _run_undo(session: _Session, key: int) -> None:
+    """Run ``key``'s undo and its further undos (last installed first); every one runs even if one raises."""
+    entry = session.undo.pop(key, None)
+    extra = session.extra.pop(key, [])
+    errors = []
+    for fn in reversed(extra):
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - the other undos must still run
+            errors.append(e)
+    if entry is not None:
+        try:
+            entry[1]()
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+    if errors:
+        raise errors[0]
+
+
+def add_undo(model: Any, owner: Any, undo: Callable[[], None]) -> None:
+    """One more thing ``owner`` (already joined) installed; undone with the rest of its state, before its own undo.
+
+    Example:
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        >>> owner, undone = object(), []
+        >>> join(model, owner, undo=lambda: undone.append("joined"))
+        >>> add_undo(model, owner, lambda: undone.append("extra"))
+        >>> leave(model, owner)
+        >>> undone
+        ['extra', 'joined']
+    """
+    session = _session(model, create=True)
+    if id(owner) not in session.undo:
+        join(model, owner, undo=lambda: None)
+    session.extra.setdefault(id(owner), []).append(undo)
+
+
+_MISSING = object()
+
+
+def patch(model: Any, owner: Any, obj: Any, name: str, value: Any) -> None:
+    """Set ``obj.<name> = value`` as an instance attribute for ``owner``'s fit; the previous value (or the class's
+    attribute) comes back when that state is undone, unless someone replaced ``value`` since.
+
+    Example:
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        >>> owner = object()
+        >>> patch(model, owner, model, "_initial_epoch", 2)
+        >>> model._initial_epoch
+        2
+        >>> leave(model, owner)
+        >>> model._initial_epoch is None
+        True
+    """
+    previous = vars(obj).get(name, _MISSING)
+    object.__setattr__(obj, name, value)
+
+    def undo() -> None:
+        if vars(obj).get(name, _MISSING) is not value:
+            return  # replaced since: not ours to take back
+        if previous is _MISSING:
+            object.__delattr__(obj, name)
+        else:
+            object.__setattr__(obj, name, previous)
+
+    add_undo(model, owner, undo)
+
+
+def end(model: Any) -> None:
+    """Everything any piece installed on ``model`` is undone now (the fit that installed it is over).
+
+    Example:
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        >>> owner, undone = object(), []
+        >>> join(model, owner, undo=lambda: undone.append("reverted"))
+        >>> end(model)
+        >>> undone, pending(model)
+        (['reverted'], 0)
+    """
+    session = _session(model)
+    if session is None:
+        return
+    errors = []
+    for key in list(session.undo):
+        try:
+            _run_undo(session, key)
+        except Exception as e:  # noqa: BLE001 - every piece's undo runs
+            errors.append(e)
+    session.joined.clear()
+    _maybe_unhook(model, session)
+    if errors:
+        raise errors[0]
 
 
 def leave(model: Any, owner: Any) -> None:
@@ -89,10 +202,22 @@ def leave(model: Any, owner: Any) -> None:
     if session is None:
         return
     session.joined.discard(id(owner))
-    entry = session.undo.pop(id(owner), None)
-    if entry is not None:
-        entry[1]()
-    _maybe_unhook(model, session)
+    try:
+        _run_undo(session, id(owner))
+    finally:
+        _maybe_unhook(model, session)
+
+
+def joined(model: Any, owner: Any) -> bool:
+    """Whether ``owner`` has state installed on ``model`` (joined and not left yet).
+
+    Example:
+        >>> import keras
+        >>> joined(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]), object())
+        False
+    """
+    session = _session(model)
+    return session is not None and id(owner) in session.undo
 
 
 def pending(model: Any) -> int:
@@ -125,34 +250,71 @@ def fit_starts(model: Any) -> None:
     session = _session(model)
     if session is None:
         return
-    for key, (_, undo) in list(session.undo.items()):
+    for key in list(session.undo):
         if key not in session.joined:
-            del session.undo[key]
-            undo()
+            _run_undo(session, key)
     session.joined.clear()
 
 
 def _maybe_unhook(model: Any, session: _Session) -> None:
-    if not session.undo and isinstance(vars(model).get("make_train_function"), _HookedMakeTrainFunction):
-        object.__delattr__(model, "make_train_function")
+    if session.undo:
+        return
+    for name in _HOOKED:
+        if isinstance(vars(model).get(name), _HookedMake):
+            object.__delattr__(model, name)
 
 
-class _HookedMakeTrainFunction:
-    """``model.make_train_function`` while keras_scale state is installed on the model."""
+class _HookedMake:
+    """``model.make_{train,test,predict}_function`` while keras_scale state is installed on the model."""
 
-    def __init__(self, model: Any) -> None:
-        self.model = model
+    def __init__(self, model: Any, name: str) -> None:
+        self.model, self.name = model, name
 
     def __call__(self, force: bool = False) -> Any:
         from keras_scale import step as step_lib  # the step module imports this one
 
         model = self.model
-        if called_by_keras_fit():
-            fit_starts(model)
-            session = _session(model)
-            if session is not None:
-                _maybe_unhook(model, session)
-        return step_lib.make_train_function(model, force)
+        if self.name == "make_train_function" and called_by_keras_fit():
+            fit_starts(model)  # a fit starts: what pieces not taking part left is undone
+        elif not fit_running(model):
+            end(model)  # train_on_batch, evaluate, predict... after a fit that died: plain Keras again
+        session = _session(model)
+        if session is not None:
+            _maybe_unhook(model, session)
+        if self.name == "make_train_function":
+            return step_lib.make_train_function(model, force)
+        return getattr(type(model), self.name)(model, force)
+
+
+def _keras_fit_code() -> Any:
+    """The code object of the installed Keras's ``TensorFlowTrainer.fit`` (the fingerprint), or None."""
+    global _FIT_CODE
+    if _FIT_CODE is _MISSING:
+        code = None
+        try:
+            from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+            fn = TensorFlowTrainer.fit
+            while hasattr(fn, "__wrapped__"):
+                fn = fn.__wrapped__
+            code = fn.__code__
+            if code.co_name != "fit" or "make_train_function" not in code.co_names:
+                code = None  # not the fit this module was written against: fall back to the name check
+        except Exception:  # noqa: BLE001 - another Keras layout
+            code = None
+        _FIT_CODE = code
+    return _FIT_CODE
+
+
+_FIT_CODE: Any = _MISSING
+
+
+def _is_keras_fit(code: Any) -> bool:
+    fingerprint = _keras_fit_code()
+    if fingerprint is not None:
+        return code is fingerprint
+    return code.co_name == "fit" and "keras" in code.co_filename and code.co_filename.endswith(
+        ("trainer.py", "trainer.pyc"))
 
 
 def called_by_keras_fit(depth: int = 2) -> bool:
@@ -172,5 +334,22 @@ def called_by_keras_fit(depth: int = 2) -> bool:
         code = sys._getframe(depth).f_code
     except ValueError:  # a shallower stack: not Keras's fit
         return False
-    return code.co_name == "fit" and "keras" in code.co_filename and code.co_filename.endswith(
-        ("trainer.py", "trainer.pyc"))
+    return _is_keras_fit(code)
+
+
+def fit_running(model: Any, frame: Any = None) -> bool:
+    """True while a Keras ``fit`` of ``model`` is on the stack (of this thread, or above ``frame``).
+
+    Example:
+        >>> import keras
+        >>> fit_running(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]))
+        False
+    """
+    import sys
+
+    frame = sys._getframe(1) if frame is None else frame
+    while frame is not None:
+        if _is_keras_fit(frame.f_code) and frame.f_locals.get("self") is model:
+            return True
+        frame = frame.f_back
+    return False

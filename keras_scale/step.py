@@ -44,6 +44,7 @@ import tensorflow as tf
 from keras.src.losses import loss as keras_loss
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from keras_scale import state as training_state
 from keras_scale.schedules import inner_optimizer
 from keras_scale.sync_bn import batchnorm_layers
 
@@ -122,14 +123,19 @@ def is_loss_scaled(optimizer: Any) -> bool:
     return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
 
-# ---------------------------------------------------------------- the two optimizer switches (installed once,
-# from the main thread, transparent unless the tracing thread asks)
-def _install_optimizer_switches(optimizer: Any) -> None:
+# ---------------------------------------------------------------- the two optimizer switches (installed from the
+# main thread while the composed step is in place, through keras_scale.lifecycle; transparent unless the tracing
+# thread asks)
+def _install_optimizer_switches(model: keras.Model, owner: Any, optimizer: Any) -> None:
     """Let the tracing thread (1) hand already-reduced gradients to the optimizer, (2) guard a foreign step.
 
-    Installed once per optimizer from the main thread, never removed; both forward to Keras's own methods
-    unless the composed step switched them on in the current thread while tracing.
+    Installed per optimizer from the main thread with :func:`keras_scale.lifecycle.patch` for ``owner`` (the
+    model's :class:`ComposedStep`), so they are taken away with the rest of keras_scale's state however the fit
+    ends; both forward to Keras's own methods unless the composed step switched them on in the current thread while
+    tracing.
     """
+    from keras_scale import lifecycle
+
     inner = inner_optimizer(optimizer)
     with _INSTALL_LOCK:
         if "_keras_scale_switches" not in vars(inner):
@@ -140,8 +146,8 @@ def _install_optimizer_switches(optimizer: Any) -> None:
                     return list(grads_and_vars)
                 return keras_reduce(inner, grads_and_vars)
 
-            object.__setattr__(inner, "_all_reduce_sum_gradients", _all_reduce_sum_gradients)
-            object.__setattr__(inner, "_keras_scale_switches", True)
+            lifecycle.patch(model, owner, inner, "_all_reduce_sum_gradients", _all_reduce_sum_gradients)
+            lifecycle.patch(model, owner, inner, "_keras_scale_switches", True)
         if "_keras_scale_guarded_apply" not in vars(optimizer):
             keras_apply = type(optimizer).apply
 
@@ -153,8 +159,8 @@ def _install_optimizer_switches(optimizer: Any) -> None:
                     lambda g: keras_apply(optimizer, g, trainable_variables), optimizer, grads,
                     trainable_variables)
 
-            object.__setattr__(optimizer, "apply", apply)
-            object.__setattr__(optimizer, "_keras_scale_guarded_apply", True)
+            lifecycle.patch(model, owner, optimizer, "apply", apply)
+            lifecycle.patch(model, owner, optimizer, "_keras_scale_guarded_apply", True)
 
 
 class _ThreadFlag:
@@ -185,6 +191,24 @@ def has_own_train_step(model: keras.Model) -> bool:
     if getattr(type(model), "_keras_scale_composed", False):  # keras_scale.wrap's model: the composed step
         return False
     return getattr(type(model), "train_step", None) is not TensorFlowTrainer.train_step
+
+
+def check_wrappable(model: keras.Model) -> None:
+    """Refuse, with the fix, a model ``keras_scale.wrap`` cannot train (its own ``train_step`` or ``compute_loss``).
+
+    Example:
+        >>> check_wrappable(keras.Sequential([keras.layers.Dense(1)]))   # fine: nothing raised
+    """
+    if has_own_train_step(model):
+        raise ValueError(
+            f"keras_scale.wrap cannot split the batch of {type(model).__name__}, which defines its own "
+            f"train_step: the composed step would silently replace it. Train the model unwrapped (NanGuard "
+            f"still guards it, at its optimizer), or accumulate inside your train_step.")
+    if has_own_compute_loss(model):
+        raise ValueError(
+            f"keras_scale.wrap would drop {type(model).__name__}.compute_loss (the wrapper computes the "
+            f"compiled loss). Train the model unwrapped, or move the extra loss terms into a layer's "
+            f"add_loss / the compiled loss.")
 
 
 def has_own_compute_loss(model: keras.Model) -> bool:
@@ -370,6 +394,9 @@ class ComposedStep:
         self.reset_transient()
         if not self.active:
             self.give_back_plain()
+            from keras_scale import lifecycle
+
+            lifecycle.leave(self.model, self)  # the optimizer switches go
 
     def reset_transient(self) -> None:
         """Clear the halt flag, the consecutive-bad count and pending incidents (never carried across fits).
@@ -452,9 +479,9 @@ class ComposedStep:
             self._plain = (identity, current)  # Keras's own: given back when no part is asked for
         key = self._config()
         cached = self._cache.get(key)
+        for optimizer in training_state.optimizers(model).values():  # a GAN's own train_step may use several
+            _install_optimizer_switches(model, self, optimizer)  # (also for a cached function: it may retrace)
         if force or cached is None or not self._same(cached[0], identity):
-            for optimizer in _optimizers(model):  # a GAN's own train_step may use several
-                _install_optimizer_switches(optimizer)
             if model.optimizer is not None:
                 if not model.optimizer.built and model.built and model.trainable_variables:
                     with model.distribute_strategy.scope():  # e.g. a LossScaleOptimizer's dynamic scale
@@ -491,18 +518,9 @@ class ComposedStep:
                             f"with the default.")
         if self.wrapped:
             inner = model.inner
-            if has_own_train_step(inner):
-                raise ValueError(
-                    f"keras_scale.wrap cannot split the batch of {type(inner).__name__}, which defines its own "
-                    f"train_step: the composed step would silently replace it. Train the model unwrapped (NanGuard "
-                    f"still guards it, at its optimizer), or accumulate inside your train_step.")
+            check_wrappable(inner)
             if self.splits:
                 self._warn_non_mean_losses()
-            if has_own_compute_loss(inner):
-                raise ValueError(
-                    f"keras_scale.wrap would drop {type(inner).__name__}.compute_loss (the wrapper computes the "
-                    f"compiled loss). Train the model unwrapped, or move the extra loss terms into a layer's "
-                    f"add_loss / the compiled loss.")
 
     # ---------------------------------------------------------------- the step (replica threads)
     def train_step(self, data: Any) -> Dict[str, Any]:
@@ -600,8 +618,14 @@ class ComposedStep:
         if not self.guard:
             return self.model.train_step(data)
         snapshot = [(v, tf.identity(v)) for v in self.model.non_trainable_variables]
-        with _ThreadFlag("guarding", self), _ThreadFlag("foreign_data", (x, y, sample_weight, snapshot)):
+        verdicts: List[tf.Tensor] = []  # one per optimizer update of this step (a GAN applies two)
+        with _ThreadFlag("guarding", self), _ThreadFlag("foreign_data", (x, y, sample_weight, snapshot)), \
+                _ThreadFlag("foreign_verdicts", verdicts):
             logs = self.model.train_step(data)
+        if verdicts:  # the step is bad when ANY of its updates was skipped: counted once per step
+            step_bad = tf.reduce_any(tf.stack(verdicts))
+            self._count(step_bad)
+            tf.cond(step_bad, lambda: (self._count_bad(), tf.constant(True))[1], lambda: tf.constant(False))
         return self._logs(logs)
 
     def _guarded_foreign_apply(self, apply: Callable[[Any], Any], optimizer: Any, grads: Any,
@@ -619,8 +643,12 @@ class ComposedStep:
             self._conditional_apply(apply, grads, apply_now, snapshot, already_reduced=False)
         trainable = list(trainable_variables) if trainable_variables is not None else list(
             optimizer._trainable_variables)
+        verdicts = getattr(_LOCAL, "foreign_verdicts", None)
+        earlier_bad = tf.reduce_any(tf.stack(verdicts)) if verdicts else tf.constant(False)
         self._record(bad, x, y, sample_weight, tf.constant(0.0), tf.constant(0.0), [grads[i] for i in present],
-                     present, trainable)
+                     present, trainable, count=verdicts is None, diagnose=tf.logical_not(earlier_bad))
+        if verdicts is not None:
+            verdicts.append(bad)
         return optimizer.iterations
 
     def _apply_now(self, bad: tf.Tensor) -> tf.Tensor:
@@ -871,9 +899,7 @@ class ComposedStep:
         tf.distribute.get_replica_context().merge_call(cross_replica, args=(apply_now, grads, values))
 
     def _state(self) -> List[Any]:
-        optimizer = getattr(self.model, "optimizer", None)  # (None until compiled)
-        variables = list(self.model.variables) + (list(optimizer.variables) if optimizer is not None else [])
-        return [v for v in variables if "float" in str(v.dtype)]
+        return training_state.float_variables(self.model)  # weights and every optimizer's variables
 
     def state_finite(self) -> bool:
         """Whether every floating weight and optimizer variable is finite: one in-graph pass, a bool to the host.
@@ -924,14 +950,15 @@ class ComposedStep:
             return []
         return [(slot, float(v)) for slot, v in zip(self._layouts[layout - 1], diag[1:]) if v > 0]
 
-    def _record(self, bad, x, y, sample_weight, pred_bad, loss_bad, local_grads, present, trainable):
-        """Update counters and, on the first bad step since the host last looked, the diagnosis vector."""
-        bad_i = tf.cast(bad, tf.int64)
-        if self.halt_after_consecutive > 0:  # (bad steps in a row matter only to a policy that halts)
-            consecutive = (self.consecutive_bad + bad_i) * bad_i
-            self.consecutive_bad.assign(consecutive)
-            halt = tf.cast(consecutive >= self.halt_after_consecutive, tf.int64)
-            self.halted.assign(tf.maximum(self.halted, halt))
+    def _record(self, bad, x, y, sample_weight, pred_bad, loss_bad, local_grads, present, trainable,
+                count: bool = True, diagnose: Optional[tf.Tensor] = None):
+        """Update counters and, on the first bad step since the host last looked, the diagnosis vector.
+
+        ``count=False`` (one of several optimizer updates of a foreign step): write the diagnosis only (when
+        ``diagnose``, i.e. no earlier update of this step was bad); the step is counted once, by :meth:`_count`.
+        """
+        if count:
+            self._count(bad)
 
         slots: List[DiagnosisSlot] = []
         tensors: List[Any] = []  # what each diagnosis slot counts; counted only on a bad step (inside the cond)
@@ -965,23 +992,30 @@ class ComposedStep:
             return tf.constant(True)
 
         def on_bad():  # (a good step touches no counter: one cond, nothing else)
-            tf.cond(tf.equal(self.incidents, 0), write_diag, lambda: tf.constant(False))
-            one = tf.constant(1, tf.int64)
-            self.skipped_steps.assign_add(one)
-            self.epoch_skipped.assign_add(one)
-            self.incidents.assign_add(one)
+            first = tf.equal(self.incidents, 0)
+            if diagnose is not None:
+                first = tf.logical_and(first, diagnose)
+            tf.cond(first, write_diag, lambda: tf.constant(False))
+            if count:
+                self._count_bad()
             return tf.constant(True)
 
         tf.cond(bad, on_bad, lambda: tf.constant(False))
 
+    def _count(self, bad: tf.Tensor) -> None:
+        """One step's verdict: the consecutive-bad count (policies that halt) and, when bad, the skip counters."""
+        bad_i = tf.cast(bad, tf.int64)
+        if self.halt_after_consecutive > 0:  # (bad steps in a row matter only to a policy that halts)
+            consecutive = (self.consecutive_bad + bad_i) * bad_i
+            self.consecutive_bad.assign(consecutive)
+            halt = tf.cast(consecutive >= self.halt_after_consecutive, tf.int64)
+            self.halted.assign(tf.maximum(self.halted, halt))
 
-def _optimizers(model: keras.Model) -> List[Any]:
-    """``model.optimizer`` and any other optimizer the model holds as an attribute (GANs: ``d_optimizer``...)."""
-    found = [model.optimizer] if model.optimizer is not None else []
-    for value in vars(model).values():
-        if isinstance(value, keras.optimizers.Optimizer) and all(value is not f for f in found):
-            found.append(value)
-    return found
+    def _count_bad(self) -> None:
+        one = tf.constant(1, tf.int64)
+        self.skipped_steps.assign_add(one)
+        self.epoch_skipped.assign_add(one)
+        self.incidents.assign_add(one)
 
 
 def _replicas(strategy: Any) -> int:

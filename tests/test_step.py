@@ -78,7 +78,7 @@ def test_fit_after_nan_guard_gave_up_trains_normally():
     guard = ks.NanGuard(policy="rollback", max_consecutive=1, max_rollbacks=1, verbose=0)
     with pytest.raises(NanGuardGaveUp):
         model.fit(bad, y, batch_size=16, epochs=3, verbose=0, callbacks=[guard])
-    assert lifecycle.pending(model) == 1  # left behind by the died fit ...
+    assert lifecycle.pending(model) >= 1  # left behind by the died fit (the guard, the step's switches) ...
     before = [w.copy() for w in model.get_weights()]
     iterations = int(model.optimizer.iterations.numpy())
     model.fit(x, y, batch_size=16, epochs=2, verbose=0)  # ... and undone when the next (plain) fit starts
@@ -196,12 +196,9 @@ def test_nan_guard_keeps_the_users_own_train_step_and_guards_it(replicas, mirror
                 [v.numpy() for v in ref.trainable_weights]) < 1e-5
 
 
-def test_wrap_refuses_an_own_train_step_or_compute_loss_at_fit_start():
-    x, y = _data()
-    model = ks.wrap(_OwnStep(), accum=2)
-    model.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(ValueError, match="train_step"):
-        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+def test_wrap_refuses_an_own_train_step_or_compute_loss_in_wrap_itself():
+    with pytest.raises(ValueError, match="defines its own train_step"):
+        ks.wrap(_OwnStep(), accum=2)
 
     class OwnLoss(keras.Model):
         def __init__(self):
@@ -214,10 +211,8 @@ def test_wrap_refuses_an_own_train_step_or_compute_loss_at_fit_start():
         def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
             return keras.ops.mean((y - y_pred) ** 2) * 100.0
 
-    model = ks.wrap(OwnLoss(), accum=2)
-    model.compile(optimizer="sgd", loss="mse")
     with pytest.raises(ValueError, match="compute_loss"):
-        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        ks.wrap(OwnLoss(), accum=2)
 
 
 def test_unbuilt_subclassed_model_with_nan_guard_and_wrap():

@@ -21,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_scale import lifecycle
+from keras_scale import state as training_state
 from keras_scale import step as step_lib
 from keras_scale._validate import check_int
 from keras_scale.distribute import chief_print
@@ -162,7 +163,7 @@ class NanGuard(keras.callbacks.Callback):
         self._epoch = 0
         self._batches = 0
         self._seen_in_epoch = 0.0
-        self._snapshot: Optional[List[np.ndarray]] = None
+        self._snapshot: Optional[Dict[str, np.ndarray]] = None
         self._snapshot_batch = -1
         self._scalars: Optional[ChiefScalars] = None
         self._fitting = False
@@ -297,24 +298,22 @@ class NanGuard(keras.callbacks.Callback):
         details = found[source] or ["(values overflowed after the all-reduce)"]
         if poisoned:
             source, details = "weights", [f"{path} holds non-finite values" for path in step.non_finite_state()]
-        optimizer = self.model.optimizer
+        scaled = [o for o in training_state.optimizers(self.model).values() if step_lib.is_loss_scaled(o)]
         scale = None
-        if step_lib.is_loss_scaled(optimizer):
-            scale = float(optimizer.dynamic_scale.numpy())
+        if scaled and getattr(scaled[0], "dynamic_scale", None) is not None:
+            scale = float(scaled[0].dynamic_scale.numpy())
         advice = _ADVICE[source]
         if scale is not None and source == "gradients":
             advice = ("the gradients are non-finite even at loss scale " f"{scale:g}: loss scaling cannot fix "
                       "them. " + advice)
-        return NanReport(epoch=self._epoch, step=int(optimizer.iterations.numpy()), bad_steps=incidents,
+        return NanReport(epoch=self._epoch, step=training_state.iterations(self.model), bad_steps=incidents,
                          source=source, details=details, loss_scale=scale, advice=advice)
-
-    def _state_variables(self) -> List[Any]:
-        return list(self.model.variables) + list(self.model.optimizer.variables)
 
     def _take_snapshot(self) -> None:
         if self._poisoned():  # never keep a non-finite state as the one to roll back to
             return
-        self._snapshot = [np.array(v.numpy()) for v in self._state_variables()]
+        # the model's weights and EVERY optimizer's state (a GAN's two), as keras_scale.state defines them
+        self._snapshot = training_state.TrainingState(self.model).snapshot()
         self._snapshot_batch = self._batches
 
     def _maybe_snapshot(self) -> None:
@@ -333,27 +332,28 @@ class NanGuard(keras.callbacks.Callback):
                 f"{self.reports[-1]}")
         step = self._step
         skipped = int(step.skipped_steps.numpy())  # a restore must not rewind the incident count
-        updates_before = int(self.model.optimizer.iterations.numpy())
+        updates_before = training_state.iterations(self.model)
+        optimizers = list(training_state.optimizers(self.model).values())
         source = "checkpoint"
         restored = self._checkpoint.restore_latest() if self._checkpoint is not None else None
         if restored is None:
             source = "in-memory snapshot"
             if self._snapshot is None:
                 raise NanGuardGaveUp("NanGuard(policy='rollback') has no good state to roll back to.")
-            # the learning rate in force now (earlier rollbacks may have lowered it) survives the restore
-            lr = learning_rate_variable(self.model.optimizer)  # a float LR is an optimizer variable, in the snapshot
-            kept_lr = None if lr is None else np.array(lr.numpy())
-            for var, value in zip(self._state_variables(), self._snapshot):
-                var.assign(value)
-            if lr is not None:
-                lr.assign(kept_lr)
-        if scale_learning_rate(self.model.optimizer, self.lr_factor):
+            # the learning rates in force now (earlier rollbacks may have lowered them) survive the restore (a
+            # float LR is an optimizer variable, in the snapshot)
+            keep = tuple(lr for lr in (learning_rate_variable(o) for o in optimizers) if lr is not None)
+            training_state.TrainingState(self.model).restore(self._snapshot, keep=keep)
+        rebuild = False
+        for optimizer in optimizers:  # every optimizer the model trains with
+            rebuild = scale_learning_rate(optimizer, self.lr_factor) or rebuild
+        if rebuild:
             step_lib.rebuild(self.model)
         step.skipped_steps.assign(skipped)
         # the updates the restore discarded (ks.Goodput prices them as redone work)
-        step.rolled_back_steps += max(0, updates_before - int(self.model.optimizer.iterations.numpy()))
+        step.rolled_back_steps += max(0, updates_before - training_state.iterations(self.model))
         step.halted.assign(0)
         step.consecutive_bad.assign(0)
-        self._say(f"NanGuard: rolled back to the {source} at update {int(self.model.optimizer.iterations.numpy())}"
+        self._say(f"NanGuard: rolled back to the {source} at update {training_state.iterations(self.model)}"
                   f" and multiplied the learning rate by {self.lr_factor:g} (rollback {self.rollbacks}/"
                   f"{self.max_rollbacks}).", incident=True)

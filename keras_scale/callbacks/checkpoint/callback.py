@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import keras
 import tensorflow as tf
 
+from keras_scale import lifecycle
 from keras_scale._validate import check_int
 from keras_scale.distribute import is_chief
 from keras_scale.callbacks.checkpoint.names import _BEST_DIR, _NAME, _REF_ATTR, log
@@ -34,7 +35,8 @@ from keras_scale.callbacks.checkpoint.lock import LockMixin
 from keras_scale.callbacks.checkpoint.preemption import PREEMPTION_EXIT_CODE, PreemptionMixin
 from keras_scale.callbacks.checkpoint.restore import RestoreMixin
 from keras_scale.callbacks.checkpoint.resume import ResumeMixin, _describe, _ResumeEpoch
-from keras_scale.callbacks.checkpoint.state import StateMixin, _lr_variable, _metric_variables, _signature
+from keras_scale.callbacks.checkpoint.state import (StateMixin, _lr_variable, _metric_variables, _other_lr_values,
+                                                   _signature)
 
 
 def checkpoint_for(model: keras.Model) -> Optional["ChiefCheckpoint"]:
@@ -94,7 +96,11 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         max_to_keep: how many recent checkpoints to keep (>= 1).
         async_save: write in the background (TensorFlow's async checkpoint): the step waits only for the
             copy to host memory; never two writes at once; the last one is flushed at ``on_train_end``.
-        restore: resume from the newest checkpoint in ``directory`` at ``fit`` start.
+        restore: ``True``: resume from the newest checkpoint in ``directory`` at ``fit`` start (every optimizer's
+            class and variables must match: another optimizer is a :class:`CheckpointMismatchError` naming both
+            classes). ``"weights_only"``: load only the newest checkpoint's model weights and train with fresh
+            optimizer state from epoch 0 (e.g. after changing the optimizer); this run's checkpoints are numbered
+            after it. ``False``: start fresh.
         keep_every_n_hours: additionally keep one checkpoint per this many hours forever (``None``: off).
         keep_best_k: additionally keep the ``k`` best epoch-end checkpoints by ``monitor`` in ``directory/best``
             (0: off).
@@ -161,7 +167,11 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         self.save_freq = save_freq
         self.max_to_keep = max_to_keep
         self.async_save = bool(async_save)
-        self.restore = bool(restore)
+        if restore not in (True, False, "weights_only"):
+            raise ValueError(f"ChiefCheckpoint: restore must be True (resume everything), False (start fresh) or "
+                             f"'weights_only' (the newest checkpoint's model weights, fresh optimizer and position), "
+                             f"got {restore!r}.")
+        self.restore = restore if restore == "weights_only" else bool(restore)
         self.keep_every_n_hours = keep_every_n_hours
         self.keep_best_k = keep_best_k
         self.monitor = monitor
@@ -238,6 +248,8 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         # rollback to a state saved before an earlier rollback must not undo that rollback's lowering).
         lr = _lr_variable(self.model)
         keep_lr = lr.numpy() if lr is not None and not restore_keras_scale_state else None
+        # (and every other optimizer's float learning rate: a GAN's rollback lowers both)
+        other_lrs = [] if restore_keras_scale_state else _other_lr_values(self.model)
         found = self._restore_newest(everything=restore_keras_scale_state) if list_checkpoints(self.directory) else None
         if found is not None:
             step = self._read_position(found)["global_step"]
@@ -253,6 +265,9 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
             step = -1
         if keep_lr is not None and step >= 0:
             lr.assign(keep_lr)
+        if step >= 0:
+            for var, value in other_lrs:
+                var.assign(value)
         self._check_workers_agree(strategy, step)
         return None if step < 0 else step
 
@@ -289,6 +304,10 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         self.params = None
         self._start_state_wanted = False
         object.__setattr__(model, _REF_ATTR, weakref.ref(self))
+        # Everything this callback installs for the fit (train-function wrapper, method hooks, _initial_epoch,
+        # signal handlers, lock) is undone by _active_cleanup: at on_train_end, or, when the fit died (Keras skips
+        # on_train_end on an exception), at the model's next use (keras_scale.lifecycle).
+        lifecycle.join(model, self, undo=self._active_cleanup)
         # State a previous fit that raised may have left behind (Keras skips on_train_end on an exception).
         inner = getattr(getattr(model, "train_function", None), "_ks_checkpoint_inner", None)
         if inner is not None:
@@ -335,7 +354,21 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         if self._ensure_built():
             self._build_checkpoint()
         found: Optional[str] = None
-        if self.restore and list_checkpoints(self.directory):
+        if self.restore == "weights_only" and list_checkpoints(self.directory):
+            found = self._newest_readable()
+        if self.restore == "weights_only" and found is not None:
+            if self._weights_ready():
+                if self._checkpoint is None:
+                    self._build_checkpoint()
+                self._restore_model_weights(found)
+            else:
+                self._deferred_restore = self._restored_from = found
+            position = self._read_position(found)
+            # numbering continues after the checkpoint the weights came from, so this run's checkpoints are newer
+            self._global_step = self._last_saved_step = position["global_step"]
+            self._last_saved_prefix = found
+            found = None
+        elif self.restore and list_checkpoints(self.directory):
             if self._checkpoint is not None:
                 found = self._restored_from = self._restore_newest()
                 self._reconcile_learning_rate(found)
@@ -454,7 +487,10 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
             if self._already_complete is not None:
                 self._fill_history()
         finally:
-            self._active_cleanup()
+            if lifecycle.joined(self.model, self):
+                lifecycle.leave(self.model, self)  # runs _active_cleanup (and the hooks' undo)
+            else:
+                self._active_cleanup()
         if self._preempting:
             signame = signal.Signals(self.preempted).name if self.preempted else "a signal"
             where = f"{self._last_saved_prefix!r}" if self._last_saved_prefix else "the newest checkpoint"
@@ -490,12 +526,12 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
             return
         me = weakref.ref(self)
 
-        def before(caller: str) -> None:
+        def before(from_fit: bool) -> None:
             cb = me()
             if cb is not None and cb._in_this_fit() and cb._fit_thread == threading.get_ident():
                 cb._final_save()
 
-        self._finalize_hook = _hook_method(optimizer, "finalize_variable_values", before)
+        self._finalize_hook = _hook_method(self.model, self, optimizer, "finalize_variable_values", before)
 
     def _install_stop_save_hook(self) -> None:
         """A stop in the middle of an epoch (a callback's ``stop_training``, SIGTERM, NanGuard) is saved where the
@@ -508,15 +544,15 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
             return  # another Keras: the stop is saved at train end, as before
         me = weakref.ref(self)
 
-        def before(caller: str) -> Optional[bool]:
+        def before(from_fit: bool) -> Optional[bool]:
             cb = me()
             if cb is None or not cb._in_this_fit():
                 return False  # left by a fit that raised: take it away
-            if cb._fit_thread == threading.get_ident() and caller == "fit":
+            if cb._fit_thread == threading.get_ident() and from_fit:
                 cb._save_at_stop()  # (only fit's own call after its batch loop; never evaluate's)
             return None
 
-        self._stop_hook = _hook_method(model, "_get_metrics_result_or_logs", before)
+        self._stop_hook = _hook_method(model, self, model, "_get_metrics_result_or_logs", before)
 
     def _save_at_stop(self) -> None:
         model = self.model
@@ -589,12 +625,7 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         """This callback's fit is on the stack of the thread that started it (or of ``frame``)."""
         if frame is None:
             frame = sys._current_frames().get(self._fit_thread) if self._fit_thread is not None else None
-        model = self._model
-        while frame is not None:
-            if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
-                return True
-            frame = frame.f_back
-        return False
+        return frame is not None and lifecycle.fit_running(self._model, frame)
 
     def _reset_position(self) -> None:
         self._epoch = 0

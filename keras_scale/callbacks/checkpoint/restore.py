@@ -96,12 +96,28 @@ class RestoreMixin:
         self._build_from_data(iterator, f"to restore {prefix!r} before the first step")
         self._ensure_built()
         self._build_checkpoint()
+        if self.restore == "weights_only":
+            self._restore_model_weights(prefix)
+            return
         reader = _io.read_checkpoint(prefix)
         self._check_signature(prefix, reader)
         _io.read_into(prefix, self._flat, self._checkpoint)
         self._restored_from = prefix
         self._say(f"ChiefCheckpoint: restored {prefix}")
         self._reconcile_learning_rate(prefix)
+
+    def _restore_model_weights(self, prefix: str) -> None:
+        """``restore="weights_only"``: the model's variables from ``prefix``; optimizers, counters, metrics and the
+        data position start fresh."""
+        import tensorflow as tf
+
+        reader = _io.read_checkpoint(prefix)
+        self._check_signature(prefix, reader, weights_only=True)
+        items = self._model_only
+        _io.read_into(prefix, _io.flatten(items), tf.train.Checkpoint(**items))
+        self._restored_from = prefix
+        self._say(f"ChiefCheckpoint: restored the model weights of {prefix} (restore='weights_only': optimizer "
+                  "state and position start fresh)")
 
     def _reconcile_learning_rate(self, prefix: str) -> None:
         """A learning rate changed in the script between runs is used, with a warning naming both values; one changed

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from keras_scale.callbacks.checkpoint.names import _EPOCH_LOGS_KEY, log
 from keras_scale.callbacks.checkpoint import format as _io
-from keras_scale.callbacks.checkpoint.state import _metric_variables
+from keras_scale.callbacks.checkpoint.state import _state_size
 if TYPE_CHECKING:
     from keras_scale.callbacks.checkpoint.callback import ChiefCheckpoint
 
@@ -214,12 +214,14 @@ class ResumeMixin:
             self._restore_deferred(iterator)
         # Without a strategy Keras builds metrics only when the first step is traced: build them now, so that
         # skipped batches can report them and every checkpoint holds them.
+        # And every optimizer the model trains with must have its slots before the first save (keras_scale.state):
+        # a model with its own train_step builds them at their first apply, so one trace of the step builds them.
         compile_metrics = getattr(model, "_compile_metrics", None)
-        if getattr(model, "_distribute_strategy", None) is None and (
-                (compile_metrics is not None and not compile_metrics.built) or not self._ensure_built()):
+        if (getattr(model, "_distribute_strategy", None) is None and compile_metrics is not None
+                and not compile_metrics.built) or not self._ensure_built():
             self._build_from_data(iterator, "before the first step")
             self._ensure_built()
-        if self._checkpoint is None or self._num_metric_vars != len(_metric_variables(model)):
+        if self._checkpoint is None or self._state_size != _state_size(model):
             self._build_checkpoint()
         position = self._resume_position
         if position is not None and (self._skip_calls or self._skip_prefix):

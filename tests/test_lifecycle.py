@@ -1,0 +1,118 @@
+"""One lifecycle: whatever a keras_scale piece installed on a model is undone however the fit ends, and
+afterwards train_on_batch, test_on_batch, predict_on_batch, evaluate and a plain fit behave as plain Keras."""
+import numpy as np
+import pytest
+import keras
+
+import keras_scale as ks
+from keras_scale import lifecycle
+
+N, BATCH = 48, 8
+_RNG = np.random.default_rng(1)
+X = _RNG.normal(size=(N, 5)).astype("float32")
+Y = (X @ _RNG.normal(size=(5, 1))).astype("float32")
+X_NAN = X.copy()
+X_NAN[2 * BATCH] = np.nan  # the third batch is non-finite
+
+
+def _model(seed=3):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(6, activation="tanh"), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+    return model
+
+
+class _Interrupt(keras.callbacks.Callback):
+    """A user's callback that raises (KeyboardInterrupt: Ctrl-C in a callback; or any error) at a batch end."""
+
+    def __init__(self, at_batch, error=KeyboardInterrupt):
+        super().__init__()
+        self.at_batch, self.error = at_batch, error
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.at_batch:
+            raise self.error("simulated")
+
+
+def _twin_of(model):
+    twin = _model()
+    twin.set_weights(model.get_weights())
+    twin.optimizer.build(twin.trainable_variables)
+    for a, b in zip(twin.optimizer.variables, model.optimizer.variables):
+        a.assign(b)
+    return twin
+
+
+def _assert_behaves_as_plain_keras(model):
+    """train_on_batch x3, test_on_batch, predict_on_batch, evaluate and a plain fit: as on an untouched twin."""
+    twin = _twin_of(model)
+    before = int(model.optimizer.iterations.numpy())
+    for i in range(3):
+        got = model.train_on_batch(X[:BATCH], Y[:BATCH], return_dict=True)
+        want = twin.train_on_batch(X[:BATCH], Y[:BATCH], return_dict=True)
+        assert got == pytest.approx(want, rel=1e-6)
+    assert int(model.optimizer.iterations.numpy()) == before + 3  # (was: 0 updates, no error)
+    assert model.test_on_batch(X[:BATCH], Y[:BATCH], return_dict=True) == pytest.approx(
+        twin.test_on_batch(X[:BATCH], Y[:BATCH], return_dict=True), rel=1e-6)
+    np.testing.assert_allclose(model.predict_on_batch(X[:BATCH]), twin.predict_on_batch(X[:BATCH]), rtol=1e-6)
+    assert model.evaluate(X, Y, verbose=0, return_dict=True) == pytest.approx(
+        twin.evaluate(X, Y, verbose=0, return_dict=True), rel=1e-6)
+    h_model = model.fit(X, Y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False)
+    h_twin = twin.fit(X, Y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False)
+    np.testing.assert_allclose(h_model.history["loss"], h_twin.history["loss"], rtol=1e-6)
+    for a, b in zip(model.get_weights(), twin.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert lifecycle.pending(model) == 0
+
+
+def test_keyboard_interrupt_after_a_stop_halt_leaves_no_halted_step_behind():
+    """NanGuard(policy="stop") halts the step in-graph; a user callback then raises KeyboardInterrupt: Keras skips
+    every on_train_end. The halted step used to stay in place: train_on_batch did 0 updates, silently."""
+    model = _model()
+    guard = ks.NanGuard(policy="stop", verbose=0)
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(X_NAN, Y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False,
+                  callbacks=[guard, _Interrupt(at_batch=2)])
+    assert guard.skipped_steps == 1
+    _assert_behaves_as_plain_keras(model)
+
+
+_CELLS = [("nan_guard", e) for e in ("done", "raised", "interrupted", "stopped")] + [
+    ("checkpoint", "done"), ("checkpoint", "raised"), ("checkpoint", "interrupted"), ("both", "stopped"),
+    ("both", "interrupted")]
+
+
+@pytest.mark.parametrize("piece,ending", _CELLS)
+def test_after_any_ending_the_model_behaves_as_plain_keras(piece, ending, tmp_path):
+    import signal
+
+    handler = signal.getsignal(signal.SIGTERM)
+    model = _model()
+    callbacks = []
+    if piece in ("nan_guard", "both"):
+        callbacks.append(ks.NanGuard(policy="stop" if ending == "stopped" else "skip", verbose=0))
+    if piece in ("checkpoint", "both"):
+        callbacks.append(ks.ChiefCheckpoint(str(tmp_path / "ckpt"), save_freq=2))
+    if ending in ("raised", "interrupted"):
+        callbacks.append(_Interrupt(3, RuntimeError if ending == "raised" else KeyboardInterrupt))
+    data = X_NAN if ending == "stopped" else X
+    try:
+        model.fit(data, Y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False, callbacks=callbacks)
+    except (RuntimeError, KeyboardInterrupt):
+        assert ending in ("raised", "interrupted")
+    _assert_behaves_as_plain_keras(model)
+    assert signal.getsignal(signal.SIGTERM) == handler  # ChiefCheckpoint's handler is gone
+    assert not (tmp_path / "ckpt" / ".keras_scale.lock").exists()  # the directory lock is released
+    assert "train_function" not in vars(model) or not hasattr(model.train_function, "_ks_checkpoint_inner")
+
+
+def test_wrapped_model_fit_undoes_its_optimizer_switches_however_it_ends():
+    model = _model()
+    wrapped = ks.wrap(model, accum=2)  # compiled before wrap: carried over
+    optimizer = wrapped.optimizer
+    with pytest.raises(KeyboardInterrupt):
+        wrapped.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False, callbacks=[_Interrupt(1)])
+    assert "apply" not in vars(optimizer) and "_all_reduce_sum_gradients" not in vars(optimizer)
+    assert lifecycle.pending(wrapped) == 0
+    wrapped.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)  # and trains again
+    assert int(optimizer.iterations.numpy()) == 2 + N // BATCH
