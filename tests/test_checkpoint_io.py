@@ -275,3 +275,23 @@ def test_checkpoint_cli_help_and_bad_usage_import_no_tensorflow(tmp_path):
     assert "usage: keras-scale checkpoint" in out.stdout and out.stdout.strip().endswith("NO-TF"), out
     bad = _cli("export", str(tmp_path), "--model", "x:y", "--to", "model.h5")
     assert bad.returncode == 2 and ".weights.h5 or .keras" in bad.stderr
+
+
+def test_ks_load_checkpoint_into_a_functional_model_with_batchnorm_and_two_outputs(tmp_path):
+    def make():
+        keras.utils.set_random_seed(5)
+        i = keras.Input((4,))
+        h = keras.layers.Dropout(0.2)(keras.layers.BatchNormalization()(keras.layers.Dense(8)(i)))
+        m = keras.Model(i, [keras.layers.Dense(1)(h), keras.layers.Dense(2)(h)])
+        m.compile("adam", ["mse", "mse"], loss_weights=[1.0, 0.5])
+        return m
+
+    d = str(tmp_path / "ckpt")
+    x = np.random.RandomState(2).rand(32, 4).astype("float32")
+    trained = make()
+    trained.fit(x, [x[:, :1], x[:, :2]], batch_size=8, epochs=1, verbose=0, callbacks=[ks.ChiefCheckpoint(d)])
+    fresh = make()  # other automatic names (dense_4, batch_normalization_1, ...)
+    assert [v.path for v in fresh.variables] != [v.path for v in trained.variables]
+    ks.load_checkpoint(fresh, d)
+    for v, w in zip(fresh.variables, trained.variables):  # moving mean/variance and the seed state included
+        np.testing.assert_array_equal(v.numpy(), w.numpy())

@@ -59,20 +59,22 @@ def resolve_checkpoint(path: Union[str, os.PathLike], step: Optional[int] = None
     return path
 
 
-def _normalized(path: str) -> str:
-    # without the model's own name and Keras's auto-numbering ("sequential_3/dense_1/kernel" -> "dense/kernel")
-    parts = path.split("/")
-    parts = parts[1:] if len(parts) > 1 else parts
-    return "/".join(re.sub(r"_\d+$", "", p) for p in parts)
+def _normalized(paths: List[str]) -> List[str]:
+    """``paths`` without Keras's automatic numbering (``dense_1`` -> ``dense``) and without a first component that
+    all of them share (a Sequential model's own name: ``sequential_3/dense/kernel`` -> ``dense/kernel``)."""
+    split = [p.split("/") for p in paths]
+    if split and all(len(parts) > 1 for parts in split) and len({parts[0] for parts in split}) == 1:
+        split = [parts[1:] for parts in split]
+    return ["/".join(re.sub(r"_\d+$", "", part) for part in parts) for parts in split]
 
 
-def _keyed(paths: List[str], key: Any) -> List[Tuple[str, int]]:
+def _keyed(paths: List[str]) -> List[Tuple[str, int]]:
+    """Each path with its occurrence number among equal paths (so equal names map in their order)."""
     seen: Dict[str, int] = {}
     out = []
     for p in paths:
-        k = key(p)
-        out.append((k, seen.get(k, 0)))
-        seen[k] = seen.get(k, 0) + 1
+        out.append((p, seen.get(p, 0)))
+        seen[p] = seen.get(p, 0) + 1
     return out
 
 
@@ -103,15 +105,15 @@ def load_checkpoint(model: keras.Model, path: Union[str, os.PathLike], step: Opt
     saved = [str(p) for p, _ in json.loads(raw.decode() if isinstance(raw, bytes) else raw)["model"]]
     ours = [getattr(v, "path", None) or v.name for v in variables]
     mapping: Optional[Dict[int, int]] = None
-    for key in (lambda p: p, _normalized):
-        theirs_k, ours_k = _keyed(saved, key), _keyed(ours, key)
+    for normalize in (lambda paths: list(paths), _normalized):
+        theirs_k, ours_k = _keyed(normalize(saved)), _keyed(normalize(ours))
         if sorted(theirs_k) == sorted(ours_k) and len(set(ours_k)) == len(ours_k):
             where = {k: i for i, k in enumerate(theirs_k)}
             mapping = {j: where[k] for j, k in enumerate(ours_k)}
             break
     if mapping is None:
-        missing = sorted(set(map(_normalized, ours)) - set(map(_normalized, saved)))
-        extra = sorted(set(map(_normalized, saved)) - set(map(_normalized, ours)))
+        missing = sorted(set(_normalized(ours)) - set(_normalized(saved)))
+        extra = sorted(set(_normalized(saved)) - set(_normalized(ours)))
         raise CheckpointMismatchError(
             f"{prefix!r} holds {len(saved)} model variables, this model {len(ours)}; they do not match by path "
             f"(only in the model: {missing[:5]}; only in the checkpoint: {extra[:5]}). Fix: build the model the "
