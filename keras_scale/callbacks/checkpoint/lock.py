@@ -4,7 +4,8 @@ The lock ``directory/.keras_scale.lock`` names its holder: pid, host, the proces
 id (Linux: ``/proc``), so a pid that now belongs to an unrelated process, or a lock from before a reboot, is stale
 at once. It appears complete (written under a unique temporary name, then hard-linked into place; a link fails
 when a lock exists, so two starters can never both create one). A stale lock is taken over by renaming it to a
-unique name and checking that what was moved is the very file judged stale (else it is put back): of two starters
+unique name and checking that what was moved is the very file judged stale (same inode and mtime; the moved file is
+kept until the start is decided, so its inode is not reused meanwhile; else it is put back): of two starters
 judging one stale lock, exactly one wins. Locks of other hosts are stale once their heartbeat (an ``mtime``
 refresh every ``_LOCK_HEARTBEAT_S``) is ``_LOCK_STALE_S`` old. Object-store URLs (no exclusive create) get no lock.
 
@@ -21,7 +22,7 @@ import socket
 import threading
 import time
 import warnings
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from keras_scale.storage import _is_local, create_exclusive
 
@@ -108,6 +109,19 @@ class LockMixin:
             return  # no exclusive create on object stores; documented
         path = os.path.join(self.directory, _LOCK_NAME)
         me = dict(process_identity(), since=time.time())
+        graves: List[str] = []
+        try:
+            self._take_lock(path, me, graves)
+        finally:
+            for grave in graves:
+                try:
+                    os.unlink(grave)
+                except OSError:
+                    pass
+        self._lock_path = path
+        self._start_heartbeat()
+
+    def _take_lock(self, path: str, me: Dict[str, Any], graves: List[str]) -> None:
         for _ in range(5):
             created = self._create_lock(path, me)
             if created is not None:
@@ -125,7 +139,7 @@ class LockMixin:
             if stale:
                 warnings.warn(f"ChiefCheckpoint: removing the stale lock {path!r} ({stale}).", RuntimeWarning,
                               stacklevel=3)
-                self._take_over(path, seen)
+                self._take_over(path, seen, graves)
                 continue
             if not _valid_holder(holder):  # rewritten while we looked, still unreadable
                 raise RuntimeError(
@@ -151,8 +165,6 @@ class LockMixin:
         else:
             raise RuntimeError(f"ChiefCheckpoint: could not take the lock {path!r}; remove it if no run uses "
                                f"{self.directory!r}.")
-        self._lock_path = path
-        self._start_heartbeat()
 
     @staticmethod
     def _create_lock(path: str, me: Dict[str, Any]) -> Optional[tuple]:
@@ -183,9 +195,11 @@ class LockMixin:
                 pass
 
     @staticmethod
-    def _take_over(path: str, judged: os.stat_result) -> None:
-        """Remove the stale lock ``judged`` atomically: rename it away, then check the file moved is the one judged
-        stale (another starter may have taken over and created a new lock meanwhile: that one is put back)."""
+    def _take_over(path: str, judged: os.stat_result, graves: List[str]) -> None:
+        """Remove the stale lock ``judged`` atomically: rename it to a unique name, then check the file moved is the
+        one judged stale -- same inode and modification time (another starter may have taken over and created a new
+        lock meanwhile: that one is put back). The moved file is deleted only once this start is decided (kept in
+        ``graves`` until then), so its inode cannot be reused by a new lock in between."""
         grave = f"{path}.stale.{os.getpid()}.{secrets.token_hex(6)}"
         try:
             os.rename(path, grave)
@@ -193,16 +207,14 @@ class LockMixin:
             return
         try:
             moved = os.lstat(grave)
-            if (moved.st_dev, moved.st_ino) != (judged.st_dev, judged.st_ino):
-                try:
-                    os.link(grave, path)  # a live lock: give it back (fails only if yet another one exists)
-                except OSError:
-                    pass
-        finally:
+        except OSError:
+            return
+        if (moved.st_dev, moved.st_ino, moved.st_mtime_ns) != (judged.st_dev, judged.st_ino, judged.st_mtime_ns):
             try:
-                os.unlink(grave)
+                os.link(grave, path)  # a live lock: give it back (fails only if yet another one exists)
             except OSError:
                 pass
+        graves.append(grave)
 
     @staticmethod
     def _read_lock(path: str) -> Dict[str, Any]:
