@@ -3,6 +3,7 @@
 callbacks, and never in the run of an earlier fit that raised."""
 import json
 import os
+import time
 
 import keras
 import numpy as np
@@ -104,3 +105,23 @@ def test_checkpoints_are_found_after_the_log_directory_is_moved(tmp_path):
     saves = data.run_detail("exp", moved)["checkpoints"]
     assert [(s["step"], s["on_disk"]) for s in saves["saves"]] == [(4, False), (8, True)]  # max_to_keep=1
     assert saves["newest_usable"] == os.path.join(moved, "ckpt", "ckpt-8")
+
+
+def test_a_damaged_stream_still_shows_its_good_records(tmp_path):
+    """Junk bytes (a crash on some file systems), records of the wrong shape: skipped, never a failed page."""
+    from keras_scale.tensorboard_plugin import data
+
+    run = str(tmp_path)
+    events.record("epoch", 8, log_dir=run, epoch=0, goodput={"wall_s": 10.0, "productive_s": 8.0, "other_s": 2.0})
+    with open(events.stream_path(run), "ab") as f:
+        f.write(b'\x00\x00\xff\xfe junk\n[1, 2]\n{"kind": 7}\n{"kind": "nan", "step": "x", "time": "abc"}\n'
+                b'{"kind": "epoch", "step": 9, "goodput": "n/a"}\n{"kind": "checkpoint", "step": 9, "path": 123}\n'
+                b'{"kind": "fit_end", "step": 9, "pid": %d, "time": %f, "goodput": {"wall_s": "abc", "productive_s": 1.0}}\n'
+                % (os.getpid(), time.time()))
+    events.record("nan", 5, log_dir=run, source="loss")
+    assert [e["kind"] for e in events.read(run)][0] == "epoch"
+    page = data.run_detail("r", run)
+    json.dumps(page, allow_nan=False)
+    assert [(e["kind"], e["step"]) for e in page["incidents"]] == [("nan", None), ("nan", 5)]
+    assert [e["epoch"] for e in page["epochs"]] == [0]
+    assert page["summary"]["totals"]["productive_s"] == 1.0  # the fit's summary, its damaged wall time dropped

@@ -73,6 +73,30 @@ def _streams(run_dir: str) -> List[str]:
     return paths
 
 
+_OPTIONAL_DICTS = ("goodput", "logs")
+_OPTIONAL_STRS = ("path", "directory", "capture_dir")
+
+
+def _checked(event: Any) -> Optional[Dict[str, Any]]:
+    """The record as the page expects it, or None: a line of the wrong shape (damaged, another version, edited by
+    hand) is skipped or its odd fields dropped; it never takes the page down."""
+    if not isinstance(event, dict) or not isinstance(event.get("kind"), str):
+        return None
+    step = event.get("step")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        event["step"] = None
+    stamp = event.get("time")
+    if stamp is not None and (isinstance(stamp, bool) or not isinstance(stamp, (int, float))):
+        event["time"] = None
+    for key in _OPTIONAL_DICTS:
+        if key in event and not isinstance(event[key], dict):
+            del event[key]
+    for key in _OPTIONAL_STRS:
+        if key in event and not isinstance(event[key], str):
+            del event[key]
+    return event
+
+
 def read_run_events(run_dir: str) -> List[Dict[str, Any]]:
     """Every record of the run (its streams merged), in time order; a torn line of a killed run is skipped.
 
@@ -83,13 +107,14 @@ def read_run_events(run_dir: str) -> List[Dict[str, Any]]:
     events: List[Dict[str, Any]] = []
     for path in _streams(run_dir):
         try:
-            with open(path, encoding="utf-8") as f:
+            with open(path, encoding="utf-8", errors="replace") as f:  # junk bytes of a crash: that line skipped
                 for line in f:
                     try:
                         event = json.loads(line)
                     except ValueError:
                         continue
-                    if isinstance(event, dict) and "kind" in event:
+                    event = _checked(event)
+                    if event is not None:
                         events.append(event)
         except OSError:
             continue
@@ -128,12 +153,19 @@ def downsample(points: Sequence[Tuple[float, float]], max_points: int = MAX_POIN
 # goodput
 # --------------------------------------------------------------------------------------------------------------
 
+def _number(value: Any) -> Optional[float]:
+    """``value`` if it is a finite number (a damaged record's string or NaN: None)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return value
+
+
 def _goodput_row(goodput: Dict[str, Any]) -> Dict[str, Any]:
-    row = {c: float(goodput.get(c) or 0.0) for c in CATEGORIES}
-    row["wall_s"] = float(goodput.get("wall_s") or sum(row.values()))
+    row = {c: float(_number(goodput.get(c)) or 0.0) for c in CATEGORIES}
+    row["wall_s"] = float(_number(goodput.get("wall_s")) or sum(row.values()))
     for key in ("goodput", "samples_per_s", "mfu", "tflops_per_s", "steps", "samples", "skipped_steps",
                 "rolled_back_steps", "restarts", "restart_lost_s"):
-        row[key] = goodput.get(key)
+        row[key] = _number(goodput.get(key))
     return row
 
 
