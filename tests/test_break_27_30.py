@@ -125,3 +125,28 @@ def test_a_damaged_stream_still_shows_its_good_records(tmp_path):
     assert [(e["kind"], e["step"]) for e in page["incidents"]] == [("nan", None), ("nan", 5)]
     assert [e["epoch"] for e in page["epochs"]] == [0]
     assert page["summary"]["totals"]["productive_s"] == 1.0  # the fit's summary, its damaged wall time dropped
+
+
+def test_a_resume_after_nan_skips_is_placed_and_counted_in_optimizer_updates(tmp_path):
+    """The stream of a real kill (quickstart: a NaN skip per epoch, 32 batches per epoch, killed after epoch 3's
+    end before the save at global batch 96, resumed from ckpt-80): 16 batches are trained again."""
+    from keras_scale.tensorboard_plugin import data
+
+    run, t = str(tmp_path), [1000.0]
+
+    def line(kind, step, pid, **fields):
+        t[0] += 1
+        return json.dumps(dict(kind=kind, step=step, pid=pid, time=t[0], **fields)) + "\n"
+
+    lines = []
+    for epoch, nan_update in enumerate((5, 36, 67)):  # killed process: each epoch's poisoned batch is skipped
+        lines.append(line("nan", nan_update, 1, epoch=epoch, bad_steps=1, source="inputs"))
+        lines += [line("checkpoint", 32 * epoch + 16, 1, epoch=epoch, step_in_epoch=16),
+                  line("epoch", 31 * (epoch + 1), 1, epoch=epoch)]
+    lines.append(line("resume", 80, 2, path=os.path.join(run, "ckpt-80"), epoch=2, step_in_epoch=16))
+    os.makedirs(os.path.dirname(events.stream_path(run)))
+    with open(events.stream_path(run), "w") as f:
+        f.writelines(lines)
+    resume = [e for e in data.run_detail("r", run)["incidents"] if e["kind"] == "resume"][0]
+    # global batch 80 is update 77 (3 skipped before it); the killed process had reached update 93
+    assert (resume["step"], resume["global_batch"], resume["redone_steps"]) == (77, 80, 16)

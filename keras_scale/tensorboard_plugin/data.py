@@ -223,20 +223,44 @@ def run_summary(name: str, run_dir: str, events: Optional[List[Dict[str, Any]]] 
 # the run's page
 # --------------------------------------------------------------------------------------------------------------
 
+def _updates_at(global_batch: int, skips: List[Tuple[int, int]]) -> int:
+    """The optimizer updates applied by ``global_batch``: the batch less the NaN-skipped steps before it
+    (``skips``: (update count at the skip, steps skipped), in order; a skip at update ``u`` after ``k`` earlier
+    skipped steps was global batch ``u + k``)."""
+    skipped = 0
+    for update, bad in skips:
+        if update + skipped >= global_batch:
+            break
+        skipped += bad
+    return max(0, global_batch - skipped)
+
+
 def _incidents(events: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     out = []
     last_step_by_pid: Dict[Any, int] = {}
+    skips: List[Tuple[int, int]] = []  # NanGuard's skips so far (update count, steps): they applied no update
     for e in events:
         step = e.get("step")
-        if e["kind"] == "resume":
+        if e["kind"] == "nan" and isinstance(step, int):
+            bad = e.get("bad_steps")
+            skips.append((step, bad if isinstance(bad, int) and not isinstance(bad, bool) and bad > 0 else 1))
+        if e["kind"] in ("resume", "preemption"):
+            # ChiefCheckpoint's step is a global batch; incidents and epoch ends count optimizer updates (fewer by
+            # the NaN-skipped steps): the marker and the redone steps use updates
             earlier = [s for pid, s in last_step_by_pid.items() if pid != e.get("pid")]
             e = dict(e)
+            if isinstance(step, int):
+                e["global_batch"] = step
+                step = e["step"] = _updates_at(step, sorted(skips))
+        if e["kind"] == "resume":
             if earlier and isinstance(step, int):
                 e["redone_steps"] = max(0, max(earlier) - step)
         if e["kind"] in INCIDENT_KINDS:
             out.append(e)
         if isinstance(step, int):
             pid = e.get("pid")
+            if e["kind"] == "checkpoint":  # a global batch, like the resume's
+                step = _updates_at(step, sorted(skips))
             last_step_by_pid[pid] = max(step, last_step_by_pid.get(pid, step))
     return out
 
