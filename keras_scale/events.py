@@ -225,7 +225,7 @@ def record(kind: str, step: Optional[int] = None, log_dir: Optional[str] = None,
 
 def _lines(path: str) -> Iterator[Dict[str, Any]]:
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8", errors="replace") as f:  # junk bytes of a crash: that line skipped
             for line in f:
                 line = line.strip()
                 if not line:

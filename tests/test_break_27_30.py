@@ -3,6 +3,7 @@
 callbacks, and never in the run of an earlier fit that raised."""
 import json
 import os
+import time
 
 import keras
 import numpy as np
@@ -104,3 +105,54 @@ def test_checkpoints_are_found_after_the_log_directory_is_moved(tmp_path):
     saves = data.run_detail("exp", moved)["checkpoints"]
     assert [(s["step"], s["on_disk"]) for s in saves["saves"]] == [(4, False), (8, True)]  # max_to_keep=1
     assert saves["newest_usable"] == os.path.join(moved, "ckpt", "ckpt-8")
+
+
+def test_a_damaged_stream_still_shows_its_good_records(tmp_path):
+    """Junk bytes (a crash on some file systems), records of the wrong shape: skipped, never a failed page."""
+    from keras_scale.tensorboard_plugin import data
+
+    run = str(tmp_path)
+    events.record("epoch", 8, log_dir=run, epoch=0, goodput={"wall_s": 10.0, "productive_s": 8.0, "other_s": 2.0})
+    with open(events.stream_path(run), "ab") as f:
+        f.write(b'\x00\x00\xff\xfe junk\n[1, 2]\n{"kind": 7}\n{"kind": "nan", "step": "x", "time": "abc"}\n'
+                b'{"kind": "epoch", "step": 9, "goodput": "n/a"}\n{"kind": "checkpoint", "step": 9, "path": 123}\n'
+                b'{"kind": "fit_end", "step": 9, "pid": %d, "time": %f, "goodput": {"wall_s": "abc", "productive_s": 1.0}}\n'
+                % (os.getpid(), time.time()))
+    events.record("nan", 5, log_dir=run, source="loss")
+    assert [e["kind"] for e in events.read(run)][0] == "epoch"
+    page = data.run_detail("r", run)
+    json.dumps(page, allow_nan=False)
+    assert [(e["kind"], e["step"]) for e in page["incidents"]] == [("nan", None), ("nan", 5)]
+    assert [e["epoch"] for e in page["epochs"]] == [0]
+    assert page["summary"]["totals"]["productive_s"] == 1.0  # the fit's summary, its damaged wall time dropped
+
+
+def test_a_resume_after_nan_skips_is_placed_and_counted_in_optimizer_updates(tmp_path):
+    """The stream of a real kill (quickstart: a NaN skip per epoch, 32 batches per epoch, killed after epoch 3's
+    end before the save at global batch 96, resumed from ckpt-80): 16 batches are trained again."""
+    from keras_scale.tensorboard_plugin import data
+
+    run, t = str(tmp_path), [1000.0]
+
+    def line(kind, step, pid, **fields):
+        t[0] += 1
+        return json.dumps(dict(kind=kind, step=step, pid=pid, time=t[0], **fields)) + "\n"
+
+    lines = []
+    for epoch, nan_update in enumerate((5, 36, 67)):  # killed process: each epoch's poisoned batch is skipped
+        lines.append(line("nan", nan_update, 1, epoch=epoch, bad_steps=1, source="inputs"))
+        lines += [line("checkpoint", 32 * epoch + 16, 1, epoch=epoch, step_in_epoch=16),
+                  line("epoch", 31 * (epoch + 1), 1, epoch=epoch)]
+    lines.append(line("resume", 80, 2, path=os.path.join(run, "ckpt-80"), epoch=2, step_in_epoch=16))
+    os.makedirs(os.path.dirname(events.stream_path(run)))
+    with open(events.stream_path(run), "w") as f:
+        f.writelines(lines)
+    resume = [e for e in data.run_detail("r", run)["incidents"] if e["kind"] == "resume"][0]
+    # global batch 80 is update 77 (3 skipped before it); the killed process had reached update 93
+    assert (resume["step"], resume["global_batch"], resume["redone_steps"]) == (77, 80, 16)
+
+
+@pytest.mark.parametrize("verbose", ["auto", -1, True, "1"])
+def test_checkpoint_refuses_a_verbose_it_cannot_honour_with_a_clear_error(tmp_path, verbose):
+    with pytest.raises(ValueError, match=r"ChiefCheckpoint: verbose must be an integer >= 0, got .*Use 0"):
+        ks.ChiefCheckpoint(str(tmp_path / "ckpt"), verbose=verbose)

@@ -77,7 +77,9 @@ def demo_run(tmp_path_factory):
 def _serve(logdir: str):
     from tensorboard import default, program
 
-    tb = program.TensorBoard(plugins=default.get_plugins() + [KerasScalePlugin])
+    # the installed package's entry point already brings the plugin (a duplicate name is refused); else add it
+    plugins = [p for p in default.get_plugins() if getattr(p, "plugin_name", None) != KerasScalePlugin.plugin_name]
+    tb = program.TensorBoard(plugins=plugins + [KerasScalePlugin])
     tb.configure(argv=[None, "--logdir", logdir, "--host", "127.0.0.1", "--port", str(_free_port()),
                        "--load_fast", "false", "--reload_interval", "1"])
     import threading

@@ -46,7 +46,9 @@ def serve(logdir: str):
 
     from keras_scale.tensorboard_plugin import KerasScalePlugin
 
-    plugins = [p for p in default.get_plugins()] + [KerasScalePlugin]
+    # installed, the entry point already brings it (TensorBoard refuses a duplicate name): this worktree's one
+    plugins = [p for p in default.get_plugins() if getattr(p, "plugin_name", None) != KerasScalePlugin.plugin_name]
+    plugins.append(KerasScalePlugin)
     tb = program.TensorBoard(plugins=plugins)
     tb.configure(argv=[None, "--logdir", logdir, "--host", "127.0.0.1", "--port", str(_free_port()),
                        "--load_fast", "false", "--reload_interval", "2"])

@@ -73,6 +73,30 @@ def _streams(run_dir: str) -> List[str]:
     return paths
 
 
+_OPTIONAL_DICTS = ("goodput", "logs")
+_OPTIONAL_STRS = ("path", "directory", "capture_dir")
+
+
+def _checked(event: Any) -> Optional[Dict[str, Any]]:
+    """The record as the page expects it, or None: a line of the wrong shape (damaged, another version, edited by
+    hand) is skipped or its odd fields dropped; it never takes the page down."""
+    if not isinstance(event, dict) or not isinstance(event.get("kind"), str):
+        return None
+    step = event.get("step")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        event["step"] = None
+    stamp = event.get("time")
+    if stamp is not None and (isinstance(stamp, bool) or not isinstance(stamp, (int, float))):
+        event["time"] = None
+    for key in _OPTIONAL_DICTS:
+        if key in event and not isinstance(event[key], dict):
+            del event[key]
+    for key in _OPTIONAL_STRS:
+        if key in event and not isinstance(event[key], str):
+            del event[key]
+    return event
+
+
 def read_run_events(run_dir: str) -> List[Dict[str, Any]]:
     """Every record of the run (its streams merged), in time order; a torn line of a killed run is skipped.
 
@@ -83,13 +107,14 @@ def read_run_events(run_dir: str) -> List[Dict[str, Any]]:
     events: List[Dict[str, Any]] = []
     for path in _streams(run_dir):
         try:
-            with open(path, encoding="utf-8") as f:
+            with open(path, encoding="utf-8", errors="replace") as f:  # junk bytes of a crash: that line skipped
                 for line in f:
                     try:
                         event = json.loads(line)
                     except ValueError:
                         continue
-                    if isinstance(event, dict) and "kind" in event:
+                    event = _checked(event)
+                    if event is not None:
                         events.append(event)
         except OSError:
             continue
@@ -128,12 +153,19 @@ def downsample(points: Sequence[Tuple[float, float]], max_points: int = MAX_POIN
 # goodput
 # --------------------------------------------------------------------------------------------------------------
 
+def _number(value: Any) -> Optional[float]:
+    """``value`` if it is a finite number (a damaged record's string or NaN: None)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return value
+
+
 def _goodput_row(goodput: Dict[str, Any]) -> Dict[str, Any]:
-    row = {c: float(goodput.get(c) or 0.0) for c in CATEGORIES}
-    row["wall_s"] = float(goodput.get("wall_s") or sum(row.values()))
+    row = {c: float(_number(goodput.get(c)) or 0.0) for c in CATEGORIES}
+    row["wall_s"] = float(_number(goodput.get("wall_s")) or sum(row.values()))
     for key in ("goodput", "samples_per_s", "mfu", "tflops_per_s", "steps", "samples", "skipped_steps",
                 "rolled_back_steps", "restarts", "restart_lost_s"):
-        row[key] = goodput.get(key)
+        row[key] = _number(goodput.get(key))
     return row
 
 
@@ -191,20 +223,44 @@ def run_summary(name: str, run_dir: str, events: Optional[List[Dict[str, Any]]] 
 # the run's page
 # --------------------------------------------------------------------------------------------------------------
 
+def _updates_at(global_batch: int, skips: List[Tuple[int, int]]) -> int:
+    """The optimizer updates applied by ``global_batch``: the batch less the NaN-skipped steps before it
+    (``skips``: (update count at the skip, steps skipped), in order; a skip at update ``u`` after ``k`` earlier
+    skipped steps was global batch ``u + k``)."""
+    skipped = 0
+    for update, bad in skips:
+        if update + skipped >= global_batch:
+            break
+        skipped += bad
+    return max(0, global_batch - skipped)
+
+
 def _incidents(events: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     out = []
     last_step_by_pid: Dict[Any, int] = {}
+    skips: List[Tuple[int, int]] = []  # NanGuard's skips so far (update count, steps): they applied no update
     for e in events:
         step = e.get("step")
-        if e["kind"] == "resume":
+        if e["kind"] == "nan" and isinstance(step, int):
+            bad = e.get("bad_steps")
+            skips.append((step, bad if isinstance(bad, int) and not isinstance(bad, bool) and bad > 0 else 1))
+        if e["kind"] in ("resume", "preemption"):
+            # ChiefCheckpoint's step is a global batch; incidents and epoch ends count optimizer updates (fewer by
+            # the NaN-skipped steps): the marker and the redone steps use updates
             earlier = [s for pid, s in last_step_by_pid.items() if pid != e.get("pid")]
             e = dict(e)
+            if isinstance(step, int):
+                e["global_batch"] = step
+                step = e["step"] = _updates_at(step, sorted(skips))
+        if e["kind"] == "resume":
             if earlier and isinstance(step, int):
                 e["redone_steps"] = max(0, max(earlier) - step)
         if e["kind"] in INCIDENT_KINDS:
             out.append(e)
         if isinstance(step, int):
             pid = e.get("pid")
+            if e["kind"] == "checkpoint":  # a global batch, like the resume's
+                step = _updates_at(step, sorted(skips))
             last_step_by_pid[pid] = max(step, last_step_by_pid.get(pid, step))
     return out
 

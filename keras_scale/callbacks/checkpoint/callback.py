@@ -180,6 +180,9 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         self.mode = mode
         self.preemption_exit_code = preemption_exit_code
         self.signal_check_every_n_steps = signal_check_every_n_steps
+        if isinstance(verbose, bool) or not isinstance(verbose, int) or verbose < 0:
+            raise ValueError(f"ChiefCheckpoint: verbose must be an integer >= 0, got {verbose!r}. Use 0 (saves go to "
+                             "the keras_scale.checkpoint logger) or 1 (a line per save).")
         self.verbose = int(verbose)
         self._manager: Optional[tf.train.CheckpointManager] = None
         self._checkpoint: Optional[tf.train.Checkpoint] = None
