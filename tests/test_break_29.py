@@ -87,3 +87,50 @@ def test_doctor_says_which_cluster_source_wins_when_tf_config_and_slurm_are_both
     alone = dr.check_tf_config(dr.Facts(env={"TF_CONFIG": tf_config}), resolve=lambda h: ["127.0.0.1"],
                                port_free=lambda h, p: True)
     assert alone.status == "ok"
+
+
+def test_tracing_the_validation_step_or_goodputs_flop_count_is_not_taken_for_a_hang(tmp_path, monkeypatch):
+    # before: with --heartbeat-timeout-s below the compile time, the first validation pass (it traces the test
+    # function) or Goodput's FLOP count at the first epoch end (it traces the model once more) had the worker
+    # killed as hung -- on every restart again, so the run never got past its first epoch
+    import keras
+    import numpy as np
+
+    import keras_scale as ks
+    from keras_scale.launch import _HeartbeatWatch
+
+    trace_s, timeout_s = 1.5, 1.0
+
+    class SlowTrace(keras.layers.Layer):  # Python in call() runs only while tracing: a slow compile
+        def call(self, x, training=None):
+            if not keras.backend.is_keras_tensor(x):
+                time.sleep(trace_s)
+            return x
+
+    path = str(tmp_path / "worker-0.json")
+    monkeypatch.setenv("KERAS_SCALE_HEARTBEAT_FILE", path)
+    monkeypatch.setenv("KERAS_SCALE_HEARTBEAT_INTERVAL_S", "0")
+    watch = _HeartbeatWatch([path], timeout_s)
+    stale, done = [], threading.Event()
+
+    def poll():
+        while not done.is_set():
+            stale.extend(watch.poll())
+            time.sleep(0.05)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+
+    def build():
+        model = keras.Sequential([keras.Input((4,)), SlowTrace(), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    try:
+        ks.fit(build, x, y, global_batch_size=8, epochs=2, validation_data=(x[:8], y[:8]), verbose=0)
+    finally:
+        done.set()
+        poller.join()
+    assert watch.progressed[0] and stale == []
