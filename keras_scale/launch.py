@@ -600,6 +600,10 @@ def launch_with_restarts(
                 record({"event": "resumed", "restart": previous.restart, "first_step_unix": float(beat["time"]),
                         "resumed_step": resumed_step, "lost_s": round(max(0.0, float(beat["time"]) - since), 6),
                         "redone_steps": max(0, (previous.last_step or 0) - resumed_step)})
+                if resumed_step == 0 and (previous.last_step or 0) > 0:  # the user must know the work is lost
+                    say(f"keras-scale launch: restart {previous.restart}: the workers started again from step 0, "
+                        f"{previous.last_step} steps are trained again: no checkpoint was restored (give "
+                        "keras_scale.fit a checkpoint_dir, or add ChiefCheckpoint)")
 
             files = [os.path.join(run_dir, "heartbeat", f"worker-{i}.json") for i in range(current)]
             watch = _HeartbeatWatch(files, heartbeat_timeout_s, on_first_progress)

@@ -134,3 +134,41 @@ def test_tracing_the_validation_step_or_goodputs_flop_count_is_not_taken_for_a_h
         done.set()
         poller.join()
     assert watch.progressed[0] and stale == []
+
+
+RESUMES = r'''
+import json, os, sys, time, importlib.util
+spec = importlib.util.spec_from_file_location("hb", os.environ["KS_HEARTBEAT_FILE_PY"])
+hb = importlib.util.module_from_spec(spec); spec.loader.exec_module(hb)
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+keeps_checkpoint = sys.argv[1] == "checkpoint"
+saved = int(open("saved").read()) if keeps_checkpoint and os.path.exists("saved") else 0
+first = not os.path.exists(f"ran_{index}"); open(f"ran_{index}", "w").close()
+hb.write_beat("begin", saved)
+for step in range(saved + 1, 7):
+    time.sleep(0.05)
+    hb.write_beat("step", step)
+    if step == 4 and index == 0 and keeps_checkpoint and first:
+        open("saved", "w").write("4")
+    if step == 5 and index == 1 and first:
+        sys.exit(3)
+hb.write_beat("end", 6)
+'''
+
+
+@pytest.mark.parametrize("keeps_checkpoint", [True, False])
+def test_the_user_is_told_when_a_restart_starts_from_scratch(tmp_path, keeps_checkpoint):
+    # before: a train script without a checkpoint restarted from step 0 with nothing said on the console
+    from keras_scale.launch import _HeartbeatWatch  # noqa: F401 - the launcher's own heartbeat reader
+    script = tmp_path / "w.py"
+    script.write_text(RESUMES)
+    heartbeat_py = os.path.join(os.path.dirname(__import__("keras_scale").__file__), "heartbeat_file.py")
+    lines = []
+    outcome = launch_with_restarts([sys.executable, str(script), "checkpoint" if keeps_checkpoint else "none"],
+                                   num_workers=2, max_restarts=2, backoff_s=0.1, grace_s=1, cwd=str(tmp_path),
+                                   env={"KS_HEARTBEAT_FILE_PY": heartbeat_py}, say=lines.append, timeout_s=120)
+    assert outcome.status == 0 and len(outcome.restarts) == 1
+    scratch = [ln for ln in lines if "started again from step 0" in ln]
+    assert len(scratch) == (0 if keeps_checkpoint else 1)
+    if scratch:
+        assert "no checkpoint was restored" in scratch[0]
