@@ -5,8 +5,8 @@ Each worker gets ``TF_CONFIG`` with free loopback ports and runs in its own proc
 - a worker that exits non-zero gives the others ``grace_s`` to stop by themselves (a collective never hangs
   silently), then they are killed;
 - SIGTERM or SIGINT to the launcher (``kill``, Ctrl-C, Slurm, Kubernetes) is forwarded to every worker, which then
-  has ``grace_s`` to save and exit (``ChiefCheckpoint`` saves on SIGTERM) before SIGKILL; a second signal kills at
-  once;
+  has ``grace_s`` to save and exit (``ChiefCheckpoint`` saves on SIGTERM) before SIGKILL; a repeated signal is
+  not forwarded again (schedulers repeat them), a third kills at once;
 - there is no time limit unless ``timeout_s`` is given (then SIGTERM, ``grace_s``, SIGKILL).
 
 Example:
@@ -262,8 +262,8 @@ def launch_local_workers(
         stream: echo each worker's output live, each line prefixed ``[worker i] `` (stdout to ``sys.stdout``,
             stderr to ``sys.stderr``); it is captured either way.
         forward_signals: while running (in the main thread), forward SIGTERM/SIGINT received by this process to
-            every worker, wait ``grace_s``, then SIGKILL; a second signal kills at once. The handlers are
-            restored on return.
+            every worker, wait ``grace_s``, then SIGKILL; a second signal is ignored, a third kills at once. The
+            handlers are restored on return.
         reraise_signal: once the workers are gone, deliver the received signal again to this process's own
             handler (Ctrl-C then raises ``KeyboardInterrupt``, SIGTERM ends the process as it would have);
             ``False`` returns the results instead (their ``signal_forwarded`` says which signal).
@@ -293,11 +293,16 @@ def launch_local_workers(
     started = time.monotonic()
 
     def on_signal(signum: int, frame: Any) -> None:
-        if received:
+        received.append(signum)
+        if len(received) == 2:  # a repeat (schedulers and wrappers repeat signals): the workers are saving already
+            print(f"keras-scale launch: {_signal_name(signum)} again: the workers are still saving (a third signal "
+                  "kills them at once)", file=sys.stderr, flush=True)
+            return
+        if len(received) > 2:
             second_signal.set()
             for p in procs:
                 _signal_group(p, signal.SIGKILL)
-        received.append(signum)
+            return
         for p in procs:
             _signal_group(p, signum)
 

@@ -207,3 +207,78 @@ def test_a_second_resume_on_the_same_fewer_replicas_keeps_what_scale_lr_chose(tm
     assert float(second.model.optimizer.learning_rate.numpy()) == pytest.approx(0.05)
     assert first.model.optimizer.iterations.numpy() == 4 + 8  # epoch 2 at global batch 3: 8 steps
     assert second.model.optimizer.iterations.numpy() == 4 + 8 + 8  # epoch 3 still at global batch 3
+
+
+TWO_SIGTERMS = r'''
+import os, signal, sys, time
+import keras, numpy as np
+import keras_scale as ks
+keras.utils.set_random_seed(1)
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+model.compile(optimizer="sgd", loss="mse")
+x = np.random.default_rng(0).random((64, 4)).astype("float32"); y = x.sum(axis=1, keepdims=True)
+
+class TwoSigterms(keras.callbacks.Callback):  # what a scheduler plus a launcher forwarding it do
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.optimizer.iterations.numpy()) == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+
+model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[ks.ChiefCheckpoint(sys.argv[1], verbose=0),
+                                                               TwoSigterms()])
+print("NOT PREEMPTED")
+'''
+
+
+@pytest.mark.slow
+def test_two_sigterms_50_ms_apart_still_save_and_exit_42(tmp_path):
+    # before: the second SIGTERM ended the process with -15 and nothing was saved (issue 26)
+    import subprocess
+
+    from keras_scale.callbacks.checkpoint import list_checkpoints
+
+    script = tmp_path / "two.py"
+    script.write_text(TWO_SIGTERMS)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 42, proc.stderr[-3000:]
+    assert list_checkpoints(str(tmp_path / "ckpt"))[0][0] == 6  # saved at the next step boundary
+    assert "again; still saving" in proc.stderr
+
+
+COUNTS_SIGTERMS = r'''
+import os, signal, sys, time
+got = []
+signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+open(f"started_{os.getpid()}", "w").close()
+deadline = time.time() + 60
+while not got and time.time() < deadline:
+    time.sleep(0.01)
+time.sleep(0.5)  # the save
+open(f"sigterms_{os.getpid()}_{len(got)}", "w").close()
+sys.exit(42)
+'''
+
+
+def test_a_repeated_sigterm_to_the_launcher_does_not_kill_the_saving_workers(tmp_path):
+    # before: the launcher took the second SIGTERM (e.g. `timeout` forwarding its own copy, Slurm signalling every
+    # process) for "kill now" and SIGKILLed the workers in the middle of their preemption save
+    script = tmp_path / "w.py"
+    script.write_text(COUNTS_SIGTERMS)
+
+    def signal_twice_when_started():
+        deadline = time.monotonic() + 60
+        while len([f for f in os.listdir(tmp_path) if f.startswith("started_")]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=signal_twice_when_started, daemon=True).start()
+    outcome = launch_with_restarts([sys.executable, str(script)], num_workers=2, max_restarts=2, grace_s=20,
+                                   cwd=str(tmp_path), say=lambda line: None, reraise_signal=False, timeout_s=120)
+    assert [r.returncode for r in outcome.results] == [42, 42] and outcome.status == 143
+    assert len([f for f in os.listdir(tmp_path) if f.startswith("sigterms_") and f.endswith("_1")]) == 2

@@ -50,7 +50,15 @@ class PreemptionMixin:
             log.warning("ChiefCheckpoint: received %s; saving at the next step boundary",
                         signal.Signals(signum).name)
             return
-        # A second signal, or our fit is no longer running (it raised): behave as if we had never been here.
+        if self._preempt_requested is not None and not getattr(self, "_repeat_seen", False) \
+                and self._fit_running(frame):
+            # schedulers and launchers repeat signals (Slurm signals every process of a step, a launcher forwards
+            # its own, a preStop hook plus the kubelet): a repeat must not abort the save; a third signal does
+            self._repeat_seen = True
+            log.warning("ChiefCheckpoint: received %s again; still saving (a third signal stops at once)",
+                        signal.Signals(signum).name)
+            return
+        # A third signal, or our fit is no longer running (it raised): behave as if we had never been here.
         prev = self._prev_handlers.get(signum, signal.SIG_DFL)
         self._restore_signal_handlers()
         if callable(prev):
