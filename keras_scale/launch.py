@@ -292,13 +292,21 @@ def launch_local_workers(
     ended: List[Optional[float]] = [None] * num_workers
     started = time.monotonic()
 
+    burst_s = [0.0, -1.0]  # [bursts of signals so far, monotonic time of the last signal]
+
     def on_signal(signum: int, frame: Any) -> None:
+        now = time.monotonic()
+        repeat = bool(received) and now - burst_s[1] < 1.0  # one signal sent by several senders (a cgroup, a wrapper)
+        burst_s[1] = now
         received.append(signum)
-        if len(received) == 2:  # a repeat (schedulers and wrappers repeat signals): the workers are saving already
+        if repeat and burst_s[0] < 3:
+            return
+        burst_s[0] += 1
+        if burst_s[0] == 2:  # a repeat (schedulers and wrappers repeat signals): the workers are saving already
             print(f"keras-scale launch: {_signal_name(signum)} again: the workers are still saving (a third signal "
                   "kills them at once)", file=sys.stderr, flush=True)
             return
-        if len(received) > 2:
+        if burst_s[0] > 2:
             second_signal.set()
             for p in procs:
                 _signal_group(p, signal.SIGKILL)

@@ -221,10 +221,9 @@ x = np.random.default_rng(0).random((64, 4)).astype("float32"); y = x.sum(axis=1
 class TwoSigterms(keras.callbacks.Callback):  # what a scheduler plus a launcher forwarding it do
     def on_train_batch_end(self, batch, logs=None):
         if int(self.model.optimizer.iterations.numpy()) == 5:
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(0.05)
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(0.05)
+            for _ in range(3):  # its own, the launcher's copy, a second round: one burst
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)
 
 model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[ks.ChiefCheckpoint(sys.argv[1], verbose=0),
                                                                TwoSigterms()])
@@ -233,7 +232,7 @@ print("NOT PREEMPTED")
 
 
 @pytest.mark.slow
-def test_two_sigterms_50_ms_apart_still_save_and_exit_42(tmp_path):
+def test_sigterms_50_ms_apart_still_save_and_exit_42(tmp_path):
     # before: the second SIGTERM ended the process with -15 and nothing was saved (issue 26)
     import subprocess
 
@@ -273,9 +272,9 @@ def test_a_repeated_sigterm_to_the_launcher_does_not_kill_the_saving_workers(tmp
         deadline = time.monotonic() + 60
         while len([f for f in os.listdir(tmp_path) if f.startswith("started_")]) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(4):  # signalled directly and through a wrapper (`timeout`, a shell), twice: one burst
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
 
     threading.Thread(target=signal_twice_when_started, daemon=True).start()
     outcome = launch_with_restarts([sys.executable, str(script)], num_workers=2, max_restarts=2, grace_s=20,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 import keras
@@ -17,6 +18,8 @@ from keras_scale.callbacks.checkpoint.names import log
 #: Exit status of a process that ``ChiefCheckpoint`` ended after SIGTERM/SIGUSR1 with its state saved (the
 #: convention of TensorFlow's ``PreemptionCheckpointHandler``). Key a restart/requeue on it.
 PREEMPTION_EXIT_CODE = 42
+#: Signals less than this many seconds after the previous one are one signal (sent by several senders at once).
+SIGNAL_BURST_S = 1.0
 
 
 class PreemptionMixin:
@@ -45,16 +48,20 @@ class PreemptionMixin:
         self._prev_handlers.clear()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        now = time.monotonic()
+        last, self._last_signal_s = getattr(self, "_last_signal_s", None), now
         if self._preempt_requested is None and self._fit_running(frame):
             self._preempt_requested = signum  # acted on at the next step boundary
             log.warning("ChiefCheckpoint: received %s; saving at the next step boundary",
                         signal.Signals(signum).name)
             return
-        if self._preempt_requested is not None and not getattr(self, "_repeat_seen", False) \
-                and self._fit_running(frame):
+        burst = last is not None and now - last < SIGNAL_BURST_S  # one signal, delivered by several senders
+        if self._preempt_requested is not None and self._fit_running(frame) and (
+                burst or not getattr(self, "_repeat_seen", False)):
             # schedulers and launchers repeat signals (Slurm signals every process of a step, a launcher forwards
             # its own, a preStop hook plus the kubelet): a repeat must not abort the save; a third signal does
-            self._repeat_seen = True
+            # (signals less than SIGNAL_BURST_S after the previous one count as one)
+            self._repeat_seen = getattr(self, "_repeat_seen", False) or not burst
             log.warning("ChiefCheckpoint: received %s again; still saving (a third signal stops at once)",
                         signal.Signals(signum).name)
             return
