@@ -77,8 +77,11 @@ def read_record(checkpoint_dir: str) -> Optional[Dict[str, Any]]:
     return record if isinstance(record, dict) and all(isinstance(record.get(k), int) for k in keys) else None
 
 
-def write_record(checkpoint_dir: str, global_batch_size: int, replicas: int, micro_batch_size: int) -> None:
-    """Record the run's batch arithmetic (chief only; atomic rename).
+def write_record(checkpoint_dir: str, global_batch_size: int, replicas: int, micro_batch_size: int,
+                 requested_global_batch_size: Optional[int] = None) -> None:
+    """Record the run's batch arithmetic (chief only; atomic rename). ``requested_global_batch_size``: the
+    ``global_batch_size`` the user asked for, when ``elastic="scale_lr"`` made the run use another one (a later
+    resume on the same replicas keeps that choice instead of going back to the asked batch at the full rate).
 
     Example::
 
@@ -90,8 +93,11 @@ def write_record(checkpoint_dir: str, global_batch_size: int, replicas: int, mic
     path = record_path(checkpoint_dir)
     tmp = path + ".tmp"
     with tf.io.gfile.GFile(tmp, "w") as f:
-        f.write(json.dumps({"global_batch_size": int(global_batch_size), "replicas": int(replicas),
-                            "micro_batch_size": int(micro_batch_size)}))
+        record = {"global_batch_size": int(global_batch_size), "replicas": int(replicas),
+                  "micro_batch_size": int(micro_batch_size)}
+        if requested_global_batch_size is not None and int(requested_global_batch_size) != int(global_batch_size):
+            record["requested_global_batch_size"] = int(requested_global_batch_size)
+        f.write(json.dumps(record))
     tf.io.gfile.rename(tmp, path, overwrite=True)
 
 
@@ -112,6 +118,14 @@ def plan_elastic(record: Optional[Dict[str, Any]], global_batch_size: int, repli
         (4, 12, 2, None)
     """
     per, accum = global_batch_size // replicas, accum
+    if (record is not None and elastic == "scale_lr" and record["replicas"] == replicas
+            and record.get("requested_global_batch_size") == global_batch_size
+            and record["global_batch_size"] != global_batch_size):  # a restart after a scale_lr resume: keep it
+        kept = record["global_batch_size"]
+        return kept // replicas, kept, accum, (
+            f"elastic: resumed on {replicas} replicas as the checkpoint: global batch {kept} (chosen by "
+            f"elastic='scale_lr' instead of {global_batch_size}) kept; learning rate x {kept}/{global_batch_size} "
+            "(linear rule)")
     if record is None or elastic is False or record["replicas"] == replicas:
         return per, global_batch_size, accum, None
     old_replicas, bound = record["replicas"], max(1, record["micro_batch_size"])

@@ -884,7 +884,8 @@ def _finish_elastic(model: keras.Model, plan: _Plan, checkpoint_dir: Optional[st
         old = read_record(directory)
         bound = old["micro_batch_size"] if old is not None and elastic == "accum" else \
             -(-plan.per_replica // max(plan.accum, 1))
-        write_record(directory, plan.global_batch, plan.replicas, bound)
+        write_record(directory, plan.global_batch, plan.replicas, bound,
+                     requested_global_batch_size=global_batch_size if elastic == "scale_lr" else None)
 
 
 def _train(model: keras.Model, dataset: tf.data.Dataset, epochs: int, callbacks: List[Any], plan: _Plan,

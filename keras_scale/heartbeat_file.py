@@ -3,7 +3,9 @@
 A heartbeat file is one JSON object, replaced atomically: ``{"step": optimizer updates so far, "time": unix
 seconds, "phase": ..., "pid": ...}``. Phases: ``"start"`` (the process reached strategy creation:
 :func:`keras_scale.choose_strategy`), ``"begin"`` (train begin, after a resume restored the step), ``"step"`` (train
-or validation batches, an epoch end), ``"end"`` (train end: no step progress is expected afterwards).
+or validation batches, an epoch end), ``"trace"`` (a function is about to be traced: the first validation batch,
+``Goodput``'s FLOP count; no step progress until the next ``"step"`` beat), ``"end"`` (train end: no step progress is
+expected afterwards).
 :class:`keras_scale.callbacks.heartbeat.Heartbeat` writes it; ``keras-scale launch`` reads it.
 
 Example:

@@ -5,8 +5,8 @@ Each worker gets ``TF_CONFIG`` with free loopback ports and runs in its own proc
 - a worker that exits non-zero gives the others ``grace_s`` to stop by themselves (a collective never hangs
   silently), then they are killed;
 - SIGTERM or SIGINT to the launcher (``kill``, Ctrl-C, Slurm, Kubernetes) is forwarded to every worker, which then
-  has ``grace_s`` to save and exit (``ChiefCheckpoint`` saves on SIGTERM) before SIGKILL; a second signal kills at
-  once;
+  has ``grace_s`` to save and exit (``ChiefCheckpoint`` saves on SIGTERM) before SIGKILL; a repeated signal is
+  not forwarded again (schedulers repeat them), a third kills at once;
 - there is no time limit unless ``timeout_s`` is given (then SIGTERM, ``grace_s``, SIGKILL).
 
 Example:
@@ -262,8 +262,8 @@ def launch_local_workers(
         stream: echo each worker's output live, each line prefixed ``[worker i] `` (stdout to ``sys.stdout``,
             stderr to ``sys.stderr``); it is captured either way.
         forward_signals: while running (in the main thread), forward SIGTERM/SIGINT received by this process to
-            every worker, wait ``grace_s``, then SIGKILL; a second signal kills at once. The handlers are
-            restored on return.
+            every worker, wait ``grace_s``, then SIGKILL; a second signal is ignored, a third kills at once. The
+            handlers are restored on return.
         reraise_signal: once the workers are gone, deliver the received signal again to this process's own
             handler (Ctrl-C then raises ``KeyboardInterrupt``, SIGTERM ends the process as it would have);
             ``False`` returns the results instead (their ``signal_forwarded`` says which signal).
@@ -292,12 +292,25 @@ def launch_local_workers(
     ended: List[Optional[float]] = [None] * num_workers
     started = time.monotonic()
 
+    burst_s = [0.0, -1.0]  # [bursts of signals so far, monotonic time of the last signal]
+
     def on_signal(signum: int, frame: Any) -> None:
-        if received:
+        now = time.monotonic()
+        repeat = bool(received) and now - burst_s[1] < 1.0  # one signal sent by several senders (a cgroup, a wrapper)
+        burst_s[1] = now
+        received.append(signum)
+        if repeat and burst_s[0] < 3:
+            return
+        burst_s[0] += 1
+        if burst_s[0] == 2:  # a repeat (schedulers and wrappers repeat signals): the workers are saving already
+            print(f"keras-scale launch: {_signal_name(signum)} again: the workers are still saving (a third signal "
+                  "kills them at once)", file=sys.stderr, flush=True)
+            return
+        if burst_s[0] > 2:
             second_signal.set()
             for p in procs:
                 _signal_group(p, signal.SIGKILL)
-        received.append(signum)
+            return
         for p in procs:
             _signal_group(p, signum)
 
@@ -600,6 +613,10 @@ def launch_with_restarts(
                 record({"event": "resumed", "restart": previous.restart, "first_step_unix": float(beat["time"]),
                         "resumed_step": resumed_step, "lost_s": round(max(0.0, float(beat["time"]) - since), 6),
                         "redone_steps": max(0, (previous.last_step or 0) - resumed_step)})
+                if resumed_step == 0 and (previous.last_step or 0) > 0:  # the user must know the work is lost
+                    say(f"keras-scale launch: restart {previous.restart}: the workers started again from step 0, "
+                        f"{previous.last_step} steps are trained again: no checkpoint was restored (give "
+                        "keras_scale.fit a checkpoint_dir, or add ChiefCheckpoint)")
 
             files = [os.path.join(run_dir, "heartbeat", f"worker-{i}.json") for i in range(current)]
             watch = _HeartbeatWatch(files, heartbeat_timeout_s, on_first_progress)

@@ -70,7 +70,10 @@ def _run(tmp_path, mode, num_workers=2, **kwargs):
 def test_a_crashed_worker_restarts_every_worker_once_and_the_restart_is_recorded(tmp_path):
     outcome, lines, records = _run(tmp_path, "crash", max_restarts=3)
     assert outcome.status == 0 and len(outcome.restarts) == 1
-    assert lines == ["keras-scale launch: worker 1 failed with exit status 17 (exit 17); restart 1 of 3 with 2 workers"]
+    assert lines == ["keras-scale launch: worker 1 failed with exit status 17 (exit 17); restart 1 of 3 with 2 workers",
+                     "keras-scale launch: restart 1: the workers started again from step 0, 3 steps are trained "
+                     "again: no checkpoint was restored (give keras_scale.fit a checkpoint_dir, or add "
+                     "ChiefCheckpoint)"]  # the fake worker keeps no checkpoint
     assert [r["event"] for r in records] == ["restart", "resumed"]
     assert records[0]["last_step"] == 3 and records[1]["redone_steps"] == 3  # no checkpoint: all 3 steps again
     assert records[1]["lost_s"] > 0

@@ -971,6 +971,11 @@ class Goodput(keras.callbacks.Callback):
         if key in cached:
             return cached[key]
         try:
+            from keras_scale.heartbeat_file import write_beat
+
+            # a trace as long as the train step's compile: `keras-scale launch --heartbeat-timeout-s` must not take
+            # it for a hang (the Heartbeat callback's next beat, at this epoch's end, restarts the clock)
+            write_beat("trace", int(self.model.optimizer.iterations.numpy()) if self.model.optimizer else 0)
             cached[key] = float(traced_flops_per_step(self.model, spec, batch, replicas))
             return cached[key]
         except Exception as e:  # noqa: BLE001 - a FLOP count must never stop training

@@ -7,7 +7,9 @@ seconds (a hung collective, a stopped process) is treated as dead and the run re
 
 The file's format is in :mod:`keras_scale.heartbeat_file`: ``"begin"`` at train begin (after a resume restored the
 step), ``"step"`` after train/validation batches (at most every ``interval_s``) and at epoch ends, ``"end"`` at
-train end (the script may do other work afterwards: no step progress is expected then).
+train end (the script may do other work afterwards: no step progress is expected then). ``"trace"`` pauses the clock
+until the next ``"step"`` beat, like ``"begin"``: written before the first validation batch of a fit (it traces the
+test function) and by ``Goodput`` before it traces the model to count FLOPs (once, at the first epoch end).
 
 Example::
 
@@ -60,14 +62,23 @@ class Heartbeat(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: Optional[Dict] = None) -> None:
         self._batches = 0
+        self._test_stepped = False
         self._write("begin")
+
+    def on_test_begin(self, logs: Optional[Dict] = None) -> None:
+        if not getattr(self, "_test_stepped", False):  # the first validation batch traces the test function
+            self._write("trace")
 
     def on_train_batch_end(self, batch: int, logs: Optional[Dict] = None) -> None:
         self._batches += 1
         self._maybe_write()
 
     def on_test_batch_end(self, batch: int, logs: Optional[Dict] = None) -> None:
-        self._maybe_write()
+        if not getattr(self, "_test_stepped", False):
+            self._test_stepped = True
+            self._write("step")  # the clock runs again
+        else:
+            self._maybe_write()
 
     def on_epoch_end(self, epoch: int, logs: Optional[Dict] = None) -> None:
         self._write("step")
