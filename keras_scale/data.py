@@ -34,6 +34,7 @@ import tensorflow as tf
 
 from keras_scale._validate import check_int
 from tensorflow.core.framework import dataset_options_pb2
+from tensorflow.python.framework import config as tf_config
 from tensorflow.python.framework import op_def_registry
 
 __all__ = ["Finding", "PipelineWarning", "BenchmarkResult", "check", "benchmark", "optimize", "pipeline_graph"]
@@ -381,6 +382,26 @@ class _Pipeline:
                 out.append(op)
         return out
 
+    def seeded_random_ops(self, node: Any) -> List[str]:
+        """Stateful random ops in ``node``'s functions (nested calls followed) given a seed: an op-level
+        ``seed=`` or a global ``tf.random.set_seed`` (either makes the graph's ``seed``/``seed2`` attrs non-zero).
+        A sequential map draws such seeded numbers reproducibly; a parallel one would not."""
+        seen: Set[str] = set()
+        out: Set[str] = set()
+        stack = list(self.node_functions(node))
+        while stack:
+            fn = stack.pop()
+            if fn in seen or fn not in self.functions:
+                continue
+            seen.add(fn)
+            for n in self.functions[fn].node_def:
+                if n.op in self.functions:
+                    stack.append(n.op)
+                stack.extend(self.node_functions(n))
+                if _is_random_op(n.op) and (n.attr["seed"].i or n.attr["seed2"].i):
+                    out.add(n.op)
+        return sorted(out)
+
     def captured_inputs(self, node: Any) -> List[str]:
         return self.named_inputs(node).get("other_arguments", [])
 
@@ -547,7 +568,9 @@ def _optimize_hint(pipe: _Pipeline, node: Any) -> str:
     if not stateful:
         return ", or keras_scale.data.optimize(ds)"
     if all(_is_random_op(s) for s in stateful):
-        return ", or keras_scale.data.optimize(ds, parallelize_random=True)"
+        if pipe.seeded_random_ops(node):  # optimize() keeps seeded draws sequential unless told otherwise
+            return ", or keras_scale.data.optimize(ds, parallelize_random=True) (draws then not reproducible)"
+        return ", or keras_scale.data.optimize(ds)"
     return ""
 
 
@@ -875,7 +898,8 @@ def _rebuild_blockers(pipe: _Pipeline) -> Tuple[List[str], List[str]]:
     return reasons, notes
 
 
-def optimize(dataset: tf.data.Dataset, *, parallelize_random: bool = False) -> Tuple[tf.data.Dataset, List[str]]:
+def optimize(dataset: tf.data.Dataset, *,
+             parallelize_random: Optional[bool] = None) -> Tuple[tf.data.Dataset, List[str]]:
     """Apply the safe speed fixes to a pipeline; returns ``(dataset, changes)``.
 
     1. ``tf.data.Options``: ``map_parallelization=True`` (TensorFlow's own rewrite of sequential maps with
@@ -883,20 +907,24 @@ def optimize(dataset: tf.data.Dataset, *, parallelize_random: bool = False) -> T
        ``deterministic=True`` unless you set it. These are TensorFlow's defaults; setting them re-enables them
        where a pipeline turned them off and pins them.
     2. A trailing ``prefetch(tf.data.AUTOTUNE)`` if the pipeline does not end with one.
-    3. With ``parallelize_random=True``: sequential maps whose only stateful ops are random-number ops
-       (``tf.random.uniform``, ``tf.image.random_*``, ... which TensorFlow's rewrite refuses) are rewritten in the
-       graph into ``ParallelMapDatasetV2(num_parallel_calls=AUTOTUNE, deterministic=true)`` and the pipeline is
-       rebuilt from the graph. Element order is kept, but which random draw goes to which element then depends
-       on thread timing (a seeded run is no longer bit-reproducible), and a rebuilt ``shuffle`` draws a
-       different (still seeded) permutation — hence opt-in. Graphs holding outside state (variables, lookup
-       tables, Python functions) are never rebuilt, since the copy would not share that state.
+    3. Sequential maps whose only stateful ops are random-number ops (``tf.random.uniform``,
+       ``tf.image.random_*``, ... which TensorFlow's rewrite refuses) are rewritten in the graph into
+       ``ParallelMapDatasetV2(num_parallel_calls=AUTOTUNE, deterministic=true)`` and the pipeline is rebuilt from
+       the graph. Element order is kept, but which random draw goes to which element then depends on thread
+       timing, and a rebuilt seeded ``shuffle`` draws a different (still seeded, reproducible) permutation.
+       ``parallelize_random=None`` (default) does this unless you asked for determinism: a seed on the map's
+       random ops (``seed=`` or ``tf.random.set_seed``), ``deterministic=True`` in your ``tf.data.Options``,
+       or ``tf.config.experimental.enable_op_determinism()``; such maps stay sequential, with a
+       ``"not changed"`` entry. ``True`` parallelizes them anyway, ``False`` never. Graphs holding outside
+       state (variables, lookup tables, Python functions) are never rebuilt, since the copy would not share
+       that state.
 
     Entries of ``changes`` starting with ``"not changed:"`` explain what was left alone and what to write
     instead.
 
     Example:
         >>> ds = tf.data.Dataset.range(64).map(lambda x: x + tf.random.uniform((), 0, 2, tf.int64)).batch(8)
-        >>> fast, changes = optimize(ds, parallelize_random=True)
+        >>> fast, changes = optimize(ds)  # the random map is unseeded: parallelized
         >>> for c in changes:
         ...     print(c)  # doctest: +SKIP
         parallelized map 'MapDataset/_4' (num_parallel_calls=AUTOTUNE, deterministic order; random ops ['RandomUniformInt'])
@@ -904,6 +932,10 @@ def optimize(dataset: tf.data.Dataset, *, parallelize_random: bool = False) -> T
         appended prefetch(tf.data.AUTOTUNE) after BatchDatasetV2 'BatchDatasetV2/_7'
     """
     _require_dataset(dataset, "optimize")
+    if parallelize_random not in (None, True, False):
+        raise TypeError(f"keras_scale.data.optimize: parallelize_random must be None (default: parallelize random "
+                        f"maps unless you asked for determinism), True or False; got {parallelize_random!r}")
+    parallelize_random = None if parallelize_random is None else bool(parallelize_random)
     pipe = _Pipeline(pipeline_graph(dataset))
     opts = pipe.options()
     # Step 3 first, since it rebuilds the dataset; each step returns (dataset, changes, not changed).
@@ -914,11 +946,22 @@ def optimize(dataset: tf.data.Dataset, *, parallelize_random: bool = False) -> T
 
 
 def _maps_to_parallelize(pipe: _Pipeline,
-                         parallelize_random: bool) -> Tuple[List[Tuple[Any, List[str]]], List[str]]:
+                         parallelize_random: Optional[bool]) -> Tuple[List[Tuple[Any, List[str]]], List[str]]:
     """``(targets, not_changed)``: the sequential maps TF's own rewrite skips that optimize() may rewrite (each
     with its stateful ops), and why the others stay as they are. Stateless maps are in neither: TF's
     ``map_parallelization`` (pinned on by :func:`_pin_default_options`) parallelizes them at runtime."""
     targets, not_changed = [], []
+    opts = pipe.options()
+    asked_globally = []
+    if opts.WhichOneof("optional_deterministic") is not None and opts.deterministic:
+        asked_globally.append("deterministic=True in your tf.data.Options")
+    if tf_config.is_op_determinism_enabled():
+        asked_globally.append("tf.config.experimental.enable_op_determinism()")
+
+    def determinism_asked(node: Any) -> str:
+        seeded = pipe.seeded_random_ops(node)
+        return "; ".join(asked_globally + ([f"seeded random ops {seeded}"] if seeded else []))
+
     for node in pipe.dataset_nodes():
         if node.op not in _SEQUENTIAL_MAP:
             continue
@@ -937,18 +980,24 @@ def _maps_to_parallelize(pipe: _Pipeline,
                                ".map(fn, num_parallel_calls=tf.data.AUTOTUNE)")
         elif "ReadVariableOp" in stateful:  # reads are order-free, but a rebuilt copy would not share the variable
             targets.append((node, stateful))
-        elif not parallelize_random:
+        elif parallelize_random is False:
             not_changed.append(f"not changed: map '{node.name}' stays sequential: its random ops {stateful} stop "
-                               "TensorFlow's map_parallelization. optimize(ds, parallelize_random=True) "
-                               "parallelizes it (order kept; draws no longer bit-reproducible), or use "
-                               "tf.random.stateless_* ops")
+                               "TensorFlow's map_parallelization and you passed parallelize_random=False. "
+                               "optimize(ds) parallelizes it (order kept; draws no longer bit-reproducible), or "
+                               "use tf.random.stateless_* ops")
+        elif parallelize_random is None and determinism_asked(node):
+            not_changed.append(f"not changed: map '{node.name}' stays sequential to keep its random draws "
+                               f"reproducible, as you asked ({determinism_asked(node)}). "
+                               "optimize(ds, parallelize_random=True) parallelizes it anyway (order kept; draws "
+                               "no longer bit-reproducible); tf.random.stateless_* ops with a per-element seed "
+                               "are reproducible and parallel")
         else:
             targets.append((node, stateful))
     return targets, not_changed
 
 
 def _parallelize_random_maps(dataset: tf.data.Dataset, pipe: _Pipeline, opts: dataset_options_pb2.Options,
-                             parallelize_random: bool) -> Tuple[tf.data.Dataset, List[str], List[str]]:
+                             parallelize_random: Optional[bool]) -> Tuple[tf.data.Dataset, List[str], List[str]]:
     """Step 3: rewrite the chosen sequential maps into parallel ones and rebuild the pipeline from its graph,
     unless the graph holds outside state (then each target gets a "not changed" entry)."""
     targets, not_changed = _maps_to_parallelize(pipe, parallelize_random)

@@ -294,17 +294,62 @@ def test_optimize_reenables_parallelization_a_pipeline_turned_off():
     assert finding(fast, "sequential_map").severity == "info"  # TF's rewrite applies again
 
 
-def test_optimize_parallelizes_random_map_only_when_asked_and_keeps_order():
-    slow = tf.data.Dataset.range(37).map(noisy).batch(5)
-    same, changes = data.optimize(slow)
-    assert map_ops(same) == ["MapDataset"]
-    assert any(c.startswith("not changed") and "RandomUniform" in c and "parallelize_random=True" in c
-               for c in changes)
-    fast, changes = data.optimize(slow, parallelize_random=True)
+def unseeded(build):
+    """Build a pipeline with no global seed (conftest seeds every test, which counts as asking for determinism)."""
+    tf.random.set_seed(None)
+    try:
+        return build()
+    finally:
+        keras_scale_seed()
+
+
+def keras_scale_seed():
+    import keras
+
+    keras.utils.set_random_seed(1234)  # what tests/conftest.py sets for every test
+
+
+def test_optimize_parallelizes_an_unseeded_random_map_by_default_and_keeps_order():
+    slow = unseeded(lambda: tf.data.Dataset.range(37).map(noisy).batch(5))
+    fast, changes = data.optimize(slow)
     assert map_ops(fast) == ["ParallelMapDatasetV2"]
     assert any(c.startswith("parallelized map 'MapDataset") for c in changes)
     assert as_list(fast) == as_list(slow)
     assert "sequential_map" in codes(slow) and "sequential_map" not in codes(fast)
+    same, changes = data.optimize(slow, parallelize_random=False)
+    assert map_ops(same) == ["MapDataset"]
+    assert any(c.startswith("not changed") and "RandomUniform" in c and "parallelize_random=False" in c
+               for c in changes)
+    with pytest.raises(TypeError, match="parallelize_random must be None"):
+        data.optimize(slow, parallelize_random="yes")
+
+
+def seeded_draws(x):
+    """Heavy work plus a seeded stateful draw whose value shows up in the output (reproducible only in order)."""
+    return tf.reduce_sum(heavy(x)) + tf.random.uniform((), seed=7)
+
+
+@pytest.mark.parametrize("asked", ["op_seed", "global_seed", "options"])
+def test_optimize_keeps_random_draws_reproducible_where_the_user_asked(asked):
+    fn = seeded_draws if asked == "op_seed" else (lambda x: tf.reduce_sum(heavy(x)) + tf.random.uniform(()))
+    tf.random.set_seed(11 if asked == "global_seed" else None)
+    try:
+        slow = tf.data.Dataset.range(30).map(fn).batch(4)
+    finally:
+        keras_scale_seed()
+    if asked == "options":
+        options = tf.data.Options()
+        options.deterministic = True
+        slow = slow.with_options(options)
+    fast, changes = data.optimize(slow)
+    assert map_ops(fast) == ["MapDataset"]
+    reason = {"op_seed": "seeded random ops", "global_seed": "seeded random ops",
+              "options": "deterministic=True in your tf.data.Options"}[asked]
+    assert any(c.startswith("not changed") and reason in c and "parallelize_random=True" in c for c in changes)
+    if asked != "options":  # seeded: the same values as the pipeline as written, every epoch
+        assert as_list(fast) == as_list(slow) == as_list(fast)
+    forced, changes = data.optimize(slow, parallelize_random=True)  # the user overrides the guard explicitly
+    assert map_ops(forced) == ["ParallelMapDatasetV2"]
 
 
 def test_optimize_random_map_after_shuffle_keeps_the_elements():
