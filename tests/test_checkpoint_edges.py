@@ -13,7 +13,7 @@ import time
 import pytest
 
 import keras_scale as ks
-from keras_scale.callbacks import checkpoint as checkpoint_module
+from keras_scale.callbacks.checkpoint import lock as checkpoint_module  # the lock file and its holder
 from keras_scale.callbacks.checkpoint import list_checkpoints
 from keras_scale.callbacks.checkpoint.lock import _process_start
 from tests._helpers import REPO_ROOT, StopAfter, fit, make_model, subprocess_env

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import keras_scale as ks
-from keras_scale.callbacks import checkpoint as checkpoint_module
+from keras_scale.callbacks.checkpoint import lock as checkpoint_module  # the lock file and its holder
 from keras_scale.callbacks.checkpoint import list_checkpoints, read_checkpoint
 from tests import _helpers as helpers
 from tests._helpers import X, Y, StopAfter, assert_same, make_model, weights

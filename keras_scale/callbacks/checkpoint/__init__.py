@@ -15,7 +15,6 @@ from keras_scale.callbacks.checkpoint.callback import ChiefCheckpoint, checkpoin
 from keras_scale.callbacks.checkpoint.directory import list_checkpoints
 from keras_scale.callbacks.checkpoint.export import load_checkpoint
 from keras_scale.callbacks.checkpoint.format import read_checkpoint
-from keras_scale.callbacks.checkpoint.lock import _LOCK_NAME, _hostname  # noqa: F401 - used by tests
 from keras_scale.callbacks.checkpoint.names import CheckpointMismatchError
 from keras_scale.callbacks.checkpoint.preemption import PREEMPTION_EXIT_CODE
 
