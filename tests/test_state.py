@@ -67,6 +67,19 @@ def test_rollback_counts_a_step_bad_when_any_optimizer_update_was_skipped():
     assert int(gan.d_optimizer.iterations.numpy()) == 2  # rolled back to the start twice, then 2 good d updates
 
 
+def test_stop_on_a_gan_keeps_the_finite_updates_of_the_bad_step_and_says_so(capsys):
+    # each optimizer's apply is guarded on its own: the discriminator's finite update of the bad step applies,
+    # the generator's does not, and the stop message says so (docs: NanGuard, README)
+    gan = make_gan(gen_nan=True)
+    g_start = [w.numpy().copy() for w in gan.generator.weights]
+    guard = ks.NanGuard(policy="stop", verbose=1)
+    gan.fit(GAN_X, batch_size=8, epochs=1, verbose=0, callbacks=[guard])
+    assert int(gan.d_optimizer.iterations.numpy()) == 1 and int(gan.g_optimizer.iterations.numpy()) == 0
+    assert all(np.array_equal(a, w.numpy()) for a, w in zip(g_start, gan.generator.weights))
+    out = capsys.readouterr()
+    assert "own train_step" in out.out + out.err
+
+
 # ---------------------------------------------------------------- wrap(): refused or carried over, in any order
 def test_wrap_refuses_the_gan_in_wrap_itself_before_or_after_its_compile():
     with pytest.raises(ValueError, match="defines its own train_step"):

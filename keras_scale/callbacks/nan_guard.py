@@ -91,7 +91,9 @@ class NanGuard(keras.callbacks.Callback):
     """Skip non-finite steps in-graph; diagnose each incident; optionally stop or roll back.
 
     Args:
-        policy: ``"skip"`` (go on), ``"stop"`` (stop training with the weights of the last good step), or
+        policy: ``"skip"`` (go on), ``"stop"`` (stop training with the weights of the last good step; for a model
+            with its own ``train_step`` each optimizer's ``apply`` is guarded on its own: the finite updates of the
+            other optimizers in the bad step are applied, as its step wrote them), or
             ``"rollback"`` (after ``max_consecutive`` bad steps in a row restore the last good state — from
             ``ChiefCheckpoint`` when present, else an in-memory snapshot — and multiply the LR by ``lr_factor``).
         max_consecutive: bad steps in a row that trigger a rollback.
@@ -280,7 +282,10 @@ class NanGuard(keras.callbacks.Callback):
             self._say("NanGuard(policy='stop'): training stopped; " + (
                 "the weights are NOT usable (non-finite, see above): restore a checkpoint (ChiefCheckpoint never "
                 "saves a non-finite state) or train again with check_gradients=True." if poisoned else
-                "the weights are those of the last good step."), incident=True)
+                "the weights are those of the last good step." + (
+                    " (A model with its own train_step: each optimizer's apply is guarded on its own, so the finite "
+                    "updates other optimizers made in the bad step were applied.)"
+                    if step_lib.has_own_train_step(self.model) else "")), incident=True)
         elif self.policy == "rollback" and poisoned and final and self.rollbacks >= self.max_rollbacks:
             # (no NanGuardGaveUp from on_train_end: the callbacks after this one must still end their fit)
             self._say("NanGuard(policy='rollback'): the state is non-finite at train end and all "
