@@ -578,7 +578,7 @@ class ComposedStep:
         # (the guard's gradient check travels in the all-reduce: see _all_reduce)
         fold_check = self.guard and (self.check_gradients or is_loss_scaled(optimizer))
         reduced_grads, any_loss_bad, present, local, grads_bad = self._all_reduce(
-            grads, share, loss_bad, batch_size, even=first.shape[0] is not None, check=fold_check)
+            grads, share, loss_bad, batch_size, even=self._static_even(first, model), check=fold_check)
         self._count_samples(batch_size, reduced_grads)
 
         if not self.guard:  # (guarded: the update sits in a cond on all reduced gradients, atomic already)
@@ -726,6 +726,15 @@ class ComposedStep:
         deps = [g.values if isinstance(g, tf.IndexedSlices) else g for g in after if g is not None]
         with tf.control_dependencies(deps):
             self.samples_seen.assign_add(tf.cast(batch_size, tf.int64))
+
+    @staticmethod
+    def _static_even(first: Any, model: keras.Model) -> bool:
+        """Every replica's batch has the same size: a static per-replica size under one process (tf.distribute gives
+        an uneven split an unknown size). Workers shard and batch their own data, so a static size on this worker
+        says nothing about the others': multi-worker never counts as even."""
+        from keras_scale.distribute import is_multi_worker
+
+        return first.shape[0] is not None and not is_multi_worker(model.distribute_strategy)
 
     def _foreign_train_step(self, data: Any) -> Dict[str, Any]:
         """A model with its own ``train_step``: run it; NanGuard's check sits at its optimizer's ``apply``."""
