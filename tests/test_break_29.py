@@ -33,6 +33,7 @@ def test_a_signal_during_the_restart_backoff_ends_the_run_cleanly_without_restar
         if "restart 1 of" in line:  # the backoff (30 s) starts now
             threading.Timer(0.3, os.kill, (os.getpid(), signum)).start()
 
+    handlers_before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     started = time.monotonic()
     outcome = launch_with_restarts([sys.executable, str(script)], num_workers=2, max_restarts=3, backoff_s=30,
                                    grace_s=1, cwd=str(tmp_path), say=say, reraise_signal=False, timeout_s=120)
@@ -40,7 +41,8 @@ def test_a_signal_during_the_restart_backoff_ends_the_run_cleanly_without_restar
     assert outcome.status == 128 + signum and len(outcome.restarts) == 1
     assert "received during the restart backoff: not restarting" in lines[-1]
     assert len([f for f in os.listdir(tmp_path) if f.startswith("attempt_")]) == 2  # no second attempt
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are given back
+    # the handlers are given back (whatever this process had: an earlier test's fit may have left its own)
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers_before
 
 
 SLURM_STEP = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "node[1-2]",
