@@ -386,6 +386,10 @@ def _carry_compilation(model: keras.Model, wrapped: AccumulatingModel) -> None:
 def unwrap(model: keras.Model) -> keras.Model:
     """The inner model of a wrapped model (same variables); any other model is returned as is.
 
+    The inner model keeps its own compilation: one compiled before ``wrap()`` still is; after ``wrap()`` then
+    ``compile()`` only the wrapper is compiled, so compile the inner model before ``evaluate``/``fit`` on it
+    (``inner.compile(optimizer=wrapped.optimizer, loss=...)`` shares the trained optimizer state).
+
     Example:
         >>> import keras
         >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
