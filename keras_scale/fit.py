@@ -35,7 +35,7 @@ from keras_scale.storage import Storage
 from keras_scale.callbacks.goodput import Goodput
 from keras_scale.callbacks.gpu_monitor import GpuMonitor
 from keras_scale.callbacks.nan_guard import NanGuard
-from keras_scale.distribute import choose_strategy, is_chief, is_multi_worker, require_keras_multi_worker_fix, strategy_name
+from keras_scale.distribute import chief_print, choose_strategy, is_chief, is_multi_worker, require_keras_multi_worker_fix, strategy_name
 
 __all__ = ["fit", "batch_arithmetic", "prepare_dataset", "split_for_validation"]
 
@@ -111,8 +111,7 @@ def _key_line(message: str) -> str:
 def _say(message: str, verbose: Any = 1, strategy: Any = None) -> None:
     """Log once, and print on the chief so the line shows up next to Keras's progress bar."""
     log.info(message)
-    if verbose and is_chief(strategy):
-        print(f"keras_scale: {message}", flush=True)
+    chief_print(f"keras_scale: {message}", strategy, verbose=verbose)
 
 
 def _batch_size_of(element: Any) -> int:

@@ -36,7 +36,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_scale._validate import check_int
-from keras_scale.distribute import is_chief
+from keras_scale.distribute import chief_print
 
 __all__ = ["compare_xla", "compare_precision", "LeverRun", "LeverComparison"]
 
@@ -298,8 +298,7 @@ def _check_common(steps: Any, batch_size: Any, loss_rtol: Any) -> None:
 
 
 def _report(result: LeverComparison, verbose: bool) -> LeverComparison:
-    if verbose and is_chief():
-        print(result, flush=True)
+    chief_print(str(result), verbose=verbose)
     return result
 
 

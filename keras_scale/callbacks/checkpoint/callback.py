@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from keras_scale import events, lifecycle
 from keras_scale._validate import check_int
-from keras_scale.distribute import is_chief
+from keras_scale.distribute import chief_print, is_chief
 from keras_scale.callbacks.checkpoint.names import _BEST_DIR, _NAME, _REF_ATTR, log
 from keras_scale.callbacks.checkpoint import format as _io
 from keras_scale.storage import Storage
@@ -753,10 +753,8 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
                 log.warning(message)
             return
         log.info(message)
-        if self._chief and self.verbose:
-            from keras.src.utils.io_utils import print_msg
-
-            print_msg(message)
+        chief_print(message, self.model.distribute_strategy if self.model is not None else None,
+                    verbose=self.verbose)
 
     def _wait(self) -> None:
         if self._manager is not None:
