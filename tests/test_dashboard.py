@@ -391,3 +391,27 @@ def test_rollback_lr_cut_oom_resplit_and_resume_reach_the_loss_curve(tmp_path):
     assert [e["path"] for e in by_kind["resume"]] == [resumed.restored_from]
     cuts = by_kind["lr_cut"]
     assert len(cuts) >= 1 and cuts[0]["new_lr"] == pytest.approx(0.5 * cuts[0]["old_lr"])
+
+
+def test_a_worker_restart_of_keras_scale_launch_reaches_the_loss_curve(tmp_path, monkeypatch):
+    # the launcher's restart log names the restart that started this process: Goodput puts it on the loss curve
+    # once, at the update training resumed from (a second fit in the same process does not repeat it)
+    from keras_scale.callbacks import goodput as goodput_module
+    from keras_scale.heartbeat_file import RESTART_LOG_ENV
+
+    log = tmp_path / "restarts.jsonl"
+    log.write_text(json.dumps({"event": "restart", "restart": 1, "max_restarts": 3, "workers": [1],
+                               "reason": "killed by SIGKILL", "returncode": -9, "num_workers": 2,
+                               "num_workers_next": 2}) + "\n")
+    monkeypatch.setenv(RESTART_LOG_ENV, str(log))
+    monkeypatch.setattr(goodput_module, "_RESTARTS_RECORDED", set())
+    run = str(tmp_path / "run")
+    model = _model()
+    x = np.random.default_rng(0).random((32, 4)).astype("float32")
+    for _ in range(2):
+        model.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0, callbacks=[ks.Goodput(log_dir=run, verbose=0)])
+    restarts = [e for e in events.read(run) if e["kind"] == "worker_restart"]
+    assert len(restarts) == 1 and restarts[0]["step"] == 0 and restarts[0]["task"] == "1"
+    assert restarts[0]["reason"] == "killed by SIGKILL"
+    page = data.run_detail("r", run)
+    assert [e["kind"] for e in page["incidents"]] == ["worker_restart"]

@@ -640,6 +640,10 @@ class _StepCounters:
 # the callback
 # --------------------------------------------------------------------------------------------------------------
 
+#: restarts of ``keras-scale launch`` this process put on the dashboard already (one record per restart)
+_RESTARTS_RECORDED: set = set()
+
+
 class Goodput(keras.callbacks.Callback):
     """Where the wall-clock of ``fit`` went, for any model and strategy: goodput, input wait, compile,
     checkpoints, validation, throughput, FLOPs per step (traced from the model, not supplied) and MFU.
@@ -746,6 +750,23 @@ class Goodput(keras.callbacks.Callback):
         self._rebase_tracker = False
         self._step_counters = _StepCounters(self.model)
         self._active = True
+        self._record_restart()
+
+    def _record_restart(self) -> None:
+        """Under ``keras-scale launch --max-restarts``: the restart that started this process (the newest in the
+        launcher's log) goes on the dashboard's loss curve, once per process, at the update training resumes from."""
+        from keras_scale.heartbeat_file import read_restart_log
+
+        restarts = [r for r in read_restart_log() if r.get("event") == "restart"]
+        if not restarts or restarts[-1].get("restart") in _RESTARTS_RECORDED:
+            return
+        latest = restarts[-1]
+        _RESTARTS_RECORDED.add(latest.get("restart"))
+        workers = latest.get("workers") or []
+        events.record("worker_restart", int(self.model.optimizer.iterations.numpy()), log_dir=self.log_dir,
+                      task=",".join(str(w) for w in workers) if isinstance(workers, list) else workers,
+                      reason=latest.get("reason"), restart=latest.get("restart"),
+                      max_restarts=latest.get("max_restarts"), num_workers=latest.get("num_workers_next"))
 
     def on_epoch_begin(self, epoch: int, logs: Optional[Dict] = None) -> None:
         if not self._active:
