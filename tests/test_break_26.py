@@ -39,3 +39,13 @@ def test_a_truncated_data_file_reads_as_corrupt(tmp_path):
         reader = read_checkpoint(prefix)
         for key in reader.get_variable_to_shape_map():
             reader.get_tensor(key)
+
+
+def test_checkpoint_ls_of_a_file_or_a_prefix_says_it_wants_the_directory(tmp_path):
+    from keras_scale_cli import main
+
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "ckpt-3.index").write_bytes(b"")
+    for path in (str(d / "ckpt-3"), str(d / "ckpt-3.index")):  # a prefix, a file: not "0 checkpoint(s)", rc 0
+        assert main(["checkpoint", "ls", path]) == 2, path

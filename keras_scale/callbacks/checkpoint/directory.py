@@ -84,9 +84,9 @@ def _scan(directory: str) -> Tuple[List[Tuple[int, str]], List[str], bool]:
             problems.append(f"the state file names no usable checkpoint; found {len(found)} by scanning the "
                             "directory")
         elif garbled:  # TensorFlow logs a parse error and ignores the file: its checkpoints would never rotate
-            problems.append(f"the state file {os.path.join(directory, 'checkpoint')!r} cannot be parsed (it is "
-                            f"moved aside to 'checkpoint.invalid'); found {len(found)} checkpoint(s) by scanning "
-                            "the directory")
+            problems.append(f"the state file {os.path.join(directory, 'checkpoint')!r} cannot be parsed (the "
+                            "next ChiefCheckpoint start moves it aside to 'checkpoint.invalid'); found "
+                            f"{len(found)} checkpoint(s) by scanning the directory")
     return sorted(found.items(), reverse=True), problems, from_state
 
 
