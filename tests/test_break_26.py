@@ -49,3 +49,18 @@ def test_checkpoint_ls_of_a_file_or_a_prefix_says_it_wants_the_directory(tmp_pat
     (d / "ckpt-3.index").write_bytes(b"")
     for path in (str(d / "ckpt-3"), str(d / "ckpt-3.index")):  # a prefix, a file: not "0 checkpoint(s)", rc 0
         assert main(["checkpoint", "ls", path]) == 2, path
+
+
+@pytest.mark.parametrize("pid", [0, -1])
+def test_a_lock_naming_pid_zero_or_negative_is_stale_not_in_use_forever(tmp_path, pid):
+    import json
+
+    from keras_scale.callbacks.checkpoint.lock import process_identity
+
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    # os.kill(0 or -1, 0) succeeds (it probes a process group), so such a lock looked held by a live process forever
+    (d / ".keras_scale.lock").write_text(json.dumps(dict(process_identity(), pid=pid, start=None)))
+    with pytest.warns(RuntimeWarning, match="stale lock"):
+        fit(make_model(), [ks.ChiefCheckpoint(str(d), save_freq=2, verbose=0), StopAfter(2)], epochs=1)
+    assert [n for n, _ in list_checkpoints(str(d))] == [2]
