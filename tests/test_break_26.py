@@ -64,3 +64,16 @@ def test_a_lock_naming_pid_zero_or_negative_is_stale_not_in_use_forever(tmp_path
     with pytest.warns(RuntimeWarning, match="stale lock"):
         fit(make_model(), [ks.ChiefCheckpoint(str(d), save_freq=2, verbose=0), StopAfter(2)], epochs=1)
     assert [n for n, _ in list_checkpoints(str(d))] == [2]
+
+
+def test_load_checkpoint_into_a_model_with_an_extra_layer_names_what_differs(tmp_path):
+    import keras
+
+    from keras_scale.callbacks.checkpoint import CheckpointMismatchError
+
+    d = str(tmp_path / "ckpt")
+    fit(make_model(), [ks.ChiefCheckpoint(d, save_freq=2, verbose=0), StopAfter(2)], epochs=1)
+    bigger = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(8), keras.layers.Dense(1)])
+    # (the names differ only by Keras's numbering: the message must still say which variables are extra)
+    with pytest.raises(CheckpointMismatchError, match=r"only in the model: \['dense/bias #3', 'dense/kernel #3'\]"):
+        ks.load_checkpoint(bigger, d)
