@@ -160,6 +160,9 @@ def checkpoint_cli(argv: Sequence[str]) -> int:
 
     if is_local(a.directory) and not os.path.exists(a.directory) and not os.path.exists(a.directory + ".index"):
         p.error(f"{a.directory!r} does not exist")
+    if a.action == "ls" and is_local(a.directory) and not os.path.isdir(a.directory):
+        p.error(f"{a.directory!r} is not a directory: ls lists the directory given to ChiefCheckpoint "
+                f"(here probably {os.path.dirname(a.directory) or '.'!r})")
     if a.action == "export":
         if not (a.to.endswith(".weights.h5") or a.to.endswith(".keras")):
             p.error(f"--to {a.to!r}: give a file ending in .weights.h5 or .keras")

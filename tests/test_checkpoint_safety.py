@@ -16,7 +16,7 @@ import pytest
 
 import keras_scale as ks
 from keras_scale.callbacks.checkpoint import lock as checkpoint_module  # the lock file and its holder
-from keras_scale.callbacks.checkpoint import list_checkpoints, read_checkpoint
+from keras_scale.callbacks.checkpoint import PREEMPTION_EXIT_CODE, list_checkpoints, read_checkpoint
 from tests import _helpers as helpers
 from tests._helpers import X, Y, StopAfter, assert_same, make_model, weights
 from tests._helpers import load_weights_npz as _load, subprocess_env as _env
@@ -207,7 +207,7 @@ def test_dead_workers_temp_folders_are_removed_on_the_next_start(tmp_path, live_
 
 
 def test_lock_heartbeat_refreshes_and_a_raised_fit_lets_the_directory_go(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoint_module.lock, "_LOCK_HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(checkpoint_module, "_LOCK_HEARTBEAT_S", 0.05)
     d = tmp_path / "ckpt"
     lock = d / checkpoint_module._LOCK_NAME
     seen = []
@@ -270,7 +270,7 @@ def test_preemption_exits_after_every_callbacks_train_end(tmp_path):
     d = str(tmp_path / "ckpt")
     with pytest.raises(SystemExit) as exit_info:
         fit(make_model(), [SendSigterm(), ks.ChiefCheckpoint(d), goodput, Cleanup()], epochs=2)
-    assert exit_info.value.code == checkpoint_module.PREEMPTION_EXIT_CODE
+    assert exit_info.value.code == PREEMPTION_EXIT_CODE
     assert ended == ["cleanup"] and goodput.summary["steps"] == 4
     assert list_checkpoints(d)[0][0] == 4
     # a later fit of the same model is not affected by the exit hook
@@ -332,7 +332,7 @@ def test_preemption_exit_with_a_users_history_anywhere_in_the_list(tmp_path, ord
     model = make_model()
     with pytest.raises(SystemExit) as exit_info:
         helpers.fit(model, callbacks, epochs=2)
-    assert exit_info.value.code == checkpoint_module.PREEMPTION_EXIT_CODE and ended == ["after"]
+    assert exit_info.value.code == PREEMPTION_EXIT_CODE and ended == ["after"]
     if order == "history_subclass_after":
         assert hist.written
     assert all("on_train_end" not in vars(cb) for cb in callbacks)
@@ -473,7 +473,7 @@ def test_signals_save_at_the_next_step_exit_42_and_reruns_resume_exactly(tmp_pat
     for sig, after in ((signal.SIGUSR1, 5), (signal.SIGTERM, 12)):
         rc, lines, exit_s = _run(script, "train", d, str(tmp_path / "final.npz"), signal_after=("BATCH", after),
                                  sig=sig)
-        assert rc == checkpoint_module.PREEMPTION_EXIT_CODE == 42, "\n".join(lines[-20:])
+        assert rc == PREEMPTION_EXIT_CODE == 42, "\n".join(lines[-20:])
         assert any(f"{sig.name} received" in l and "Exiting with status 42" in l for l in lines), lines[-5:]
         assert exit_s < 30
         assert not any(l == "DONE" for l in lines)

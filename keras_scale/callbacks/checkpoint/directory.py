@@ -55,6 +55,7 @@ def _scan(directory: str) -> Tuple[List[Tuple[int, str]], List[str], bool]:
     except Exception:  # noqa: BLE001 - a torn/garbled state file: fall back to scanning
         state = None
     listed = list(state.all_model_checkpoint_paths) if state is not None else []
+    garbled = state is None and tf.io.gfile.exists(os.path.join(directory, "checkpoint"))
     for p in listed:
         name = os.path.basename(p.rstrip("/"))
         m = _PREFIX_RE.match(name)
@@ -82,6 +83,10 @@ def _scan(directory: str) -> Tuple[List[Tuple[int, str]], List[str], bool]:
         if listed and found:
             problems.append(f"the state file names no usable checkpoint; found {len(found)} by scanning the "
                             "directory")
+        elif garbled:  # TensorFlow logs a parse error and ignores the file: its checkpoints would never rotate
+            problems.append(f"the state file {os.path.join(directory, 'checkpoint')!r} cannot be parsed (the "
+                            "next ChiefCheckpoint start moves it aside to 'checkpoint.invalid'); found "
+                            f"{len(found)} checkpoint(s) by scanning the directory")
     return sorted(found.items(), reverse=True), problems, from_state
 
 

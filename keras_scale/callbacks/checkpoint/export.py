@@ -112,8 +112,11 @@ def load_checkpoint(model: keras.Model, path: Union[str, os.PathLike], step: Opt
             mapping = {j: where[k] for j, k in enumerate(ours_k)}
             break
     if mapping is None:
-        missing = sorted(set(_normalized(ours)) - set(_normalized(saved)))
-        extra = sorted(set(_normalized(saved)) - set(_normalized(ours)))
+        def named(keys: Any) -> List[str]:  # equal names are told apart by their occurrence ("dense/kernel #3")
+            return [p if n == 0 else f"{p} #{n + 1}" for p, n in sorted(keys)]
+
+        mine_k, saved_k = set(_keyed(_normalized(ours))), set(_keyed(_normalized(saved)))
+        missing, extra = named(mine_k - saved_k), named(saved_k - mine_k)
         raise CheckpointMismatchError(
             f"{prefix!r} holds {len(saved)} model variables, this model {len(ours)}; they do not match by path "
             f"(only in the model: {missing[:5]}; only in the checkpoint: {extra[:5]}). Fix: build the model the "

@@ -331,7 +331,7 @@ class BundleReader:
             raise KeyError(f"{key!r} is not in checkpoint {self.prefix!r}")
         try:
             return self._reader.get_tensor(key)
-        except (tf.errors.OpError, RuntimeError) as e:
+        except (tf.errors.OpError, RuntimeError, IndexError) as e:  # IndexError: a truncated data file
             raise CorruptCheckpointError(f"{self.prefix}: tensor {key!r} cannot be read: "
                                          f"{(str(e).splitlines() or [''])[0]}") from e
 

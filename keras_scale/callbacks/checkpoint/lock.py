@@ -83,6 +83,8 @@ def holder_gone(holder: Dict[str, Any]) -> str:
     pid = holder.get("pid")
     if holder.get("host") != _hostname() or not isinstance(pid, int):
         return ""
+    if pid <= 0 or isinstance(pid, bool):  # os.kill(0 or -1, 0) probes a group, which always "lives": damaged
+        return f"it names no process (pid {pid!r})"
     if not _pid_alive(pid):
         return f"process {pid} on this host is gone"
     boot = holder.get("boot")
