@@ -46,6 +46,7 @@ import keras
 import tensorflow as tf
 
 from keras_scale import events
+from keras_scale import state as training_state
 from keras_scale._validate import check_int, check_number
 from keras_scale.callbacks._scalars import ChiefScalars, EpochFigures
 from keras_scale.distribute import chief_print, is_chief
@@ -763,7 +764,7 @@ class Goodput(keras.callbacks.Callback):
         latest = restarts[-1]
         _RESTARTS_RECORDED.add(latest.get("restart"))
         workers = latest.get("workers") or []
-        events.record("worker_restart", int(self.model.optimizer.iterations.numpy()), log_dir=self.log_dir,
+        events.record("worker_restart", training_state.iterations(self.model), log_dir=self.log_dir,
                       task=",".join(str(w) for w in workers) if isinstance(workers, list) else workers,
                       reason=latest.get("reason"), restart=latest.get("restart"),
                       max_restarts=latest.get("max_restarts"), num_workers=latest.get("num_workers_next"))
@@ -846,7 +847,8 @@ class Goodput(keras.callbacks.Callback):
         scalars = {f"goodput/{k[len('goodput_'):] if k.startswith('goodput_') else k}": v for k, v in figures.items()}
         scalars.update({f"goodput/{c}": float(summary[c]) for c in CATEGORIES})
         self._scalars.write(scalars, step=epoch)
-        events.record("epoch", int(self.model.optimizer.iterations.numpy()), log_dir=self.log_dir, epoch=epoch, goodput=summary, logs={k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))})
+        events.record("epoch", training_state.iterations(self.model), log_dir=self.log_dir, epoch=epoch,
+                      goodput=summary, logs={k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))})
 
     def on_train_end(self, logs: Optional[Dict] = None) -> None:
         if not self._active:
@@ -857,7 +859,7 @@ class Goodput(keras.callbacks.Callback):
         from keras_scale.heartbeat_file import restart_summary
 
         self.summary.update(restart_summary())  # `keras-scale launch --max-restarts`: what the restarts cost
-        events.record("fit_end", int(self.model.optimizer.iterations.numpy()), log_dir=self.log_dir, goodput=self.summary)
+        events.record("fit_end", training_state.iterations(self.model), log_dir=self.log_dir, goodput=self.summary)
         self._scalars.close()
         self._figures.deliver(self.model)
         verbose = (self.params or {}).get("verbose", 1) if self.verbose == "auto" else self.verbose
@@ -996,7 +998,7 @@ class Goodput(keras.callbacks.Callback):
 
             # a trace as long as the train step's compile: `keras-scale launch --heartbeat-timeout-s` must not take
             # it for a hang (the Heartbeat callback's next beat, at this epoch's end, restarts the clock)
-            write_beat("trace", int(self.model.optimizer.iterations.numpy()) if self.model.optimizer else 0)
+            write_beat("trace", training_state.iterations(self.model))
             cached[key] = float(traced_flops_per_step(self.model, spec, batch, replicas))
             return cached[key]
         except Exception as e:  # noqa: BLE001 - a FLOP count must never stop training
