@@ -18,8 +18,8 @@ leak into the next fit. This module makes every install exception-safe with one 
 What a piece changes on a Keras object is installed through :func:`patch` (an instance attribute whose previous
 value comes back however the fit ends) or registered with :func:`join`/:func:`add_undo`; nothing else.
 
-Where the stack must be looked at (is this Keras's own ``fit``?) it is here only, in :func:`called_by_keras_fit`
-and :func:`fit_running`, guarded by a fingerprint: the code object of the installed Keras's
+Where the stack must be looked at (is this Keras's own ``fit``? which ``CallbackList`` does it run?) it is here
+only, in :func:`called_by_keras_fit`, :func:`fit_running` and :func:`fit_callbacks`, guarded by a fingerprint: the code object of the installed Keras's
 ``TensorFlowTrainer.fit``, found once (a name-based check when that Keras hides it).
 
 The hook also lets :mod:`keras_scale.step` put the right train function in place for the fit that starts. Only
@@ -42,7 +42,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Tuple
 
 __all__ = ["join", "leave", "joined", "patch", "add_undo", "end", "fit_starts", "pending", "called_by_keras_fit",
-           "fit_running"]
+           "fit_running", "fit_callbacks"]
 
 _ATTR = "_keras_scale_lifecycle"
 
@@ -353,3 +353,26 @@ def fit_running(model: Any, frame: Any = None) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def fit_callbacks(model: Any) -> Any:
+    """The ``CallbackList`` of the Keras ``fit`` of ``model`` running in this thread (its local ``callbacks``), or None.
+
+    Keras builds it, its ``ProgbarLogger`` and ``History`` included, before it calls ``make_train_function``.
+
+    Example:
+        >>> import keras
+        >>> fit_callbacks(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])) is None
+        True
+    """
+    import sys
+
+    from keras.callbacks import CallbackList
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if _is_keras_fit(frame.f_code) and frame.f_locals.get("self") is model:
+            callbacks = frame.f_locals.get("callbacks")
+            return callbacks if isinstance(callbacks, CallbackList) else None
+        frame = frame.f_back
+    return None

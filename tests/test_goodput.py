@@ -74,8 +74,8 @@ def test_slow_pipeline_is_input_wait_and_categories_add_up():
     assert s["input_wait_s"] > 2 * s["productive_s"], s
     assert s["steps"] == 120 and s["samples"] == 120 * BATCH
     # per-epoch figures in the logs; the epochs after the first (which traces) are mostly input wait
-    assert len(history.history["goodput_input_wait"]) == 3
-    assert min(history.history["goodput_input_wait"][1:]) >= 0.4, history.history
+    assert len(history.history["goodput_input_wait_fraction"]) == 3
+    assert min(history.history["goodput_input_wait_fraction"][1:]) >= 0.4, history.history
 
 
 def test_in_memory_pipeline_has_little_input_wait(capsys):
@@ -240,7 +240,7 @@ def test_table_tensorboard_and_ks_fit_default(tmp_path, capsys):
     events = glob.glob(str(tmp_path / "tb" / "train" / "events.*"))
     assert events
     tags = {v.tag for path in events for e in tf.compat.v1.train.summary_iterator(path) for v in e.summary.value}
-    assert {"goodput/goodput", "goodput/input_wait", "goodput/checkpoint_s"} <= tags
+    assert {"goodput/goodput", "goodput/input_wait_fraction", "goodput/checkpoint_s"} <= tags
 
 
 # --- 2 replicas, 2 workers -------------------------------------------------------------------------------------

@@ -67,7 +67,7 @@ def test_plain_fit_with_a_short_last_batch():
     assert s["samples"] == 2 * len(x)
     assert int(model.optimizer.iterations.numpy()) == s["productive_steps"]
     assert_consistent(s)
-    assert all(v == 0.0 or v >= 1e-6 for v in history.history["goodput_input_wait"]), history.history
+    assert all(v == 0.0 or v >= 1e-6 for v in history.history["goodput_input_wait_fraction"]), history.history
 
 
 def test_two_replicas_count_global_samples(mirrored):
@@ -151,7 +151,7 @@ def test_durations_carry_no_float_noise():
     # 0.1 + 0.2 s of calls, 0.15 s of compute each by the probes: input wait is 0.0, not 5.6e-17
     L = Ledger(step_s=0.1 + 0.2, step_sq_s2=0.045, calls=2, steps=2)
     s = summarize(L, wall_s=0.31, probe_s=[0.15, 0.15])
-    assert s["input_wait_s"] == 0.0 and s["input_wait"] == 0.0
+    assert s["input_wait_s"] == 0.0 and s["input_wait_fraction"] == 0.0
     assert all(s[c] == 0.0 or s[c] >= 1e-6 for c in CATEGORIES), s
     assert abs(sum(s[c] for c in CATEGORIES) - 0.31) < 1e-5
 

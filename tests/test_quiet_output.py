@@ -4,6 +4,7 @@ import logging
 
 import keras
 import numpy as np
+import pytest
 
 import keras_scale as ks
 from tests.fakes.fake_nvml import FakeNvml
@@ -59,3 +60,39 @@ def test_ks_fit_verbose_0_with_its_default_callbacks_and_a_resume_prints_nothing
     history = ks.fit(make_model, X, Y, epochs=2, **kw)  # resumes at epoch 2
     assert history.epoch == [1]
     assert capfd.readouterr().out == ""
+
+
+def _guarded_fit(x, verbose, callbacks=()):
+    rng = np.random.RandomState(0)
+    y = rng.rand(len(x), 1).astype("float32")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=verbose,
+                        callbacks=[ks.NanGuard(verbose=0), *callbacks])
+    return model, history
+
+
+@pytest.mark.parametrize("verbose", [1, 2])
+def test_progress_bar_shows_nan_skipped_only_when_a_step_was_skipped(verbose, tmp_path, capsys):
+    x = np.random.RandomState(1).rand(32, 4).astype("float32")
+    csv = tmp_path / "log.csv"
+    model, history = _guarded_fit(x, verbose, callbacks=[keras.callbacks.CSVLogger(str(csv))])
+    printed = capsys.readouterr().out
+    assert "loss:" in printed and "nan_skipped" not in printed, printed
+    assert history.history["nan_skipped"] == [0, 0]  # History and CSVLogger keep the key, as the step logs it
+    assert "nan_skipped" in csv.read_text().splitlines()[0]
+
+    x[9, 0] = np.nan  # one bad batch in each epoch
+    _, history = _guarded_fit(x, verbose)
+    printed = capsys.readouterr().out
+    assert "nan_skipped: 1" in printed, printed
+    assert history.history["nan_skipped"] == [1, 1]
+
+
+def test_progress_bar_is_keras_own_again_after_the_fit(capsys):
+    progbar = keras.callbacks.ProgbarLogger()
+    model, _ = _guarded_fit(np.random.RandomState(1).rand(16, 4).astype("float32"), 2, callbacks=[progbar])
+    assert not {"_update_progbar", "_finalize_progbar"} & set(vars(progbar)), vars(progbar).keys()
+    capsys.readouterr()
+    model.fit(np.ones((8, 4), "float32"), np.ones((8, 1), "float32"), epochs=1, verbose=2, callbacks=[progbar])
+    assert "nan_skipped" not in capsys.readouterr().out  # a plain fit again: Keras's own progress bar and logs

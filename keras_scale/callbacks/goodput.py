@@ -476,7 +476,7 @@ def summarize(ledger: Ledger, wall_s: float, probe_s: Sequence[float] = (), step
     out["other_s"] = clean_seconds(wall_s - known)
     productive = out["productive_s"]
     out["goodput"] = round(productive / wall_s, 6) if wall_s > 0 else None
-    out["input_wait"] = round(out["input_wait_s"] / wall_s, 6) if wall_s > 0 else None
+    out["input_wait_fraction"] = round(out["input_wait_s"] / wall_s, 6) if wall_s > 0 else None
     out["steps"] = steps
     out["skipped_steps"] = skipped
     out["rolled_back_steps"] = rolled_back
@@ -652,10 +652,10 @@ class Goodput(keras.callbacks.Callback):
     After ``fit``, :attr:`summary` holds ``wall_s`` and its parts ``productive_s``, ``input_wait_s``,
     ``compile_s``, ``checkpoint_s``, ``eval_s``, ``skipped_steps_s``, ``redone_s``, ``measure_s`` (this
     callback's own probes) and ``other_s`` (callbacks and the rest), which add up to ``wall_s``; ``goodput``
-    (= productive_s / wall_s), ``input_wait`` (fraction), ``steps`` (train batches run), ``skipped_steps``,
+    (= productive_s / wall_s), ``input_wait_fraction`` (of wall_s), ``steps`` (train batches run), ``skipped_steps``,
     ``rolled_back_steps``, ``productive_steps``, ``samples`` (global), ``samples_per_s``, ``step_time_s``,
     ``flops_per_step``, ``tflops_per_s`` (while stepping), ``mfu`` and ``peak_flops``. Each epoch adds
-    ``goodput``, ``goodput_input_wait``, ``goodput_samples_per_s``, ``goodput_tflops_per_s`` and ``goodput_mfu``
+    ``goodput``, ``goodput_input_wait_fraction``, ``goodput_samples_per_s``, ``goodput_tflops_per_s`` and ``goodput_mfu``
     (those known) to the ``History`` that ``fit`` returns (at its end, not to the epoch logs), and with ``log_dir``
     the chief writes ``goodput/...`` scalars.
     Under ``keras-scale launch --max-restarts`` the summary also holds ``restarts``, ``restart_lost_s`` and
@@ -839,7 +839,7 @@ class Goodput(keras.callbacks.Callback):
         self._close_epoch()
         summary = self._summarize(self._ledger - self._epoch_ledger, time.perf_counter() - self._epoch_start)
         self.epoch_summaries.append(summary)
-        figures = {"goodput": summary["goodput"], "goodput_input_wait": summary["input_wait"],
+        figures = {"goodput": summary["goodput"], "goodput_input_wait_fraction": summary["input_wait_fraction"],
                    "goodput_samples_per_s": summary["samples_per_s"], "goodput_tflops_per_s": summary["tflops_per_s"],
                    "goodput_mfu": summary["mfu"]}
         figures = {k: float(v) for k, v in figures.items() if v is not None}
