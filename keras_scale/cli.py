@@ -24,6 +24,8 @@ import os
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from keras_scale.output import say
+
 
 def _installed_version(distribution: str) -> Optional[str]:
     try:
@@ -123,7 +125,7 @@ def plot_lr_cli(argv: Sequence[str]) -> int:
 
     try:
         schedule = WarmupCosine(a.peak_lr, a.total_steps, a.warmup_steps, a.initial_lr, a.final_lr)
-        print(f"wrote {schedule.plot(a.output)}")
+        say(f"wrote {schedule.plot(a.output)}")
     except (ValueError, ImportError, OSError) as e:
         print(f"keras-scale plot-lr: error: {e}", file=sys.stderr)
         return 1

@@ -397,8 +397,9 @@ def is_multi_worker(strategy: Any) -> bool:
 def chief_print(message: str, strategy: Any = None, verbose: int = 1, incident: bool = False) -> None:
     """Print ``message`` once per job: in the chief only, and only when ``verbose``.
 
-    Routine messages go through Keras's ``io_utils.print_msg`` (stdout, or absl logging when Keras's interactive
-    logging is off); an ``incident`` (a skipped NaN step, a fallback) goes to stderr.
+    Printed by :func:`keras_scale.output.say`, the pack's one printer: routine messages through Keras's
+    ``io_utils.print_msg`` (stdout, or absl logging when Keras's interactive logging is off); an ``incident`` (a
+    skipped NaN step, a fallback) to stderr.
 
     Example:
         >>> chief_print("checkpoint saved", verbose=1)
@@ -406,17 +407,9 @@ def chief_print(message: str, strategy: Any = None, verbose: int = 1, incident: 
     """
     if not verbose or not is_chief(strategy):
         return
-    if incident:
-        import sys
+    from keras_scale.output import say
 
-        # on a terminal Keras's progress bar may be mid-line on stdout: start the incident on a line of its own
-        lead = "\n" if getattr(sys.stdout, "isatty", lambda: False)() else ""
-        sys.stdout.flush()
-        print(lead + message, file=sys.stderr, flush=True)
-        return
-    from keras.src.utils import io_utils
-
-    io_utils.print_msg(message)
+    say(message, incident=incident)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -1949,7 +1949,12 @@ def cli(argv: Sequence[str]) -> int:
                  progress=(lambda msg: None) if args.quiet else progress)
     progress.done()
     try:
-        print(json.dumps(rep, indent=2) if args.json else format_report(rep))
+        if args.json:
+            print(json.dumps(rep, indent=2))  # machine-readable: as it is
+        else:
+            from keras_scale.output import say
+
+            say(format_report(rep))
         sys.stdout.flush()
     except BrokenPipeError:  # `keras-scale doctor | head`: the reader has what it wanted; no traceback
         try:

@@ -441,5 +441,10 @@ def cli(argv: Sequence[str]) -> int:
     except (FileNotFoundError, ImportError) as e:
         print(f"keras-scale profile-summary: {e}", file=sys.stderr)
         return 1
-    print(json.dumps(summary.to_dict(), indent=2) if args.json else str(summary))
+    if args.json:
+        print(json.dumps(summary.to_dict(), indent=2))  # machine-readable: as it is
+    else:
+        from keras_scale.output import say
+
+        say(str(summary))
     return 0

@@ -96,3 +96,24 @@ def test_progress_bar_is_keras_own_again_after_the_fit(capsys):
     capsys.readouterr()
     model.fit(np.ones((8, 4), "float32"), np.ones((8, 1), "float32"), epochs=1, verbose=2, callbacks=[progbar])
     assert "nan_skipped" not in capsys.readouterr().out  # a plain fit again: Keras's own progress bar and logs
+
+
+def test_one_printer_callbacks_and_cli_reports_follow_keras_interactive_logging(tmp_path, capsys, caplog):
+    from keras_scale import cli
+    from keras_scale.distribute import chief_print
+
+    model = make_model()
+    model.fit(X, Y, batch_size=16, epochs=1, verbose=0, callbacks=[ks.ChiefCheckpoint(str(tmp_path / "ckpt"))])
+    assert cli.main(["checkpoint", "ls", str(tmp_path / "ckpt")]) == 0
+    assert "1 checkpoint(s)" in capsys.readouterr().out  # interactive: stdout
+    keras.config.disable_interactive_logging()
+    try:
+        with caplog.at_level(logging.INFO):
+            chief_print("a routine message")
+            assert cli.main(["checkpoint", "ls", str(tmp_path / "ckpt")]) == 0
+        out = capsys.readouterr().out
+        assert "a routine message" not in out and "checkpoint(s)" not in out, out
+        logged = caplog.text
+        assert "a routine message" in logged and "1 checkpoint(s)" in logged, logged
+    finally:
+        keras.config.enable_interactive_logging()

@@ -202,24 +202,26 @@ def _build_model(spec: str) -> keras.Model:
 
 def cli(args: Any) -> int:
     """The work of ``keras-scale checkpoint ls|export`` (arguments parsed by :func:`keras_scale.cli.checkpoint_cli`)."""
+    from keras_scale.output import say
+
     if args.action == "ls":
         info = describe_directory(args.directory)
         if args.json:
-            print(json.dumps(info, indent=2, default=str))
+            print(json.dumps(info, indent=2, default=str))  # machine-readable: as it is
             return 0
-        print(f"{args.directory}: {len(info['checkpoints'])} checkpoint(s)")
+        say(f"{args.directory}: {len(info['checkpoints'])} checkpoint(s)")
         for row in info["checkpoints"]:
             where = (f"epoch {row['epoch'] + 1}, batch {row['step_in_epoch']}" if "epoch" in row
                      else "position unknown")
             mark = "  <- a resumed fit starts here" if row["prefix"] == info["resumes"] else ""
-            print(f"  {_NAME}-{row['number']:<10} {where:<24} {_human(row['bytes']):>10}{mark}")
+            say(f"  {_NAME}-{row['number']:<10} {where:<24} {_human(row['bytes']):>10}{mark}")
         for e in info["best"]:
-            print(f"  best: {os.path.basename(e['prefix'])} {e.get('monitor')}={e.get('value'):.6g} "
+            say(f"  best: {os.path.basename(e['prefix'])} {e.get('monitor')}={e.get('value'):.6g} "
                   f"(epoch {int(e.get('epoch', 0)) + 1})")
         for problem in info["problems"]:
-            print(f"  problem: {problem}")
+            say(f"  problem: {problem}")
         if info["orphans"]:
-            print(f"  {len(info['orphans'])} orphan file(s) of killed writes (removed at the next start): "
+            say(f"  {len(info['orphans'])} orphan file(s) of killed writes (removed at the next start): "
                   + ", ".join(os.path.basename(p) for p in info["orphans"][:5]))
         return 0
     model = _build_model(args.model)
@@ -228,5 +230,5 @@ def cli(args: Any) -> int:
         model.save_weights(args.to)
     else:
         model.save(args.to)
-    print(f"wrote {args.to} from {prefix}")
+    say(f"wrote {args.to} from {prefix}")
     return 0

@@ -1,0 +1,44 @@
+"""keras_scale's one printer: every message the pack prints, from a callback or the command line, goes here.
+
+- Routine messages (a save, the goodput table, ``keras-scale checkpoint ls``, the doctor's report) go through
+  Keras's ``io_utils.print_msg`` once Keras is loaded: stdout, or Python (absl) logging after
+  ``keras.config.disable_interactive_logging()``. The command line starts without TensorFlow or Keras; there
+  they go to stdout.
+- An ``incident`` (a skipped NaN step, a fallback) goes to stderr, on a line of its own.
+- ``verbose=0`` prints nothing. Which process prints in a multi-worker job is decided once, by
+  :func:`keras_scale.distribute.chief_print` (the chief only), which calls :func:`say`.
+
+Machine-readable output (``--json``) is printed as it is, not through here.
+
+Example:
+    >>> say("checkpoint saved")
+    checkpoint saved
+    >>> say("not shown", verbose=0)
+"""
+from __future__ import annotations
+
+import sys
+
+__all__ = ["say"]
+
+
+def say(message: str, verbose: int = 1, incident: bool = False) -> None:
+    """Print ``message`` (see the module docstring); nothing when ``verbose`` is 0.
+
+    Example:
+        >>> say("2 checkpoint(s)", verbose=1)
+        2 checkpoint(s)
+    """
+    if not verbose:
+        return
+    if incident:
+        # on a terminal Keras's progress bar may be mid-line on stdout: start the incident on a line of its own
+        lead = "\n" if getattr(sys.stdout, "isatty", lambda: False)() else ""
+        sys.stdout.flush()
+        print(lead + message, file=sys.stderr, flush=True)
+        return
+    io_utils = sys.modules.get("keras.src.utils.io_utils")  # Keras loaded: honour its interactive-logging switch
+    if io_utils is not None and hasattr(io_utils, "print_msg"):
+        io_utils.print_msg(message)
+        return
+    print(message, flush=True)
