@@ -38,25 +38,30 @@ STREAM_NAME = "events.jsonl"
 
 _lock = threading.Lock()
 _attached: Dict[str, int] = {}  # run directory -> how many open writers (ChiefScalars) point at it
-# run directory -> the Keras fit frames it was attached in (None: outside a fit); a fit that raised skips its
+# run directory -> the Keras fits it was attached in (weak references, see _current_fit; None: outside a fit); a fit that raised skips its
 # callbacks' on_train_end, so its streams stay attached: records of later fits must not reach them
 _attached_fits: Dict[str, List[Any]] = {}
-# records made inside a fit while no stream of that fit was open: (fit frame, line), written when one opens
+# records made inside a fit while no stream of that fit was open: (fit, line), written when one opens
 _pending: List[Any] = []
 _MAX_PENDING = 1000
 
 
 def _current_fit() -> Any:
-    """The innermost Keras ``fit`` frame on this thread's stack, or None (outside a fit, another thread)."""
+    """The innermost Keras ``fit`` running on this thread, or None (outside a fit, another thread).
+
+    A fit is known by a weak reference to its ``CallbackList`` (the same reference object for the same fit): never
+    by its frame, which would keep a finished fit's model, data and callbacks alive in this module."""
     try:
         import sys
+        import weakref
 
         from keras_scale.lifecycle import _is_keras_fit
 
         frame = sys._getframe(2)
         while frame is not None:
             if _is_keras_fit(frame.f_code):
-                return frame
+                callbacks = frame.f_locals.get("callbacks")
+                return None if callbacks is None else weakref.ref(callbacks)
             frame = frame.f_back
     except Exception:  # noqa: BLE001
         pass
@@ -64,11 +69,17 @@ def _current_fit() -> Any:
 
 
 def _on_stack(fit: Any) -> bool:
+    """``fit`` (from :func:`_current_fit`) is still running on this thread's stack."""
     import sys
 
+    from keras_scale.lifecycle import _is_keras_fit
+
+    target = fit()
+    if target is None:
+        return False
     frame = sys._getframe(1)
     while frame is not None:
-        if frame is fit:
+        if _is_keras_fit(frame.f_code) and frame.f_locals.get("callbacks") is target:
             return True
         frame = frame.f_back
     return False

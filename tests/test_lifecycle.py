@@ -116,3 +116,36 @@ def test_wrapped_model_fit_undoes_its_optimizer_switches_however_it_ends():
     assert lifecycle.pending(wrapped) == 0
     wrapped.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)  # and trains again
     assert int(optimizer.iterations.numpy()) == 2 + N // BATCH
+
+
+def test_a_finished_fit_with_every_piece_keeps_nothing_alive(tmp_path):
+    """After fit returns, the model, its data and its callbacks are freed once the user drops them (the event
+    stream once kept the Keras fit's frame, and with it everything the fit touched, until the next fit)."""
+    import gc
+    import weakref
+
+    from tests.fakes.fake_nvml import FakeNvml
+
+    def train(wrapped, alone=False):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+        model.compile(optimizer="adam", loss="mse")
+        if wrapped:
+            model = ks.wrap(model, accum=2)
+            model.compile(optimizer="adam", loss="mse")
+        d = str(tmp_path / f"run{int(wrapped)}")
+        callbacks = [ks.NanGuard(verbose=0), ks.ChiefCheckpoint(d + "/ckpt", verbose=0),
+                     ks.GpuMonitor(nvml=FakeNvml.with_gpus(1), log_dir=d, verbose=0),
+                     ks.ProfileWindow(d + "/profile", start_step=1000), ks.HostMemoryWatch(),
+                     ks.LearningRateLogger(d), ks.ReduceLROnPlateau(monitor="loss", verbose=0),
+                     ks.Goodput(log_dir=d, verbose=0)]
+        if alone:  # no TensorBoard writer: its records wait for a stream of this fit
+            callbacks = [None, ks.ChiefCheckpoint(d + "/ckpt_alone", verbose=0)]
+        x = np.ones((32, 4), "float32")
+        model.fit(x, x[:, :1], batch_size=4, epochs=2, verbose=0, callbacks=[c for c in callbacks if c])
+        return weakref.ref(model), weakref.ref(callbacks[1])
+
+    for wrapped, alone in ((False, True), (False, False), (True, False)):
+        refs = train(wrapped, alone)
+        keras.backend.clear_session(free_memory=False)
+        gc.collect()
+        assert all(r() is None for r in refs), f"wrapped={wrapped}: the model or its ChiefCheckpoint is still alive"
