@@ -81,7 +81,9 @@ def _serve(logdir: str):
     plugins = [p for p in default.get_plugins() if getattr(p, "plugin_name", None) != KerasScalePlugin.plugin_name]
     tb = program.TensorBoard(plugins=plugins + [KerasScalePlugin])
     tb.configure(argv=[None, "--logdir", logdir, "--host", "127.0.0.1", "--port", str(_free_port()),
-                       "--load_fast", "false", "--reload_interval", "1"])
+                       "--load_fast", "false", "--reload_task", "blocking", "--reload_interval", "0"])
+    # (blocking, once: every event file is read here, so no reload thread runs on; one killed at exit, inside
+    # TensorFlow's file reading, aborts the interpreter: "FATAL: exception not rethrown")
     import threading
 
     server = tb._make_server()  # (TensorBoard.launch, keeping the server to shut it down)
