@@ -11,7 +11,7 @@ FLOOR_VENV  := .venv-floor
 FLOOR_TESTS := tests/test_schedules.py tests/test_accumulation.py tests/test_nan_guard.py tests/test_fit.py \
                tests/test_plateau_and_lr_logger.py tests/test_cli_and_launch.py
 
-.PHONY: install demo test test-fast doctest test-floor bench clean
+.PHONY: install demo test test-slow doctest test-floor bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,15 +30,22 @@ demo: install
 DOCTEST := -m pytest -q -ra -p no:cacheprovider --doctest-modules --timeout=60 --timeout-method=thread \
            keras_scale keras_scale_cli.py
 
-# Prints the slowest tests and, at the end, the wall time of the whole run (pass or fail).
+# The suite runs in PYTEST_WORKERS processes (pytest-xdist; tests are independent, each worker has its own 2
+# logical CPUs). `make test`: the doctests and every test not marked slow; `make test-slow`: the tests that start
+# TensorFlow in other processes (multi-worker jobs, kills, the launcher); CI (.ci/run) runs both. Each prints its
+# slowest tests and, at the end, its wall time (pass or fail).
+PYTEST_WORKERS ?= 2
+PYTEST := -m pytest -q -ra -p no:cacheprovider -n $(PYTEST_WORKERS) --dist worksteal --durations=15
+
 test: install
 	@start=$$(date +%s); \
-	$(BIN)/python $(DOCTEST) && $(BIN)/python -m pytest -q -ra --durations=15 tests; rc=$$?; \
+	$(BIN)/python $(DOCTEST) && $(BIN)/python $(PYTEST) -m "not slow" tests; rc=$$?; \
 	echo "make test: $$(( $$(date +%s) - start )) s wall ($$(nproc) CPUs)"; exit $$rc
 
-test-fast: install
-	$(BIN)/python $(DOCTEST)
-	$(BIN)/python -m pytest -q -ra -m "not slow" tests
+test-slow: install
+	@start=$$(date +%s); \
+	$(BIN)/python $(PYTEST) -m slow tests; rc=$$?; \
+	echo "make test-slow: $$(( $$(date +%s) - start )) s wall ($$(nproc) CPUs)"; exit $$rc
 
 doctest: install
 	$(BIN)/python $(DOCTEST)

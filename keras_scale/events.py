@@ -43,6 +43,9 @@ _attached: Dict[str, int] = {}  # run directory -> how many open writers (ChiefS
 _attached_fits: Dict[str, List[Any]] = {}
 # records made inside a fit while no stream of that fit was open: (fit, line), written when one opens
 _pending: List[Any] = []
+# run directory -> the fits whose last writer for it closed while they still run: the records those fits make
+# afterwards (a callback's on_train_end listed after the one that closed) still reach that stream
+_closed_in_fit: Dict[str, List[Any]] = {}
 _MAX_PENDING = 1000
 
 
@@ -95,6 +98,12 @@ def _forget_dead_fits() -> None:
             _attached.pop(key, None)
             _attached_fits.pop(key, None)
     _pending[:] = [(f, line) for f, line in _pending if _on_stack(f)]
+    for key in list(_closed_in_fit):
+        live = [f for f in _closed_in_fit[key] if _on_stack(f)]
+        if live:
+            _closed_in_fit[key] = live
+        else:
+            _closed_in_fit.pop(key)
 
 
 def _write(run: str, lines: List[str]) -> None:
@@ -164,6 +173,8 @@ def detach(log_dir: Optional[str]) -> None:
         else:
             _attached.pop(key, None)
             _attached_fits.pop(key, None)
+            if fit is not None:
+                _closed_in_fit.setdefault(key, []).append(fit)
 
 
 def _clean(value: Any) -> Any:
@@ -217,6 +228,9 @@ def record(kind: str, step: Optional[int] = None, log_dir: Optional[str] = None,
                 if fit is not None:
                     _forget_dead_fits()  # what is left was attached in this fit (or in an enclosing one)
                 targets = list(_attached)
+                if fit is not None:  # streams this fit closed already (its on_train_end goes on)
+                    targets += [k for k, fits in _closed_in_fit.items() if k not in targets
+                                and any(f is fit for f in fits)]
             if not targets and fit is None:
                 return
         event = {"kind": str(kind), "step": None if step is None else int(step), "time": time.time(),

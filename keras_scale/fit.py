@@ -109,9 +109,11 @@ def _key_line(message: str) -> str:
 
 
 def _say(message: str, verbose: Any = 1, strategy: Any = None) -> None:
-    """Log once, and print on the chief so the line shows up next to Keras's progress bar."""
-    log.info(message)
+    """Print on the chief (the line shows up next to Keras's progress bar) and log it on the ``keras_scale`` logger,
+    once: with Keras's interactive logging off the print itself is a log record."""
     chief_print(f"keras_scale: {message}", strategy, verbose=verbose)
+    if not (verbose and is_chief(strategy)) or keras.config.is_interactive_logging_enabled():
+        log.info(message)
 
 
 def _batch_size_of(element: Any) -> int:

@@ -35,17 +35,43 @@ FULL_GC_EVERY = 25
 _tests_since_full_gc = [0]
 
 
+_SLOW_CLEANUPS = []  # (seconds, what, test): clean-ups over SLOW_CLEANUP_S, listed at the end of the run
+SLOW_CLEANUP_S = 5.0
+
+
 @pytest.fixture(autouse=True)
-def _seed_and_clear():
+def _seed_and_clear(request):
+    import time
+
     keras.utils.set_random_seed(1234)
     yield
+    start = time.perf_counter()
     keras.backend.clear_session(free_memory=False)
+    cleared = time.perf_counter()
     _tests_since_full_gc[0] += 1
-    if _tests_since_full_gc[0] >= FULL_GC_EVERY:
+    full = _tests_since_full_gc[0] >= FULL_GC_EVERY
+    if full:
         _tests_since_full_gc[0] = 0
         gc.collect()
     else:
         gc.collect(1)
+    done = time.perf_counter()
+    for seconds, what in ((cleared - start, "clear_session"), (done - cleared, "full gc" if full else "gc(1)")):
+        if seconds > SLOW_CLEANUP_S:  # (reported by the process that prints, also under pytest-xdist)
+            request.node.user_properties.append(
+                ("slow_cleanup", (round(seconds, 1), f"{what} ({len(gc.get_objects())} objects tracked)")))
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "teardown":
+        for key, value in report.user_properties:
+            if key == "slow_cleanup":
+                _SLOW_CLEANUPS.append((value[0], value[1], report.nodeid))
+
+
+def pytest_terminal_summary(terminalreporter):
+    for seconds, what, test in sorted(_SLOW_CLEANUPS, reverse=True)[:10]:
+        terminalreporter.write_line(f"slow clean-up: {seconds:.1f} s {what} after {test}")
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -80,6 +80,21 @@ def test_the_resume_is_on_the_dashboard_whatever_the_callback_order(tmp_path, ch
         assert all(json.loads(line) for line in f)  # one whole record per line
 
 
+@pytest.mark.parametrize("goodput_first", [True, False], ids=["goodput_first", "goodput_last"])
+def test_records_made_at_train_end_after_the_writer_closed_still_reach_the_run(tmp_path, goodput_first):
+    # Goodput (no log_dir of its own) records fit_end in its on_train_end; listed after NanGuard, whose
+    # on_train_end closes the run's stream first, that record once waited for a stream forever
+    x, y = _data()
+    run = str(tmp_path / "run")
+    callbacks = [ks.Goodput(verbose=0), ks.NanGuard(log_dir=run)]
+    _model().fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=callbacks if goodput_first else callbacks[::-1])
+    assert [kind for kind, _ in _kinds(run)] == ["epoch", "fit_end"]
+    other = str(tmp_path / "other")  # and the next fit's records go to its own run only
+    _model().fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[ks.NanGuard(log_dir=other), ks.Goodput(verbose=0)])
+    assert [kind for kind, _ in _kinds(run)] == ["epoch", "fit_end"]
+    assert [kind for kind, _ in _kinds(other)] == ["epoch", "fit_end"]
+
+
 def test_records_outside_a_fit_still_follow_attach_and_detach(tmp_path):
     run = str(tmp_path / "r")
     events.record("nan", 1)  # nothing open, outside a fit: nothing kept for later

@@ -20,6 +20,7 @@ if index == 1:
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_during_the_restart_backoff_ends_the_run_cleanly_without_restarting(tmp_path, signum):
     # before: SIGTERM in the backoff killed the launcher outright (no summary, its temporary run dir left behind)
@@ -158,6 +159,7 @@ hb.write_beat("end", 6)
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keeps_checkpoint", [True, False])
 def test_the_user_is_told_when_a_restart_starts_from_scratch(tmp_path, keeps_checkpoint):
     # before: a train script without a checkpoint restarted from step 0 with nothing said on the console
@@ -264,6 +266,7 @@ sys.exit(42)
 '''
 
 
+@pytest.mark.slow
 def test_a_repeated_sigterm_to_the_launcher_does_not_kill_the_saving_workers(tmp_path):
     # before: the launcher took the second SIGTERM (e.g. `timeout` forwarding its own copy, Slurm signalling every
     # process) for "kill now" and SIGKILLed the workers in the middle of their preemption save

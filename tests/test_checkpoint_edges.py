@@ -167,6 +167,7 @@ def test_no_write_follows_a_planted_link_out_of_the_directory(tmp_path):
     assert 12 in [n for n, _ in list_checkpoints(str(d2))] and not os.path.islink(d2 / "ckpt-12.index")
 
 
+@pytest.mark.slow
 def test_a_users_folders_in_the_temp_dir_are_never_removed(tmp_path, monkeypatch):
     root = str(tmp_path / "tmp")  # a temp dir of its own (other processes on this machine use the system one)
     os.mkdir(root)
@@ -262,6 +263,7 @@ except RuntimeError as e:
 """
 
 
+@pytest.mark.slow
 def test_two_starters_taking_over_one_stale_lock_never_both_win(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

@@ -240,6 +240,7 @@ def _cli(*args, cwd=None):
                           env=subprocess_env(), cwd=cwd or REPO_ROOT, timeout=300)
 
 
+@pytest.mark.slow
 def test_checkpoint_cli_lists_and_exports(tmp_path):
     d = str(tmp_path / "ckpt")
     trained = make_model()

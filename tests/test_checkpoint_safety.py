@@ -143,6 +143,7 @@ def test_a_second_run_in_the_same_directory_is_refused_naming_the_holder(tmp_pat
     assert not list_checkpoints(str(d))
 
 
+@pytest.mark.slow
 def test_a_stale_lock_is_taken_over_and_released_at_the_end(tmp_path):
     d = tmp_path / "ckpt"
     d.mkdir()

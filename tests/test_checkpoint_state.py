@@ -38,6 +38,7 @@ print("DONE", flush=True)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("in_dict", [False, True])
 def test_gan_killed_and_rerun_ends_bit_identical_to_an_uninterrupted_run(tmp_path, in_dict):
     """No 'could not build the model' crash (plain Keras trains the GAN unbuilt); after a SIGKILL the rerun

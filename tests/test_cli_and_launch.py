@@ -106,6 +106,7 @@ def test_plot_lr_without_matplotlib_one_line_error(tmp_path):
     assert not (tmp_path / "lr.png").exists()
 
 
+@pytest.mark.slow
 def test_plot_lr_writes_the_png(tmp_path):
     pytest.importorskip("matplotlib")  # the `plot` extra
     out = _cli("plot-lr", "--peak-lr", "0.1", "--total-steps", "100", "-o", str(tmp_path / "plots") + "/")
@@ -129,6 +130,7 @@ def test_unknown_command_fails_with_usage():
     assert out.returncode == 2 and "unknown command 'nope'" in out.stderr and "help;" in out.stderr
 
 
+@pytest.mark.slow
 def test_import_registers_keras_classes_in_a_package_run_with_python_m(tmp_path):
     import keras
 
@@ -171,6 +173,7 @@ def test_launch_sets_distinct_tf_config_per_worker():
     assert make_tf_config([1, 2], 1)["task"] == {"type": "worker", "index": 1}
 
 
+@pytest.mark.slow
 def test_launch_kills_the_rest_when_one_worker_dies():
     code = "import os, sys, time; c = os.environ['TF_CONFIG']; sys.exit(3) if '\"index\": 1' in c else time.sleep(600)"
     results = launch_local_workers([sys.executable, "-c", code], num_workers=2, timeout_s=120, grace_s=1)
@@ -304,6 +307,7 @@ def test_launch_kills_workers_that_ignore_the_signal_after_the_grace_period(tmp_
     assert all(_gone(pid) for pid in pids)
 
 
+@pytest.mark.slow
 def test_launch_grace_period_holds_for_a_wrapped_worker_and_a_missing_command_is_one_line(tmp_path):
     launcher = Launcher(tmp_path, ["stubborn"], ["--grace-s", "2"], through_shell=True)
     pids = launcher.ready_pids()
@@ -319,6 +323,7 @@ def test_launch_grace_period_holds_for_a_wrapped_worker_and_a_missing_command_is
     assert "cannot run '/nonexistent/cmd'" in missing.stderr
 
 
+@pytest.mark.slow
 def test_launch_timeout_is_opt_in_and_stops_the_workers(tmp_path):
     (tmp_path / "worker.py").write_text(WORKER)
     code = "import sys; from keras_scale_cli import main; sys.exit(main(sys.argv[1:]))"
@@ -330,6 +335,7 @@ def test_launch_timeout_is_opt_in_and_stops_the_workers(tmp_path):
     assert "(timed out)" in out.stderr
 
 
+@pytest.mark.slow
 def test_launch_function_reraises_ctrl_c_after_stopping_the_workers(tmp_path):
     # the library function (not the command line): Ctrl-C stops the workers, then raises KeyboardInterrupt as usual
     (tmp_path / "worker.py").write_text(WORKER)

@@ -528,6 +528,7 @@ def test_real_doctor_on_this_machine_in_process():
         assert "GPUs: none. No GPU present" in dr.format_report(rep)
 
 
+@pytest.mark.slow
 def test_cli_json_subprocess_exit_zero_here():
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("TF_CONFIG", None)

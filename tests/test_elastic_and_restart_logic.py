@@ -82,6 +82,7 @@ def test_a_crashed_worker_restarts_every_worker_once_and_the_restart_is_recorded
         "attempt_0_0", "attempt_0_1", "attempt_1_0", "attempt_1_1"]  # both workers started again
 
 
+@pytest.mark.slow
 def test_after_max_restarts_the_launcher_gives_up_with_the_last_failures_status(tmp_path):
     outcome, lines, records = _run(tmp_path, "always", max_restarts=2)
     assert outcome.status == 17 and len(outcome.restarts) == 2
@@ -93,6 +94,7 @@ def test_no_restarts_by_default(tmp_path):
     assert outcome.status == 17 and outcome.restarts == [] and records == []
 
 
+@pytest.mark.slow
 def test_a_worker_without_step_progress_is_killed_after_the_heartbeat_timeout(tmp_path):
     start = time.monotonic()
     outcome, lines, records = _run(tmp_path, "hang", max_restarts=1, heartbeat_timeout_s=3)
@@ -103,6 +105,7 @@ def test_a_worker_without_step_progress_is_killed_after_the_heartbeat_timeout(tm
     assert 3 <= hung_for < 3 + 10, records
 
 
+@pytest.mark.slow
 def test_a_worker_failing_at_start_is_dropped_down_to_min_workers(tmp_path):
     outcome, lines, records = _run(tmp_path, "lost", num_workers=3, max_restarts=4, min_workers=2)
     assert outcome.status == 0, lines
@@ -111,6 +114,7 @@ def test_a_worker_failing_at_start_is_dropped_down_to_min_workers(tmp_path):
     assert "before its first step" in lines[1] and lines[2].endswith("(was 3: a worker kept failing at start)")
 
 
+@pytest.mark.slow
 def test_without_min_workers_a_lost_worker_is_never_dropped(tmp_path):
     outcome, lines, records = _run(tmp_path, "lost", num_workers=3, max_restarts=3)
     assert outcome.status == 5 and all(r["num_workers_next"] == 3 for r in records if r["event"] == "restart")

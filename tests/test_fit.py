@@ -426,6 +426,7 @@ def test_unbatched_dataset_on_a_wrapped_model_says_batch_your_dataset():
     assert np.isfinite(history.history["loss"][0])
 
 
+@pytest.mark.slow
 def test_mirrored_strategy_probe_prints_no_eager_overhead_warning():
     import subprocess
     import sys

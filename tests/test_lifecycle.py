@@ -1,5 +1,7 @@
 """One lifecycle: whatever a keras_scale piece installed on a model is undone however the fit ends, and
 afterwards train_on_batch, test_on_batch, predict_on_batch, evaluate and a plain fit behave as plain Keras."""
+import time
+
 import numpy as np
 import pytest
 import keras
@@ -149,3 +151,41 @@ def test_a_finished_fit_with_every_piece_keeps_nothing_alive(tmp_path):
         keras.backend.clear_session(free_memory=False)
         gc.collect()
         assert all(r() is None for r in refs), f"wrapped={wrapped}: the model or its ChiefCheckpoint is still alive"
+
+
+def test_after_a_fit_that_raised_a_dropped_model_is_freed_and_no_sampler_runs_on(tmp_path):
+    """Keras skips on_train_end when fit raises: ChiefCheckpoint's signal handler once kept the model alive, and
+    GpuMonitor's sampling thread ran on forever."""
+    import gc
+    import signal
+    import threading
+    import weakref
+
+    from tests.fakes.fake_nvml import FakeNvml
+
+    class Boom(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2:
+                raise RuntimeError("boom")
+
+    before = signal.getsignal(signal.SIGTERM)
+
+    def crash():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        x = np.ones((32, 4), "float32")
+        with pytest.raises(RuntimeError, match="boom"):
+            model.fit(x, x[:, :1], batch_size=4, epochs=1, verbose=0,
+                      callbacks=[ks.ChiefCheckpoint(str(tmp_path / "ckpt"), verbose=0),
+                                 ks.GpuMonitor(nvml=FakeNvml.with_gpus(1), interval_s=0.01, verbose=0), Boom()])
+        return weakref.ref(model)
+
+    ref = crash()
+    gc.collect()
+    assert ref() is None
+    time.sleep(0.1)
+    assert not [t for t in threading.enumerate() if t.name == "keras_scale-GpuMonitor" and t.is_alive()]
+    if signal.getsignal(signal.SIGTERM) is not before:  # the dead fit's handler hands a signal on as before
+        handler = signal.getsignal(signal.SIGTERM)
+        assert type(handler).__name__ == "_WeakHandler" and handler._owner() is None
+        signal.signal(signal.SIGTERM, before)

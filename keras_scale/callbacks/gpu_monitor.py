@@ -22,13 +22,14 @@ import re
 import threading
 import time
 import warnings
+import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import keras
 
 from keras_scale import nvml as nvml_lib
 from keras_scale.advice import DEFAULT_RULES, Advice, AdviceThresholds, EpochStats, Rule, leftover_processes_message
-from keras_scale import events
+from keras_scale import events, lifecycle
 from keras_scale._validate import check_int, check_number
 from keras_scale.callbacks._scalars import ChiefScalars, EpochFigures
 from keras_scale.distribute import chief_print
@@ -363,6 +364,10 @@ class GpuMonitor(keras.callbacks.Callback):
         self._scalars = ChiefScalars(self.log_dir, strategy=getattr(self.model, "distribute_strategy", None))
         self._sampler = _Sampler(self._nvml, self.gpu_indices, self.interval_s, self.read_host_cpu_pct)
         self._sampler.start()
+        # the sampler stops however the fit ends: at on_train_end, at the model's next use after a fit that
+        # raised (keras_scale.lifecycle), or when this callback is dropped
+        weakref.finalize(self, self._sampler.stop_event.set)
+        lifecycle.join(self.model, self, undo=self._shutdown)
 
     def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
         if self._sampler is None:
@@ -397,6 +402,7 @@ class GpuMonitor(keras.callbacks.Callback):
 
     def on_train_end(self, logs: Optional[dict] = None) -> None:
         self._figures.deliver(self.model)
+        lifecycle.leave(self.model, self)  # runs _shutdown
         self._shutdown()
 
     # ----------------------------------------------------------------------------------------- helpers

@@ -59,11 +59,12 @@ def resolve_checkpoint(path: Union[str, os.PathLike], step: Optional[int] = None
     return path
 
 
-def _normalized(paths: List[str]) -> List[str]:
-    """``paths`` without Keras's automatic numbering (``dense_1`` -> ``dense``) and without a first component that
-    all of them share (a Sequential model's own name: ``sequential_3/dense/kernel`` -> ``dense/kernel``)."""
+def _normalized(paths: List[str], strip_shared: bool = True) -> List[str]:
+    """``paths`` without Keras's automatic numbering (``dense_1`` -> ``dense``) and (``strip_shared``) without a
+    first component that all of them share (a Sequential model's own name: ``sequential_3/dense/kernel`` ->
+    ``dense/kernel``)."""
     split = [p.split("/") for p in paths]
-    if split and all(len(parts) > 1 for parts in split) and len({parts[0] for parts in split}) == 1:
+    if strip_shared and split and all(len(parts) > 1 for parts in split) and len({parts[0] for parts in split}) == 1:
         split = [parts[1:] for parts in split]
     return ["/".join(re.sub(r"_\d+$", "", part) for part in parts) for parts in split]
 
@@ -105,8 +106,12 @@ def load_checkpoint(model: keras.Model, path: Union[str, os.PathLike], step: Opt
     saved = [str(p) for p, _ in json.loads(raw.decode() if isinstance(raw, bytes) else raw)["model"]]
     ours = [getattr(v, "path", None) or v.name for v in variables]
     mapping: Optional[Dict[int, int]] = None
-    for normalize in (lambda paths: list(paths), _normalized):
-        theirs_k, ours_k = _keyed(normalize(saved)), _keyed(normalize(ours))
+    # as saved; without numbering and a shared first component; that component stripped on one side only (a model
+    # loaded from a .keras file has no model-name prefix on its paths: d/kernel for sequential/d/kernel)
+    for mine, theirs in ((list, list), (_normalized, _normalized),
+                         (lambda p: _normalized(p, strip_shared=False), _normalized),
+                         (_normalized, lambda p: _normalized(p, strip_shared=False))):
+        theirs_k, ours_k = _keyed(theirs(saved)), _keyed(mine(ours))
         if sorted(theirs_k) == sorted(ours_k) and len(set(ours_k)) == len(ours_k):
             where = {k: i for i, k in enumerate(theirs_k)}
             mapping = {j: where[k] for j, k in enumerate(ours_k)}

@@ -378,11 +378,25 @@ def read_into(prefix: str, variables: Dict[str, Any], tf_checkpoint: Any = None)
         if theirs != mine:
             raise ValueError(f"checkpoint {prefix!r}: {key!r} has shape {theirs} there but the variable has shape "
                              f"{mine}; nothing was restored")
-    plan = [(variable, reader.get_tensor(key)) for key, variable in present]  # CRC-checked, copies
-    for key in set(dtypes) - set(variables):  # the rest (object graph, counters): the whole checkpoint is intact
-        reader.get_tensor(key)
-    for variable, value in plan:
+    keys = [key for key, _ in present]
+    rest = sorted(set(dtypes) - set(variables))  # the rest (object graph, counters): the whole checkpoint is intact
+    values = _read_all(reader, prefix, keys + rest, dtypes)
+    for (_, variable), value in zip(present, values):
         _assign(variable, value)
+
+
+def _read_all(reader: Any, prefix: str, keys: List[str], dtypes: Dict[str, Any]) -> List[Any]:
+    """Every tensor of ``keys``, CRC-checked, in order. A bundle is read by ONE ``RestoreV2`` op (TensorFlow's
+    reader, which checks each tensor's CRC32C, straight into tensors: no per-key Python call, no NumPy copy); if it
+    fails, the per-key reads of ``reader`` name the damaged tensor."""
+    if isinstance(reader, BundleReader) and keys:
+        try:
+            with tf.device("/cpu:0"):
+                return list(tf.raw_ops.RestoreV2(prefix=prefix, tensor_names=keys, shape_and_slices=[""] * len(keys),
+                                                 dtypes=[dtypes[k] for k in keys]))
+        except (tf.errors.OpError, RuntimeError, ValueError):
+            pass  # (damaged, or deleted since the reader opened it: the reader still holds its bytes)
+    return [reader.get_tensor(key) for key in keys]  # CRC-checked, copies
 
 
 def _assign(variable: Any, value: Any) -> None:

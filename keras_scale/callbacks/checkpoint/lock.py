@@ -20,6 +20,7 @@ import re
 import secrets
 import socket
 import threading
+import weakref
 import time
 import warnings
 from typing import Any, Dict, List, Optional
@@ -270,13 +271,19 @@ class LockMixin:
         stop = self._lock_stop = threading.Event()
         path = self._lock_path
 
+        owner_ref = weakref.ref(self)  # (weakly: the thread must not keep a dropped model alive)
+
         def beat():
             while not stop.wait(_LOCK_HEARTBEAT_S):
-                if not self._fit_running():  # the fit raised (no on_train_end): let the directory go
-                    self._release_lock()
+                owner = owner_ref()
+                if owner is None:
                     return
-                if not self._lock_is_mine(path):
+                if not owner._fit_running():  # the fit raised (no on_train_end): let the directory go
+                    owner._release_lock()
+                    return
+                if not owner._lock_is_mine(path):
                     return  # taken over (judged stale elsewhere): never touch another run's lock
+                del owner
                 try:
                     os.utime(path, follow_symlinks=False)
                 except OSError:

@@ -34,18 +34,22 @@ class PreemptionMixin:
             if sig is None:
                 continue
             try:
-                self._prev_handlers[int(sig)] = signal.signal(sig, self._on_signal)
+                handler = _WeakHandler(self, int(sig))
+                handler.previous = signal.signal(sig, handler)
+                self._prev_handlers[int(sig)] = handler.previous
+                self._handlers[int(sig)] = handler
             except (ValueError, OSError):
                 pass
 
     def _restore_signal_handlers(self) -> None:
         for sig, prev in list(self._prev_handlers.items()):
             try:
-                if signal.getsignal(sig) == self._on_signal:
+                if signal.getsignal(sig) is self._handlers.get(sig):
                     signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
             except (ValueError, OSError):
                 pass
         self._prev_handlers.clear()
+        self._handlers.clear()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
@@ -64,11 +68,7 @@ class PreemptionMixin:
         # Our fit is no longer running (it raised, or ended long ago): behave as if we had never been here.
         prev = self._prev_handlers.get(signum, signal.SIG_DFL)
         self._restore_signal_handlers()
-        if callable(prev):
-            prev(signum, frame)
-        elif prev != signal.SIG_IGN:
-            signal.signal(signum, signal.SIG_DFL)
-            signal.raise_signal(signum)
+        _deliver(prev, signum, frame)
 
     def _release_signal_handlers(self) -> None:
         """At the fit's end: give the handlers back, except when the fit ends the process after a preemption save
@@ -154,3 +154,37 @@ class PreemptionMixin:
 
         last.on_train_end = on_train_end
 
+
+
+def _deliver(prev: Any, signum: int, frame: Any) -> None:
+    """Hand ``signum`` to the handler that was installed before ChiefCheckpoint's (the default: re-raised)."""
+    if callable(prev):
+        prev(signum, frame)
+    elif prev != signal.SIG_IGN:
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)
+
+
+class _WeakHandler:
+    """ChiefCheckpoint's signal handler, holding the callback weakly: after a fit that raised (Keras then skips
+    ``on_train_end``, which gives the handlers back), a model the user dropped is freed; a signal that arrives
+    after that goes to the handler that was there before, as if ChiefCheckpoint had never been installed."""
+
+    def __init__(self, owner: Any, signum: int) -> None:
+        import weakref
+
+        self._owner = weakref.ref(owner)
+        self.signum = signum
+        self.previous: Any = signal.SIG_DFL
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        owner = self._owner()
+        if owner is not None:
+            owner._on_signal(signum, frame)
+            return
+        try:
+            if signal.getsignal(signum) is self:
+                signal.signal(signum, self.previous if self.previous is not None else signal.SIG_DFL)
+        except (ValueError, OSError):
+            pass
+        _deliver(self.previous, signum, frame)
