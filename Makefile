@@ -34,7 +34,7 @@ DOCTEST := -m pytest -q -ra -p no:cacheprovider --doctest-modules --timeout=60 -
 # logical CPUs). `make test`: the doctests and every test not marked slow; `make test-slow`: the tests that start
 # TensorFlow in other processes (multi-worker jobs, kills, the launcher); CI (.ci/run) runs both. Each prints its
 # slowest tests and, at the end, its wall time (pass or fail).
-PYTEST_WORKERS ?= 2
+PYTEST_WORKERS ?= 4
 PYTEST := -m pytest -q -ra -p no:cacheprovider -n $(PYTEST_WORKERS) --dist worksteal --durations=15
 
 test: install
