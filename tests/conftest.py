@@ -28,10 +28,11 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # Keras's clear_session() runs a full gc.collect() unless told not to: 0.5-2 s on this suite's heap (TensorFlow
-# loaded), after each of ~900 tests — the largest single cost of `make test` (pytest --durations showed trivial
-# tests with 1.8-2 s teardowns). Keras's state is cleared after every test; the young generations are collected
-# after every test, everything every FULL_GC_EVERY tests (and whenever Python's own thresholds say so).
-FULL_GC_EVERY = 25
+# loaded), after each of ~1,000 tests. Keras's state is cleared after every test and the young generations are
+# collected; full collections are Python's own (its thresholds). An explicit full collection every 25 tests took
+# 9-101 s each in 4 pytest-xdist workers on 2 cores (the slow clean-ups listed at the end of a run): full
+# collections are left to Python's own thresholds (FULL_GC_EVERY = 0; N > 0 forces one every N tests).
+FULL_GC_EVERY = 0
 _tests_since_full_gc = [0]
 
 
@@ -49,7 +50,7 @@ def _seed_and_clear(request):
     keras.backend.clear_session(free_memory=False)
     cleared = time.perf_counter()
     _tests_since_full_gc[0] += 1
-    full = _tests_since_full_gc[0] >= FULL_GC_EVERY
+    full = bool(FULL_GC_EVERY) and _tests_since_full_gc[0] >= FULL_GC_EVERY
     if full:
         _tests_since_full_gc[0] = 0
         gc.collect()

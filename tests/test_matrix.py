@@ -209,7 +209,12 @@ def _keras_scale_fit(model_kind, piece, strategy, ending, tmp_path):
     return model
 
 
-@pytest.mark.parametrize("model_kind,piece,strategy_name,ending", _cells())
+def _params():
+    # the MirroredStrategy cells (6-60 s each on 2 cores) run with the slow tests: make test-slow, run by CI
+    return [pytest.param(*cell, marks=pytest.mark.slow) if cell[2] == "mirrored" else cell for cell in _cells()]
+
+
+@pytest.mark.parametrize("model_kind,piece,strategy_name,ending", _params())
 def test_then_plain_keras_fit_behaves_as_on_an_untouched_model(model_kind, piece, strategy_name, ending, tmp_path,
                                                                mirrored):
     strategy = mirrored if strategy_name == "mirrored" else tf.distribute.get_strategy()
