@@ -402,8 +402,7 @@ class GpuMonitor(keras.callbacks.Callback):
 
     def on_train_end(self, logs: Optional[dict] = None) -> None:
         self._figures.deliver(self.model)
-        lifecycle.leave(self.model, self)  # runs _shutdown
-        self._shutdown()
+        lifecycle.leave(self.model, self)  # runs _shutdown (joined in on_train_begin)
 
     # ----------------------------------------------------------------------------------------- helpers
     def _open(self) -> bool:

@@ -190,8 +190,7 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         self._chief = True
         self._fit_history: Any = None
         self._start_state_wanted = False
-        self._prev_handlers: Dict[int, Any] = {}
-        self._handlers: Dict[int, Any] = {}  # signal -> the handler installed for this fit
+        self._handlers: Dict[int, Any] = {}  # signal -> the handler installed for this fit (holds the previous one)
         self._exit_window_until = 0.0  # monotonic time until which repeated signals are ignored while exiting
         self._lock_path: Optional[str] = None
         self._lock_ino: Optional[tuple] = None  # (st_dev, st_ino) of the lock this process created

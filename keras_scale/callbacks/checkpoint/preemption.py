@@ -5,6 +5,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from typing import Any
 
 import keras
@@ -34,21 +35,19 @@ class PreemptionMixin:
             if sig is None:
                 continue
             try:
-                handler = _WeakHandler(self, int(sig))
+                handler = _WeakHandler(self)
                 handler.previous = signal.signal(sig, handler)
-                self._prev_handlers[int(sig)] = handler.previous
                 self._handlers[int(sig)] = handler
             except (ValueError, OSError):
                 pass
 
     def _restore_signal_handlers(self) -> None:
-        for sig, prev in list(self._prev_handlers.items()):
+        for sig, handler in list(self._handlers.items()):
             try:
-                if signal.getsignal(sig) is self._handlers.get(sig):
-                    signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+                if signal.getsignal(sig) is handler:
+                    signal.signal(sig, handler.previous if handler.previous is not None else signal.SIG_DFL)
             except (ValueError, OSError):
                 pass
-        self._prev_handlers.clear()
         self._handlers.clear()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -66,7 +65,8 @@ class PreemptionMixin:
             log.warning("ChiefCheckpoint: received %s while exiting after the preemption save (ignored)", name)
             return
         # Our fit is no longer running (it raised, or ended long ago): behave as if we had never been here.
-        prev = self._prev_handlers.get(signum, signal.SIG_DFL)
+        handler = self._handlers.get(signum)
+        prev = handler.previous if handler is not None else signal.SIG_DFL
         self._restore_signal_handlers()
         _deliver(prev, signum, frame)
 
@@ -155,7 +155,6 @@ class PreemptionMixin:
         last.on_train_end = on_train_end
 
 
-
 def _deliver(prev: Any, signum: int, frame: Any) -> None:
     """Hand ``signum`` to the handler that was installed before ChiefCheckpoint's (the default: re-raised)."""
     if callable(prev):
@@ -170,12 +169,9 @@ class _WeakHandler:
     ``on_train_end``, which gives the handlers back), a model the user dropped is freed; a signal that arrives
     after that goes to the handler that was there before, as if ChiefCheckpoint had never been installed."""
 
-    def __init__(self, owner: Any, signum: int) -> None:
-        import weakref
-
+    def __init__(self, owner: Any) -> None:
         self._owner = weakref.ref(owner)
-        self.signum = signum
-        self.previous: Any = signal.SIG_DFL
+        self.previous: Any = signal.SIG_DFL  # the handler installed before this one
 
     def __call__(self, signum: int, frame: Any) -> None:
         owner = self._owner()
