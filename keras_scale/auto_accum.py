@@ -25,8 +25,8 @@ What it learns is a SIZE (the largest per-replica micro-batch that fits, checkpo
 each batch of ``b`` samples per replica is split into ``ceil(b / size)`` micro-batches, so a later, smaller
 batch is not split needlessly. ``wrapped.accum`` is the number of micro-batches of the latest batch.
 
-Multi-worker: the workers agree on the new size with one small collective (the MIN of every proposal, by
-all-gather) before retrying, so they can never disagree. Before each step they exchange their per-replica batch
+Multi-worker: the workers agree on the new size (the MIN of every proposal, exchanged through the coordination
+service's key-value store) before retrying, so they can never disagree. Before each step they exchange their per-replica batch
 sizes (one more small collective per step): when they differ (an uneven last batch), no worker runs a micro-batch larger
 than one every worker already trained with, so one worker cannot run out of memory alone while the others wait
 in the step's all-reduce. If one still does (uneven batches at the very first step, uneven hardware), it raises
@@ -43,6 +43,7 @@ Example:
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -122,6 +123,17 @@ def _is_multi_worker(strategy: Any) -> bool:
     return bool(getattr(extended, "_num_workers", 1) > 1)
 
 
+def _worker_index(strategy: Any) -> Tuple[str, int]:
+    resolver = strategy.cluster_resolver
+    return str(resolver.task_type), int(resolver.task_id or 0)
+
+
+def _worker_tasks(strategy: Any) -> List[Tuple[str, int]]:
+    """Every (task type, index) that runs the training program: chief and workers."""
+    spec = strategy.cluster_resolver.cluster_spec().as_dict()
+    return [(job, i) for job in ("chief", "worker") for i in range(len(spec.get(job, ())))]
+
+
 class AutoAccum:
     """``accum="auto"`` for one wrapped model: the train function placed in ``model.train_function``.
 
@@ -152,13 +164,12 @@ class AutoAccum:
         self.verbose = verbose
         self.changes: List[Tuple[int, int, int, int]] = []
         self.recoveries = 0  # OOMs recovered from (tests, benchmarks)
-        self.agreements = 0  # multi-worker: collectives run to agree on a new micro-batch size
+        self.agreements = 0  # multi-worker: agreements (key-value exchanges) reached on a new micro-batch size
         self.size_exchanges = 0  # multi-worker: per-step collectives exchanging the workers' batch sizes
         self._traced: Any = None
         self._snapshot_fn: Any = None
         self._snapshot_components: List[Any] = []
         self._fresh = True  # the bound function has not run yet: its first call may create variables
-        self._agree_fn: Any = None
         self._sizes_fn: Any = None
         self._scalars: Any = None
         self._scalars_failed = False
@@ -362,27 +373,32 @@ class AutoAccum:
         return [int(v) for v in strategy.experimental_local_results(result)[0].numpy()]
 
     def _agree(self, proposal: int) -> int:
-        """Multi-worker: the MIN of every worker's proposed micro-batch size (0: give up; one small collective,
-        with a time limit: a worker that ran out of memory alone finds the others waiting in the step's
-        all-reduce, and says so instead of hanging); else ``proposal``."""
+        """Multi-worker: the MIN of every worker's proposed micro-batch size (0: give up); else ``proposal``.
+
+        Through the coordination service's key-value store, not a collective: each worker publishes its
+        proposal and reads the others' with a time limit. A worker that ran out of memory alone finds the others
+        waiting in the step's all-reduce, and says so instead of hanging, without aborting a collective (TF's
+        collective abort path can crash the process before the error reaches Python).
+        """
         strategy = self.model.distribute_strategy
         if not _is_multi_worker(strategy):
             return proposal
-        if self._agree_fn is None:
-            options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=AGREE_TIMEOUT_S)
+        from tensorflow.python.eager import context
 
-            @tf.function
-            def agree(value: tf.Tensor) -> Any:
-                def fn(v):  # tf.distribute has no MIN all-reduce: gather every replica's proposal, take the min
-                    gathered = tf.distribute.get_replica_context().all_gather(tf.reshape(v, [1]), axis=0,
-                                                                              options=options)
-                    return tf.reduce_min(gathered)
-                return strategy.run(fn, args=(value,))
-
-            self._agree_fn = agree
+        global _AGREEMENTS
+        _AGREEMENTS += 1  # (every worker runs the same program: its n-th agreement is theirs)
+        task_type, index = _worker_index(strategy)
+        key = f"keras_scale/auto_accum/agree/{_AGREEMENTS}"
+        ctx = context.context()
+        ctx.set_config_key_value(f"{key}/{task_type}/{index}", str(int(proposal)))
+        deadline = time.monotonic() + AGREE_TIMEOUT_S
+        values = [int(proposal)]
         try:
-            result = self._agree_fn(tf.constant(proposal, tf.int64))
-            values = [int(r.numpy()) for r in strategy.experimental_local_results(result)]
+            for other_type, other in _worker_tasks(strategy):
+                if (other_type, other) == (task_type, index):
+                    continue
+                remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))  # (0 would wait forever)
+                values.append(int(ctx.get_config_key_value(f"{key}/{other_type}/{other}", remaining_ms)))
         except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError, tf.errors.CancelledError) as err:
             raise RuntimeError(
                 f"keras_scale accum='auto': this worker ran out of device memory but the other workers did not "
@@ -423,6 +439,7 @@ class AutoAccum:
 
 
 AGREE_TIMEOUT_S = 120.0  # multi-worker: how long a worker that ran out of memory waits for the others
+_AGREEMENTS = 0  # multi-worker: agreements this process started (their keys in the coordination service)
 
 
 def accum_for(batch_size: int, micro_limit: Optional[int]) -> int:

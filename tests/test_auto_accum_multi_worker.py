@@ -71,7 +71,7 @@ def test_workers_agree_on_the_new_accum_and_equal_big_batch(run_workers, tmp_pat
     for out in outs:
         assert out["accum"] == 4  # per-replica batch 16 -> 8 -> 4
         assert [tuple(c) for c in out["changes"]] == [(0, 1, 2, 16), (0, 2, 4, 16)]
-        assert out["agreements"] == 2  # one collective per change, on both workers
+        assert out["agreements"] == 2  # one agreement per change, on both workers
         assert out["size_exchanges"] == 8  # one per step (the batch sizes, so that uneven batches split alike)
         assert out["iterations"] == 8  # 4 batches x 2 epochs, each applied once
     for a, b in zip(outs[0]["weights"], outs[1]["weights"]):
