@@ -20,7 +20,16 @@ from tests._helpers import REPO_ROOT, StopAfter, fit, make_model, subprocess_env
 KERNEL = "model_variables/0/.ATTRIBUTES/VARIABLE_VALUE"
 
 
-def test_round_trip_of_every_kind_of_variable(tmp_path):
+@pytest.fixture
+def parallel(request, monkeypatch):
+    """``True``: every bundle is read by several RestoreV2 ops at once (as one over 16 MiB is), else by one."""
+    monkeypatch.setattr(io, "_PARALLEL_READ_BYTES", 0 if request.param else 1 << 62)
+    monkeypatch.setattr(io.os, "cpu_count", lambda: 2)  # (one core would read in one op)
+    return request.param
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["one_read", "parallel_reads"], indirect=True)
+def test_round_trip_of_every_kind_of_variable(tmp_path, parallel):
     items = {"w": [tf.Variable(np.random.RandomState(1).rand(33, 7).astype("float32")),
                    tf.Variable(np.arange(5, dtype="int32"))],
              "h": tf.Variable(tf.constant([1.5, -2.0], dtype=tf.bfloat16)),
@@ -42,16 +51,17 @@ def test_round_trip_of_every_kind_of_variable(tmp_path):
         np.testing.assert_array_equal(io.flatten(fresh)[key].numpy(), var.numpy())
 
 
-def test_damage_is_found_before_any_variable_is_assigned(tmp_path):
-    first, second = tf.Variable(np.ones((64, 64), "float32")), tf.Variable(np.full((64, 64), 2.0, "float32"))
+@pytest.mark.parametrize("parallel", [False, True], ids=["one_read", "parallel_reads"], indirect=True)
+def test_damage_is_found_before_any_variable_is_assigned(tmp_path, parallel):
+    first, second = tf.Variable(np.ones((4, 64), "float32")), tf.Variable(np.full((64, 64), 2.0, "float32"))
     prefix = str(tmp_path / "ckpt-1")
     io.write_checkpoint(prefix, io.flatten({"w": [first, second]}))
     data = prefix + io.DATA_SUFFIX
     with open(data, "r+b") as f:
         f.seek(os.path.getsize(data) - 1000)  # inside the second tensor
         f.write(b"\xff\x00\xff\x00")
-    target = [tf.Variable(tf.zeros((64, 64))), tf.Variable(tf.zeros((64, 64)))]
-    with pytest.raises(io.CorruptCheckpointError, match="Checksum does not match"):
+    target = [tf.Variable(tf.zeros((4, 64))), tf.Variable(tf.zeros((64, 64)))]
+    with pytest.raises(io.CorruptCheckpointError, match="Checksum does not match"):  # (the RestoreV2 read fails)
         io.read_into(prefix, io.flatten({"w": target}))
     assert not target[0].numpy().any() and not target[1].numpy().any()  # nothing half-restored
 

@@ -380,23 +380,50 @@ def read_into(prefix: str, variables: Dict[str, Any], tf_checkpoint: Any = None)
                              f"{mine}; nothing was restored")
     keys = [key for key, _ in present]
     rest = sorted(set(dtypes) - set(variables))  # the rest (object graph, counters): the whole checkpoint is intact
-    values = _read_all(reader, prefix, keys + rest, dtypes)
+    values = _read_all(reader, prefix, keys + rest, dtypes, shapes)
     for (_, variable), value in zip(present, values):
         _assign(variable, value)
 
 
-def _read_all(reader: Any, prefix: str, keys: List[str], dtypes: Dict[str, Any]) -> List[Any]:
-    """Every tensor of ``keys``, CRC-checked, in order. A bundle is read by ONE ``RestoreV2`` op (TensorFlow's
-    reader, which checks each tensor's CRC32C, straight into tensors: no per-key Python call, no NumPy copy); if it
-    fails, the per-key reads of ``reader`` name the damaged tensor."""
+_PARALLEL_READ_BYTES = 16 << 20  # a bundle this large is read by several RestoreV2 ops at once
+
+
+def _read_all(reader: Any, prefix: str, keys: List[str], dtypes: Dict[str, Any],
+              shapes: Optional[Dict[str, List[int]]] = None) -> List[Any]:
+    """Every tensor of ``keys``, CRC-checked, in order. A bundle is read by ``RestoreV2`` ops (TensorFlow's reader,
+    which checks each tensor's CRC32C, straight into tensors: no per-key Python call, no NumPy copy): one, or one per
+    CPU core (up to 4) on groups of equal bytes when it holds over 16 MiB (a RestoreV2 reads its tensors one after
+    another); if one fails, the per-key reads of ``reader`` name the damaged tensor."""
     if isinstance(reader, BundleReader) and keys:
         try:
-            with tf.device("/cpu:0"):
-                return list(tf.raw_ops.RestoreV2(prefix=prefix, tensor_names=keys, shape_and_slices=[""] * len(keys),
-                                                 dtypes=[dtypes[k] for k in keys]))
+            return _restore_v2(prefix, keys, dtypes, shapes or {})
         except (tf.errors.OpError, RuntimeError, ValueError):
             pass  # (damaged, or deleted since the reader opened it: the reader still holds its bytes)
     return [reader.get_tensor(key) for key in keys]  # CRC-checked, copies
+
+
+def _restore_v2(prefix: str, keys: List[str], dtypes: Dict[str, Any], shapes: Dict[str, List[int]]) -> List[Any]:
+    def read(group: List[str]) -> List[Any]:
+        with tf.device("/cpu:0"):
+            return list(tf.raw_ops.RestoreV2(prefix=prefix, tensor_names=group, shape_and_slices=[""] * len(group),
+                                             dtypes=[dtypes[k] for k in group]))
+
+    sizes = {k: int(np.prod(shapes.get(k) or [1])) * max(tf.as_dtype(dtypes[k]).size, 1) for k in keys}
+    num_groups = min(4, os.cpu_count() or 1, len(keys))
+    if num_groups < 2 or sum(sizes.values()) < _PARALLEL_READ_BYTES:
+        return read(keys)
+    groups: List[List[str]] = [[] for _ in range(num_groups)]
+    totals = [0] * num_groups
+    for key in sorted(keys, key=lambda k: -sizes[k]):  # largest first onto the lightest group
+        i = totals.index(min(totals))
+        groups[i].append(key)
+        totals[i] += sizes[key]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(num_groups, thread_name_prefix="keras_scale_restore") as pool:
+        parts = list(pool.map(read, groups))  # (an op's error is raised here)
+    values = {k: v for group, part in zip(groups, parts) for k, v in zip(group, part)}
+    return [values[k] for k in keys]
 
 
 def _assign(variable: Any, value: Any) -> None:
