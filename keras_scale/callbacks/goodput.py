@@ -877,9 +877,11 @@ class Goodput(keras.callbacks.Callback):
     def _plan_probe(self) -> bool:
         """Whether the coming call is a probe: sleep ~1.5 step-times first, so that a pipeline working ahead has
         the next batch ready and the call measures compute alone. The first ``FREE_PROBES`` probes always run
-        (a few step-times per fit); later ones only within ``probe_fraction`` of the elapsed wall time."""
+        (a few step-times per fit); later ones only within ``probe_fraction`` of the elapsed wall time. An epoch's
+        first call is never a probe: Keras starts a new iterator over a dataset at each epoch, so no batch is ready
+        however long one sleeps (that probe would measure the input wait it is meant to separate)."""
         self._since_probe += 1
-        if self._ema is None or self._regular_calls < 3:
+        if self._ema is None or self._regular_calls < 3 or self._call_begin == 0:
             return False
         if self._probes_run and self._since_probe < self.MIN_PROBE_GAP_CALLS:
             return False
