@@ -18,6 +18,8 @@ Arms:
   parts (measured by changing one thing in the default guard's graph while it is traced):
     guard, update waits, no check   the update waits for every gradient; nothing is checked
     guard, check off the path       every gradient is checked, but the update does not wait for it
+    guard, update waits, no cond    the update waits for every gradient and is applied unconditionally (no
+                                    cond, no check): what the wait alone costs, without the cond around it
 
 With ``--replicas 2`` (2 logical CPUs, MirroredStrategy) the guarded arms also carry the flag in the gradients'
 all-reduce and the cross-replica cond.
@@ -87,6 +89,12 @@ def _apply_after_all_gradients(original):
     return conditional_apply
 
 
+def _apply_after_all_gradients_no_cond(self, apply, grads, apply_now, snapshot, already_reduced):
+    with tf.control_dependencies([g for g in grads if g is not None]), \
+            step_lib._ThreadFlag("already_reduced", already_reduced):
+        apply(grads)
+
+
 def _record_with_check(original):
     def record(self, bad, x, y, sample_weight, pred_bad, loss_bad, local_grads, present, trainable):
         grads_bad = tf.logical_not(step_lib._all_gradients_finite(local_grads))
@@ -109,6 +117,9 @@ def arms(size: str):
                                              "_conditional_apply": _apply_after_all_gradients(C._conditional_apply)}),
         "  guard, check off the path": (adam, lambda: [ks.NanGuard(verbose=0)],
                                         {"_decide_bad": _loss_only, "_record": _record_with_check(C._record)}),
+        "  guard, update waits, no cond": (adam, lambda: [ks.NanGuard(verbose=0)],
+                                           {"_decide_bad": _loss_only,
+                                            "_conditional_apply": _apply_after_all_gradients_no_cond}),
     }
 
 

@@ -242,6 +242,21 @@ def test_batch_hooks_never_sample_and_train_end_stops_the_thread_promptly():
     assert not _monitor_threads()
 
 
+def test_fits_do_not_pile_up_finalizers_on_a_reused_monitor():
+    """The monitor stops its sampler if it is dropped mid-fit (a weakref.finalize per fit); each fit's end detaches
+    its own, so a monitor reused for many fits holds none afterwards (they kept the sampler objects alive)."""
+    import weakref
+
+    monitor = GpuMonitor(interval_s=0.002, nvml=FakeNvml.with_gpus(1), advice=False)
+
+    def held():
+        return [f for f in list(weakref.finalize._registry) if (f.peek() or (None,))[0] is monitor]
+
+    for _ in range(4):
+        _fit(monitor, epochs=1, steps=2, sleep_s=0.0)
+    assert held() == []
+
+
 def test_sampling_error_on_one_gpu_does_not_break_training():
     fake = FakeNvml(FakeNvml.with_gpus(2).devices(), fail_sample_for=[1])
     monitor = GpuMonitor(interval_s=0.002, nvml=fake, advice=False)

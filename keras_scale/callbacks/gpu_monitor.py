@@ -344,6 +344,7 @@ class GpuMonitor(keras.callbacks.Callback):
         self._nvml: Optional[NvmlLike] = None
         self._owns_nvml = False
         self._sampler: Optional[_Sampler] = None
+        self._stop_on_drop: Optional[weakref.finalize] = None  # stops the sampler if this callback is dropped
         self._scalars: Optional[ChiefScalars] = None
         self._figures = EpochFigures()
         self._batch_ends: List[Tuple[int, float]] = []
@@ -366,7 +367,7 @@ class GpuMonitor(keras.callbacks.Callback):
         self._sampler.start()
         # the sampler stops however the fit ends: at on_train_end, at the model's next use after a fit that
         # raised (keras_scale.lifecycle), or when this callback is dropped
-        weakref.finalize(self, self._sampler.stop_event.set)
+        self._stop_on_drop = weakref.finalize(self, self._sampler.stop_event.set)  # (one per fit: detached at its end)
         lifecycle.join(self.model, self, undo=self._shutdown)
 
     def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
@@ -456,6 +457,9 @@ class GpuMonitor(keras.callbacks.Callback):
         self._nvml, self._owns_nvml = None, False
 
     def _shutdown(self) -> None:
+        if self._stop_on_drop is not None:
+            self._stop_on_drop.detach()
+            self._stop_on_drop = None
         if self._sampler is not None:
             self._sampler.stop()
             self._sampler = None
