@@ -180,8 +180,10 @@ class _HeartbeatWatch:
     of any worker.
     """
 
-    def __init__(self, files: Sequence[str], timeout_s: Optional[float], on_first_progress: Any = None) -> None:
+    def __init__(self, files: Sequence[str], timeout_s: Optional[float], on_first_progress: Any = None,
+                 say: Any = None) -> None:
         self.files = list(files)
+        self.say = say if say is not None else (lambda message: print(message, file=sys.stderr, flush=True))
         self.timeout_s = timeout_s
         self.on_first_progress = on_first_progress
         self.latest: List[Optional[Dict[str, Any]]] = [None] * len(self.files)  # newest beat of each worker
@@ -189,6 +191,8 @@ class _HeartbeatWatch:
         self.progressed: List[bool] = [False] * len(self.files)  # wrote a step beat (made a step) in this attempt
         self._mtimes: List[Optional[float]] = [None] * len(self.files)
         self._first_done = False
+        self._started = time.monotonic()
+        self._warned_silent = False
         for path in self.files:  # a beat of an earlier attempt must not count for this one
             try:
                 os.remove(path)
@@ -221,6 +225,13 @@ class _HeartbeatWatch:
                         self.on_first_progress(i, beat, self.begin[i])
         if self.timeout_s is None:
             return []
+        if (not self._warned_silent and all(b is None for b in self.latest)
+                and time.monotonic() - self._started > self.timeout_s):
+            self._warned_silent = True  # (hang detection would otherwise be off without a word)
+            self.say(f"keras-scale launch: --heartbeat-timeout-s {self.timeout_s:g} is set, but no worker has written "
+                     f"a heartbeat in {self.timeout_s:g} s, so a hung worker cannot be detected. Add "
+                     f"keras_scale.callbacks.heartbeat.Heartbeat() to model.fit's callbacks (ks.fit adds it "
+                     f"itself).")
         now = time.time()
         return [i for i, beat in enumerate(self.latest)
                 if beat is not None and beat.get("phase") == "step" and now - float(beat["time"]) > self.timeout_s]
@@ -619,7 +630,7 @@ def launch_with_restarts(
                         "keras_scale.fit a checkpoint_dir, or add ChiefCheckpoint)")
 
             files = [os.path.join(run_dir, "heartbeat", f"worker-{i}.json") for i in range(current)]
-            watch = _HeartbeatWatch(files, heartbeat_timeout_s, on_first_progress)
+            watch = _HeartbeatWatch(files, heartbeat_timeout_s, on_first_progress, say=say)
             left = None if deadline is None else max(deadline - time.monotonic(), 0.001)
             results = launch_local_workers(argv, num_workers=current, timeout_s=left, grace_s=grace_s,
                                            env=worker_env, cwd=cwd, stream=stream, forward_signals=forward_signals,

@@ -35,6 +35,9 @@ attempt = len([f for f in os.listdir(".") if f.startswith(f"attempt_{index}_")])
 open(f"attempt_{index}_{attempt}", "w").close()
 if mode == "lost" and index == 2 and attempt > 0:
     sys.exit(5)  # this machine is gone: fails at start, before any beat
+if mode == "silent":  # a plain model.fit without the Heartbeat callback: never beats
+    time.sleep(2.5)
+    sys.exit(0)
 write_beat("start")
 if mode == "lost" and n == 3 and attempt > 0:
     time.sleep(600)  # waits for the missing worker forever (as a real cluster start-up would)
@@ -103,6 +106,13 @@ def test_a_worker_without_step_progress_is_killed_after_the_heartbeat_timeout(tm
     assert lines[0].startswith("keras-scale launch: worker 0 made no step progress for 3 s (heartbeat: hung, killed)")
     hung_for = records[0]["failed_at_unix"] - records[0]["last_progress_unix"]
     assert 3 <= hung_for < 3 + 10, records
+
+
+def test_hang_detection_without_any_heartbeat_says_so_instead_of_being_silently_off(tmp_path):
+    outcome, lines, _ = _run(tmp_path, "silent", max_restarts=1, heartbeat_timeout_s=1)
+    assert outcome.status == 0, lines
+    warned = [ln for ln in lines if "no worker has written a heartbeat in 1 s" in ln]
+    assert len(warned) == 1 and "keras_scale.callbacks.heartbeat.Heartbeat()" in warned[0], lines
 
 
 @pytest.mark.slow
