@@ -18,6 +18,8 @@ Arms:
   parts (measured by changing one thing in the default guard's graph while it is traced):
     guard, update waits, no check   the update waits for every gradient; nothing is checked
     guard, check off the path       every gradient is checked, but the update does not wait for it
+    guard, exact check after the all-reduce
+                                    (2 replicas) no |g| sum in the all-reduce: every reduced gradient is checked
     guard, update waits, no cond    the update waits for every gradient and is applied unconditionally (no
                                     cond, no check): what the wait alone costs, without the cond around it
 
@@ -95,6 +97,12 @@ def _apply_after_all_gradients_no_cond(self, apply, grads, apply_now, snapshot, 
         apply(grads)
 
 
+def _no_magnitude(original):
+    def all_reduce(self, grads, share, loss_bad, batch_size, even=False, check=False):
+        return original(self, grads, share, loss_bad, batch_size, even=even, check=False)
+    return all_reduce
+
+
 def _record_with_check(original):
     def record(self, bad, x, y, sample_weight, pred_bad, loss_bad, local_grads, present, trainable):
         grads_bad = tf.logical_not(step_lib._all_gradients_finite(local_grads))
@@ -117,6 +125,8 @@ def arms(size: str):
                                              "_conditional_apply": _apply_after_all_gradients(C._conditional_apply)}),
         "  guard, check off the path": (adam, lambda: [ks.NanGuard(verbose=0)],
                                         {"_decide_bad": _loss_only, "_record": _record_with_check(C._record)}),
+        "  guard, exact check after the all-reduce": (adam, lambda: [ks.NanGuard(verbose=0)],
+                                                      {"_all_reduce": _no_magnitude(C._all_reduce)}),
         "  guard, update waits, no cond": (adam, lambda: [ks.NanGuard(verbose=0)],
                                            {"_decide_bad": _loss_only,
                                             "_conditional_apply": _apply_after_all_gradients_no_cond}),

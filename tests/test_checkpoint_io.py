@@ -66,6 +66,31 @@ def test_damage_is_found_before_any_variable_is_assigned(tmp_path, parallel):
     assert not target[0].numpy().any() and not target[1].numpy().any()  # nothing half-restored
 
 
+@pytest.mark.parametrize("parallel", [False, True], ids=["one_read", "parallel_reads"], indirect=True)
+def test_a_save_at_the_same_prefix_during_a_restore_never_gives_a_mix(tmp_path, parallel, monkeypatch):
+    """Another process restores ckpt-N while training writes ckpt-N again (after falling back to an older one):
+    RestoreV2 opens files by name, so the groups read after the save would come from the new files. The restore
+    gives the checkpoint the reader opened, every tensor of it."""
+    old = {"w": [tf.Variable(np.full((64, 64), float(i), "float32")) for i in range(4)]}
+    new = {"w": [tf.Variable(np.full((64, 64), 100.0 + i, "float32")) for i in range(4)]}
+    prefix = str(tmp_path / "ckpt-6")
+    io.write_checkpoint(prefix, io.flatten(old))
+    original, calls = tf.raw_ops.RestoreV2, []
+
+    def restore_then_save(**kwargs):
+        out = original(**kwargs)
+        calls.append(len(kwargs["tensor_names"]))
+        if len(calls) == 1:
+            io.write_checkpoint(prefix, io.flatten(new))  # lands after the first read
+        return out
+
+    monkeypatch.setattr(tf.raw_ops, "RestoreV2", restore_then_save)
+    target = {"w": [tf.Variable(tf.zeros((64, 64))) for _ in range(4)]}
+    io.read_into(prefix, io.flatten(target))
+    assert len(calls) == (2 if parallel else 1)
+    assert [float(v.numpy()[0, 0]) for v in target["w"]] == [0.0, 1.0, 2.0, 3.0]  # all from the files it opened
+
+
 def test_a_different_shape_or_dtype_is_a_value_error_naming_both(tmp_path):
     prefix = str(tmp_path / "ckpt-1")
     io.write_checkpoint(prefix, io.flatten({"w": [tf.Variable(tf.ones((3, 4)))]}))

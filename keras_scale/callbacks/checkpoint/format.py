@@ -300,6 +300,23 @@ class LegacyReader:
         return list(self._tensors) + list(self._strings)
 
 
+def files_identity(prefix: str) -> Optional[tuple]:
+    """What tells two writes of checkpoint ``prefix`` apart: each file's (inode, size, mtime) (a save writes new
+    files and renames them over the old names); ``None`` when they cannot be stat'ed."""
+    out = []
+    for path in (prefix + ".index", prefix + DATA_SUFFIX):
+        try:
+            if is_local(path):
+                st = os.stat(path)
+                out.append((st.st_ino, st.st_size, st.st_mtime_ns))
+            else:
+                st = tf.io.gfile.stat(path)
+                out.append((st.length, st.mtime_nsec))
+        except (OSError, tf.errors.OpError):
+            return None
+    return tuple(out)
+
+
 class BundleReader:
     """``tf.train.load_checkpoint``'s reader whose failures to read a tensor (TensorFlow's CRC32C check: "Checksum
     does not match", a truncated file) are :class:`CorruptCheckpointError`, naming the checkpoint and the key.
@@ -310,6 +327,7 @@ class BundleReader:
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
+        self.identity = files_identity(prefix)  # (before opening: a rewrite after this shows as a change)
         self._reader = tf.train.load_checkpoint(prefix)
         # TensorFlow opens the data file at the first read: open it now (read the smallest tensor), so a reader
         # keeps this checkpoint's bytes even if training deletes the files before it reads the rest
@@ -393,13 +411,18 @@ def _read_all(reader: Any, prefix: str, keys: List[str], dtypes: Dict[str, Any],
     """Every tensor of ``keys``, CRC-checked, in order. A bundle is read by ``RestoreV2`` ops (TensorFlow's reader,
     which checks each tensor's CRC32C, straight into tensors: no per-key Python call, no NumPy copy): one, or one per
     CPU core (up to 4) on groups of equal bytes when it holds over 16 MiB (a RestoreV2 reads its tensors one after
-    another); if one fails, the per-key reads of ``reader`` name the damaged tensor."""
-    if isinstance(reader, BundleReader) and keys:
+    another). If one fails, the per-key reads of ``reader`` name the damaged tensor; if the files were replaced
+    since ``reader`` opened them, its per-key reads return the checkpoint it opened (never a mix of two)."""
+    if isinstance(reader, BundleReader) and keys and reader.identity is not None:
         try:
-            return _restore_v2(prefix, keys, dtypes, shapes or {})
+            values = _restore_v2(prefix, keys, dtypes, shapes or {})
+            # RestoreV2 opens the files by name: a save at the same prefix since the reader opened them (another
+            # process reading while training writes) would give another checkpoint's tensors, or a mix of two
+            if files_identity(prefix) == reader.identity:
+                return values
         except (tf.errors.OpError, RuntimeError, ValueError):
             pass  # (damaged, or deleted since the reader opened it: the reader still holds its bytes)
-    return [reader.get_tensor(key) for key in keys]  # CRC-checked, copies
+    return [reader.get_tensor(key) for key in keys]  # CRC-checked, copies, of the files the reader opened
 
 
 def _restore_v2(prefix: str, keys: List[str], dtypes: Dict[str, Any], shapes: Dict[str, List[int]]) -> List[Any]:
