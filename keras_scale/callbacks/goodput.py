@@ -681,7 +681,7 @@ class Goodput(keras.callbacks.Callback):
         0.41
     """
 
-    MIN_PROBE_GAP_CALLS = 16  # calls between two probes
+    MIN_PROBE_GAP_CALLS = 16  # calls between two probes (fewer in a fit of few calls: _probe_gap_calls)
     FREE_PROBES = 3  # probes per fit outside the probe_fraction budget
 
     def __init__(self, log_dir: Optional[str] = None, peak_flops: Optional[float] = None,
@@ -732,6 +732,7 @@ class Goodput(keras.callbacks.Callback):
         self._ema: Optional[float] = None
         self._regular_calls = 0
         self._since_probe = 0
+        self._probe_gap = self._probe_gap_calls()
         self._sleep_s = 0.0
         self._probes_run = 0
         self._x_hat: Optional[float] = None
@@ -874,6 +875,17 @@ class Goodput(keras.callbacks.Callback):
         # a function seen for the first time may have traced already (an earlier fit): only growth counts
         self._trace_count = _tracing_count(self._functions)
 
+    def _probe_gap_calls(self) -> int:
+        """Calls between two probes: ``MIN_PROBE_GAP_CALLS``, or fewer in a fit of few calls (short epochs,
+        ``steps_per_execution``), so that its ``FREE_PROBES`` probes still run (two are needed to claim any wait)."""
+        params = self.params or {}
+        steps, epochs = params.get("steps"), params.get("epochs")
+        if not steps or not epochs:
+            return self.MIN_PROBE_GAP_CALLS  # (an epoch of unknown length)
+        per_call = max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
+        calls = int(epochs) * math.ceil(int(steps) / per_call)
+        return max(2, min(self.MIN_PROBE_GAP_CALLS, calls // (self.FREE_PROBES + 2)))
+
     def _plan_probe(self) -> bool:
         """Whether the coming call is a probe: sleep ~1.5 step-times first, so that a pipeline working ahead has
         the next batch ready and the call measures compute alone. The first ``FREE_PROBES`` probes always run
@@ -883,7 +895,7 @@ class Goodput(keras.callbacks.Callback):
         self._since_probe += 1
         if self._ema is None or self._regular_calls < 3 or self._call_begin == 0:
             return False
-        if self._probes_run and self._since_probe < self.MIN_PROBE_GAP_CALLS:
+        if self._probes_run and self._since_probe < self._probe_gap:
             return False
         sleep_s = min(1.0, max(5e-4, 1.5 * self._ema))
         if self._probes_run >= self.FREE_PROBES:
