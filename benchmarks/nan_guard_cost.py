@@ -13,6 +13,8 @@ Arms:
   NanGuard                   the default guard: skip when the loss or any gradient is non-finite
   NanGuard(check_gradients=False)
                              skip when the loss is non-finite (decided before the backward pass)
+  ks.wrap(accum=N) + NanGuard
+                             the composed step with accumulation (N micro-batches of the same batch) and the guard
   LossScaleOptimizer (Keras) Keras's own skip-if-non-finite update (checks every gradient, then a cond):
                              what the same guarantee costs in Keras itself
   parts (measured by changing one thing in the default guard's graph while it is traced):
@@ -125,6 +127,8 @@ def arms(size: str):
                                              "_conditional_apply": _apply_after_all_gradients(C._conditional_apply)}),
         "  guard, check off the path": (adam, lambda: [ks.NanGuard(verbose=0)],
                                         {"_decide_bad": _loss_only, "_record": _record_with_check(C._record)}),
+        "ks.wrap(accum=1) + NanGuard": (adam, lambda: [ks.NanGuard(verbose=0)], {}, 1),
+        "ks.wrap(accum=2) + NanGuard": (adam, lambda: [ks.NanGuard(verbose=0)], {}, 2),
         "  guard, exact check after the all-reduce": (adam, lambda: [ks.NanGuard(verbose=0)],
                                                       {"_all_reduce": _no_magnitude(C._all_reduce)}),
         "  guard, update waits, no cond": (adam, lambda: [ks.NanGuard(verbose=0)],
@@ -150,10 +154,12 @@ def main(argv=None) -> int:
     functions, iterators = {}, {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for name, (optimizer, callbacks, patches) in arms(args.size).items():
+        for name, (optimizer, callbacks, patches, *accum) in arms(args.size).items():
             keras.utils.set_random_seed(0)  # every arm starts from the same weights
             with strategy.scope():
                 model = make_model(args.size, optimizer())
+                if accum:  # the composed step with accumulation (same global batch, split in micro-batches)
+                    model = ks.wrap(model, accum=accum[0])
             grab = _Grab()
             with _patched(**patches):
                 model.fit(ds, epochs=1, steps_per_epoch=3, verbose=0, callbacks=[*callbacks(), grab])
