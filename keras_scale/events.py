@@ -55,37 +55,22 @@ def _current_fit() -> Any:
     A fit is known by a weak reference to its ``CallbackList`` (the same reference object for the same fit): never
     by its frame, which would keep a finished fit's model, data and callbacks alive in this module."""
     try:
-        import sys
         import weakref
 
-        from keras_scale.lifecycle import _is_keras_fit
+        from keras_scale.lifecycle import innermost_fit_callbacks
 
-        frame = sys._getframe(2)
-        while frame is not None:
-            if _is_keras_fit(frame.f_code):
-                callbacks = frame.f_locals.get("callbacks")
-                return None if callbacks is None else weakref.ref(callbacks)
-            frame = frame.f_back
+        callbacks = innermost_fit_callbacks()
+        return None if callbacks is None else weakref.ref(callbacks)
     except Exception:  # noqa: BLE001
-        pass
-    return None
+        return None
 
 
 def _on_stack(fit: Any) -> bool:
     """``fit`` (from :func:`_current_fit`) is still running on this thread's stack."""
-    import sys
-
-    from keras_scale.lifecycle import _is_keras_fit
+    from keras_scale.lifecycle import fit_with_callbacks_running
 
     target = fit()
-    if target is None:
-        return False
-    frame = sys._getframe(1)
-    while frame is not None:
-        if _is_keras_fit(frame.f_code) and frame.f_locals.get("callbacks") is target:
-            return True
-        frame = frame.f_back
-    return False
+    return target is not None and fit_with_callbacks_running(target)
 
 
 def _forget_dead_fits() -> None:

@@ -39,7 +39,7 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Iterator, Tuple
 
 __all__ = ["join", "leave", "joined", "patch", "add_undo", "end", "fit_starts", "pending", "called_by_keras_fit",
            "fit_running", "fit_callbacks"]
@@ -337,6 +337,16 @@ def called_by_keras_fit(depth: int = 2) -> bool:
     return _is_keras_fit(code)
 
 
+def _keras_fits(frame: Any) -> Iterator[Tuple[Any, Any]]:
+    """``(model, callbacks)`` of every Keras ``fit`` on the stack from ``frame`` outwards, innermost first: the one
+    place the stack is read for a fit (its locals ``self`` and ``callbacks``)."""
+    while frame is not None:
+        if _is_keras_fit(frame.f_code):
+            f_locals = frame.f_locals
+            yield f_locals.get("self"), f_locals.get("callbacks")
+        frame = frame.f_back
+
+
 def fit_running(model: Any, frame: Any = None) -> bool:
     """True while a Keras ``fit`` of ``model`` is on the stack (of this thread, or above ``frame``).
 
@@ -347,12 +357,7 @@ def fit_running(model: Any, frame: Any = None) -> bool:
     """
     import sys
 
-    frame = sys._getframe(1) if frame is None else frame
-    while frame is not None:
-        if _is_keras_fit(frame.f_code) and frame.f_locals.get("self") is model:
-            return True
-        frame = frame.f_back
-    return False
+    return any(m is model for m, _ in _keras_fits(sys._getframe(1) if frame is None else frame))
 
 
 def fit_callbacks(model: Any) -> Any:
@@ -369,10 +374,33 @@ def fit_callbacks(model: Any) -> Any:
 
     from keras.callbacks import CallbackList
 
-    frame = sys._getframe(1)
-    while frame is not None:
-        if _is_keras_fit(frame.f_code) and frame.f_locals.get("self") is model:
-            callbacks = frame.f_locals.get("callbacks")
+    for m, callbacks in _keras_fits(sys._getframe(1)):
+        if m is model:
             return callbacks if isinstance(callbacks, CallbackList) else None
-        frame = frame.f_back
     return None
+
+
+def innermost_fit_callbacks() -> Any:
+    """The ``callbacks`` local of the innermost Keras ``fit`` running in this thread (any model), or None.
+
+    Example:
+        >>> innermost_fit_callbacks() is None
+        True
+    """
+    import sys
+
+    for _, callbacks in _keras_fits(sys._getframe(1)):
+        return callbacks
+    return None
+
+
+def fit_with_callbacks_running(callbacks: Any) -> bool:
+    """True while the Keras ``fit`` whose ``callbacks`` local is ``callbacks`` is on this thread's stack.
+
+    Example:
+        >>> fit_with_callbacks_running(object())
+        False
+    """
+    import sys
+
+    return any(c is callbacks for _, c in _keras_fits(sys._getframe(1)))
