@@ -171,6 +171,11 @@ def _wait_all(procs: Sequence[subprocess.Popen], until: float, stop: Optional[th
     return True
 
 
+#: ``--heartbeat-timeout-s``: say so when no worker has written a heartbeat this long (or the timeout, if longer)
+#: after the start, since hang detection cannot work for such a run (start-up time is not a hang).
+SILENT_HEARTBEAT_WARN_S = 120.0
+
+
 class _HeartbeatWatch:
     """Reads the workers' heartbeat files (:mod:`keras_scale.callbacks.heartbeat`) while they run.
 
@@ -181,7 +186,7 @@ class _HeartbeatWatch:
     """
 
     def __init__(self, files: Sequence[str], timeout_s: Optional[float], on_first_progress: Any = None,
-                 say: Any = None) -> None:
+                 say: Any = None, said: Optional[set] = None) -> None:
         self.files = list(files)
         self.say = say if say is not None else (lambda message: print(message, file=sys.stderr, flush=True))
         self.timeout_s = timeout_s
@@ -192,7 +197,7 @@ class _HeartbeatWatch:
         self._mtimes: List[Optional[float]] = [None] * len(self.files)
         self._first_done = False
         self._started = time.monotonic()
-        self._warned_silent = False
+        self._said = said if said is not None else set()  # messages said once per launch (shared by attempts)
         for path in self.files:  # a beat of an earlier attempt must not count for this one
             try:
                 os.remove(path)
@@ -225,13 +230,14 @@ class _HeartbeatWatch:
                         self.on_first_progress(i, beat, self.begin[i])
         if self.timeout_s is None:
             return []
-        if (not self._warned_silent and all(b is None for b in self.latest)
-                and time.monotonic() - self._started > self.timeout_s):
-            self._warned_silent = True  # (hang detection would otherwise be off without a word)
+        silent_s = max(self.timeout_s, SILENT_HEARTBEAT_WARN_S)  # (start-up: imports, data, building the model)
+        if ("silent" not in self._said and all(b is None for b in self.latest)
+                and time.monotonic() - self._started > silent_s):
+            self._said.add("silent")  # (hang detection would otherwise be off without a word)
             self.say(f"keras-scale launch: --heartbeat-timeout-s {self.timeout_s:g} is set, but no worker has written "
-                     f"a heartbeat in {self.timeout_s:g} s, so a hung worker cannot be detected. Add "
-                     f"keras_scale.callbacks.heartbeat.Heartbeat() to model.fit's callbacks (ks.fit adds it "
-                     f"itself).")
+                     f"a heartbeat in the {silent_s:g} s since it started; hang detection starts at a worker's first "
+                     f"heartbeat. If the script trains with a plain model.fit, add "
+                     f"keras_scale.callbacks.heartbeat.Heartbeat() to its callbacks (ks.fit adds it itself).")
         now = time.time()
         return [i for i, beat in enumerate(self.latest)
                 if beat is not None and beat.get("phase") == "step" and now - float(beat["time"]) > self.timeout_s]
@@ -578,6 +584,7 @@ def launch_with_restarts(
     own_dir = run_dir is None
     run_dir = tempfile.mkdtemp(prefix="keras_scale_launch_") if own_dir else os.path.abspath(run_dir)
     os.makedirs(os.path.join(run_dir, "heartbeat"), exist_ok=True)
+    said_once: set = set()  # what the heartbeat watches of all attempts have said once
     record_path = os.path.join(run_dir, "restarts.jsonl")
     worker_env = dict(env or {})
     worker_env[RESTART_LOG_ENV] = record_path
@@ -630,7 +637,7 @@ def launch_with_restarts(
                         "keras_scale.fit a checkpoint_dir, or add ChiefCheckpoint)")
 
             files = [os.path.join(run_dir, "heartbeat", f"worker-{i}.json") for i in range(current)]
-            watch = _HeartbeatWatch(files, heartbeat_timeout_s, on_first_progress, say=say)
+            watch = _HeartbeatWatch(files, heartbeat_timeout_s, on_first_progress, say=say, said=said_once)
             left = None if deadline is None else max(deadline - time.monotonic(), 0.001)
             results = launch_local_workers(argv, num_workers=current, timeout_s=left, grace_s=grace_s,
                                            env=worker_env, cwd=cwd, stream=stream, forward_signals=forward_signals,

@@ -35,9 +35,11 @@ attempt = len([f for f in os.listdir(".") if f.startswith(f"attempt_{index}_")])
 open(f"attempt_{index}_{attempt}", "w").close()
 if mode == "lost" and index == 2 and attempt > 0:
     sys.exit(5)  # this machine is gone: fails at start, before any beat
-if mode == "silent":  # a plain model.fit without the Heartbeat callback: never beats
+if mode in ("silent", "silent_fail"):  # a plain model.fit without the Heartbeat callback: never beats
     time.sleep(2.5)
-    sys.exit(0)
+    sys.exit(0 if mode == "silent" else 3)
+if mode == "slow_start":  # imports TensorFlow, builds the model: the first beat comes late
+    time.sleep(2.0)
 write_beat("start")
 if mode == "lost" and n == 3 and attempt > 0:
     time.sleep(600)  # waits for the missing worker forever (as a real cluster start-up would)
@@ -108,11 +110,26 @@ def test_a_worker_without_step_progress_is_killed_after_the_heartbeat_timeout(tm
     assert 3 <= hung_for < 3 + 10, records
 
 
-def test_hang_detection_without_any_heartbeat_says_so_instead_of_being_silently_off(tmp_path):
+def test_hang_detection_without_any_heartbeat_says_so_once_instead_of_being_silently_off(tmp_path, monkeypatch):
+    import keras_scale.launch
+
+    monkeypatch.setattr(keras_scale.launch, "SILENT_HEARTBEAT_WARN_S", 1.0)  # (120 s: start-up is not a hang)
     outcome, lines, _ = _run(tmp_path, "silent", max_restarts=1, heartbeat_timeout_s=1)
     assert outcome.status == 0, lines
-    warned = [ln for ln in lines if "no worker has written a heartbeat in 1 s" in ln]
+    warned = [ln for ln in lines if "no worker has written a heartbeat in the 1 s since it started" in ln]
     assert len(warned) == 1 and "keras_scale.callbacks.heartbeat.Heartbeat()" in warned[0], lines
+    # workers that fail before any beat and are restarted: still said once per launch, not once per attempt
+    outcome, lines, _ = _run(tmp_path, "silent_fail", max_restarts=2, heartbeat_timeout_s=1)
+    assert len([ln for ln in lines if "no worker has written a heartbeat" in ln]) == 1, lines
+
+
+def test_a_worker_slow_to_start_is_not_said_to_lack_heartbeats(tmp_path, monkeypatch):
+    import keras_scale.launch
+
+    monkeypatch.setattr(keras_scale.launch, "SILENT_HEARTBEAT_WARN_S", 4.0)
+    outcome, lines, _ = _run(tmp_path, "slow_start", max_restarts=1, heartbeat_timeout_s=1)  # first beat at 2 s
+    assert outcome.status == 0, lines
+    assert not [ln for ln in lines if "no worker has written a heartbeat" in ln], lines
 
 
 @pytest.mark.slow

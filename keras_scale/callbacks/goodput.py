@@ -732,7 +732,10 @@ class Goodput(keras.callbacks.Callback):
         self._ema: Optional[float] = None
         self._regular_calls = 0
         self._since_probe = 0
-        self._probe_gap = self._probe_gap_calls()
+        self._probe_gap = self.MIN_PROBE_GAP_CALLS  # (set at each epoch begin: _probe_gap_calls)
+        self._first_epoch: Optional[int] = None
+        self._epoch_calls: Optional[int] = None  # calls of the last finished epoch (an epoch of unknown length)
+        self._epoch_first_call = 0
         self._sleep_s = 0.0
         self._probes_run = 0
         self._x_hat: Optional[float] = None
@@ -780,6 +783,10 @@ class Goodput(keras.callbacks.Callback):
         self._epoch_samples = None
         self._epoch_skipped = None  # NanGuard resets its per-epoch count (the step logs' ``nan_skipped``)
         self._epoch_batches = int((self.params or {}).get("steps") or 0)  # 0: unknown length
+        if self._first_epoch is None:
+            self._first_epoch = int(epoch)  # (initial_epoch: a resumed fit runs fewer epochs)
+        self._probe_gap = self._probe_gap_calls(int(epoch))
+        self._epoch_first_call = self._ledger.calls
         self._tracker_base = 0.0  # Keras resets its loss tracker at each epoch start
         self._skipped_base = 0.0
         self._rebase_tracker = False
@@ -838,6 +845,7 @@ class Goodput(keras.callbacks.Callback):
         if self._epoch_skipped is None and (logs or {}).get(SKIPPED_LOG_KEY) is not None:
             self._epoch_skipped = float(logs[SKIPPED_LOG_KEY])  # NanGuard's, for a step with no dict of logs
         self._close_epoch()
+        self._epoch_calls = self._ledger.calls - self._epoch_first_call
         summary = self._summarize(self._ledger - self._epoch_ledger, time.perf_counter() - self._epoch_start)
         self.epoch_summaries.append(summary)
         figures = {"goodput": summary["goodput"], "goodput_input_wait_fraction": summary["input_wait_fraction"],
@@ -875,16 +883,20 @@ class Goodput(keras.callbacks.Callback):
         # a function seen for the first time may have traced already (an earlier fit): only growth counts
         self._trace_count = _tracing_count(self._functions)
 
-    def _probe_gap_calls(self) -> int:
-        """Calls between two probes: ``MIN_PROBE_GAP_CALLS``, or fewer in a fit of few calls (short epochs,
-        ``steps_per_execution``), so that its ``FREE_PROBES`` probes still run (two are needed to claim any wait)."""
+    def _probe_gap_calls(self, epoch: int) -> int:
+        """Calls between two probes from epoch ``epoch`` on: ``MIN_PROBE_GAP_CALLS``, or fewer when the calls left
+        in this fit are few (short epochs, ``steps_per_execution``, a fit resumed at ``initial_epoch``), so that
+        the probes still due run (two are needed to claim any wait). An epoch of unknown length counts as long as
+        the last one (none finished yet: ``MIN_PROBE_GAP_CALLS``)."""
         params = self.params or {}
         steps, epochs = params.get("steps"), params.get("epochs")
-        if not steps or not epochs:
-            return self.MIN_PROBE_GAP_CALLS  # (an epoch of unknown length)
         per_call = max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
-        calls = int(epochs) * math.ceil(int(steps) / per_call)
-        return max(2, min(self.MIN_PROBE_GAP_CALLS, calls // (self.FREE_PROBES + 2)))
+        calls_per_epoch = math.ceil(int(steps) / per_call) if steps else self._epoch_calls
+        if not calls_per_epoch or not epochs:
+            return self.MIN_PROBE_GAP_CALLS
+        due = max(1, self.FREE_PROBES - self._probes_run)
+        calls_left = max(0, int(epochs) - int(epoch)) * int(calls_per_epoch)
+        return max(2, min(self.MIN_PROBE_GAP_CALLS, calls_left // (due + 2)))
 
     def _plan_probe(self) -> bool:
         """Whether the coming call is a probe: sleep ~1.5 step-times first, so that a pipeline working ahead has

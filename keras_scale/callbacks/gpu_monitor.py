@@ -366,7 +366,8 @@ class GpuMonitor(keras.callbacks.Callback):
         self._sampler = _Sampler(self._nvml, self.gpu_indices, self.interval_s, self.read_host_cpu_pct)
         self._sampler.start()
         # the sampler stops however the fit ends: at on_train_end, at the model's next use after a fit that
-        # raised (keras_scale.lifecycle), or when this callback is dropped
+        # raised (keras_scale.lifecycle, which holds this callback until then), or when the callback and its model
+        # are dropped
         self._stop_on_drop = weakref.finalize(self, self._sampler.stop_event.set)  # (one per fit: detached at its end)
         lifecycle.join(self.model, self, undo=self._shutdown)
 

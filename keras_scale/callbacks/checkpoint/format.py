@@ -301,10 +301,15 @@ class LegacyReader:
 
 
 def files_identity(prefix: str) -> Optional[tuple]:
-    """What tells two writes of checkpoint ``prefix`` apart: each file's (inode, size, mtime) (a save writes new
-    files and renames them over the old names); ``None`` when they cannot be stat'ed."""
+    """What tells two writes of checkpoint ``prefix`` apart: the (inode, size, mtime) of its index and every data
+    shard (a save writes new files and renames them over the old names); ``None`` when they cannot be stat'ed."""
+    try:
+        paths = [prefix + ".index"] + sorted(tf.io.gfile.glob(tf.io.gfile.join(
+            os.path.dirname(prefix) or ".", os.path.basename(prefix) + ".data-?????-of-?????")))
+    except tf.errors.OpError:
+        return None
     out = []
-    for path in (prefix + ".index", prefix + DATA_SUFFIX):
+    for path in paths:
         try:
             if is_local(path):
                 st = os.stat(path)
@@ -314,7 +319,7 @@ def files_identity(prefix: str) -> Optional[tuple]:
                 out.append((st.length, st.mtime_nsec))
         except (OSError, tf.errors.OpError):
             return None
-    return tuple(out)
+    return tuple(out) if len(out) > 1 else None
 
 
 class BundleReader:
