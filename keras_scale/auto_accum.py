@@ -123,11 +123,6 @@ def _is_multi_worker(strategy: Any) -> bool:
     return bool(getattr(extended, "_num_workers", 1) > 1)
 
 
-def _worker_index(strategy: Any) -> Tuple[str, int]:
-    resolver = strategy.cluster_resolver
-    return str(resolver.task_type), int(resolver.task_id or 0)
-
-
 def _worker_tasks(strategy: Any) -> List[Tuple[str, int]]:
     """Every (task type, index) that runs the training program: chief and workers."""
     spec = strategy.cluster_resolver.cluster_spec().as_dict()
@@ -385,9 +380,11 @@ class AutoAccum:
             return proposal
         from tensorflow.python.eager import context
 
+        from keras_scale.distribute import task_identity
+
         global _AGREEMENTS
         _AGREEMENTS += 1  # (every worker runs the same program: its n-th agreement is theirs)
-        task_type, index = _worker_index(strategy)
+        task_type, index = task_identity(strategy)
         key = f"keras_scale/auto_accum/agree/{_AGREEMENTS}"
         ctx = context.context()
         ctx.set_config_key_value(f"{key}/{task_type}/{index}", str(int(proposal)))

@@ -171,6 +171,11 @@ def _wait_all(procs: Sequence[subprocess.Popen], until: float, stop: Optional[th
     return True
 
 
+def _say_stderr(message: str) -> None:
+    """The launcher's default ``say``: one line on stderr."""
+    print(message, file=sys.stderr, flush=True)
+
+
 #: ``--heartbeat-timeout-s``: say so when no worker has written a heartbeat this long (or the timeout, if longer)
 #: after the start, since hang detection cannot work for such a run (start-up time is not a hang).
 SILENT_HEARTBEAT_WARN_S = 120.0
@@ -188,7 +193,7 @@ class _HeartbeatWatch:
     def __init__(self, files: Sequence[str], timeout_s: Optional[float], on_first_progress: Any = None,
                  say: Any = None, said: Optional[set] = None) -> None:
         self.files = list(files)
-        self.say = say if say is not None else (lambda message: print(message, file=sys.stderr, flush=True))
+        self.say = say if say is not None else _say_stderr
         self.timeout_s = timeout_s
         self.on_first_progress = on_first_progress
         self.latest: List[Optional[Dict[str, Any]]] = [None] * len(self.files)  # newest beat of each worker
@@ -578,9 +583,7 @@ def launch_with_restarts(
         raise ValueError(f"backoff_s must be >= 0 seconds, got {backoff_s!r}")
     if timeout_s is not None and not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0 seconds or None (no limit), got {timeout_s!r}")
-    if say is None:
-        def say(message: str) -> None:
-            print(message, file=sys.stderr, flush=True)
+    say = say if say is not None else _say_stderr
     own_dir = run_dir is None
     run_dir = tempfile.mkdtemp(prefix="keras_scale_launch_") if own_dir else os.path.abspath(run_dir)
     os.makedirs(os.path.join(run_dir, "heartbeat"), exist_ok=True)

@@ -42,7 +42,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Iterator, Tuple
 
 __all__ = ["join", "leave", "joined", "patch", "add_undo", "end", "fit_starts", "pending", "called_by_keras_fit",
-           "fit_running", "fit_callbacks"]
+           "fit_running", "fit_callbacks", "innermost_fit_callbacks", "fit_with_callbacks_running"]
 
 _ATTR = "_keras_scale_lifecycle"
 

@@ -733,9 +733,7 @@ class Goodput(keras.callbacks.Callback):
         self._regular_calls = 0
         self._since_probe = 0
         self._probe_gap = self.MIN_PROBE_GAP_CALLS  # (set at each epoch begin: _probe_gap_calls)
-        self._first_epoch: Optional[int] = None
         self._epoch_calls: Optional[int] = None  # calls of the last finished epoch (an epoch of unknown length)
-        self._epoch_first_call = 0
         self._sleep_s = 0.0
         self._probes_run = 0
         self._x_hat: Optional[float] = None
@@ -783,10 +781,7 @@ class Goodput(keras.callbacks.Callback):
         self._epoch_samples = None
         self._epoch_skipped = None  # NanGuard resets its per-epoch count (the step logs' ``nan_skipped``)
         self._epoch_batches = int((self.params or {}).get("steps") or 0)  # 0: unknown length
-        if self._first_epoch is None:
-            self._first_epoch = int(epoch)  # (initial_epoch: a resumed fit runs fewer epochs)
-        self._probe_gap = self._probe_gap_calls(int(epoch))
-        self._epoch_first_call = self._ledger.calls
+        self._probe_gap = self._probe_gap_calls(int(epoch))  # (from this epoch: a fit resumed at initial_epoch)
         self._tracker_base = 0.0  # Keras resets its loss tracker at each epoch start
         self._skipped_base = 0.0
         self._rebase_tracker = False
@@ -845,7 +840,7 @@ class Goodput(keras.callbacks.Callback):
         if self._epoch_skipped is None and (logs or {}).get(SKIPPED_LOG_KEY) is not None:
             self._epoch_skipped = float(logs[SKIPPED_LOG_KEY])  # NanGuard's, for a step with no dict of logs
         self._close_epoch()
-        self._epoch_calls = self._ledger.calls - self._epoch_first_call
+        self._epoch_calls = self._ledger.calls - self._epoch_ledger.calls
         summary = self._summarize(self._ledger - self._epoch_ledger, time.perf_counter() - self._epoch_start)
         self.epoch_summaries.append(summary)
         figures = {"goodput": summary["goodput"], "goodput_input_wait_fraction": summary["input_wait_fraction"],

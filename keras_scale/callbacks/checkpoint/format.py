@@ -412,7 +412,7 @@ _PARALLEL_READ_BYTES = 16 << 20  # a bundle this large is read by several Restor
 
 
 def _read_all(reader: Any, prefix: str, keys: List[str], dtypes: Dict[str, Any],
-              shapes: Optional[Dict[str, List[int]]] = None) -> List[Any]:
+              shapes: Dict[str, List[int]]) -> List[Any]:
     """Every tensor of ``keys``, CRC-checked, in order. A bundle is read by ``RestoreV2`` ops (TensorFlow's reader,
     which checks each tensor's CRC32C, straight into tensors: no per-key Python call, no NumPy copy): one, or one per
     CPU core (up to 4) on groups of equal bytes when it holds over 16 MiB (a RestoreV2 reads its tensors one after
@@ -420,7 +420,7 @@ def _read_all(reader: Any, prefix: str, keys: List[str], dtypes: Dict[str, Any],
     since ``reader`` opened them, its per-key reads return the checkpoint it opened (never a mix of two)."""
     if isinstance(reader, BundleReader) and keys and reader.identity is not None:
         try:
-            values = _restore_v2(prefix, keys, dtypes, shapes or {})
+            values = _restore_v2(prefix, keys, dtypes, shapes)
             # RestoreV2 opens the files by name: a save at the same prefix since the reader opened them (another
             # process reading while training writes) would give another checkpoint's tensors, or a mix of two
             if files_identity(prefix) == reader.identity:
