@@ -86,14 +86,14 @@ def _loss_only(self, optimizer, any_loss_bad, reduced_grads, grads_bad=None):
 
 
 def _apply_after_all_gradients(original):
-    def conditional_apply(self, apply, grads, apply_now, snapshot, already_reduced):
+    def conditional_apply(self, apply, grads, apply_now, snapshot, already_reduced, **_):
         with tf.control_dependencies([g for g in grads if g is not None]):
             apply_now = tf.identity(apply_now)
-        return original(self, apply, grads, apply_now, snapshot, already_reduced)
+        return original(self, apply, grads, apply_now, snapshot, already_reduced)  # (the update inside the cond)
     return conditional_apply
 
 
-def _apply_after_all_gradients_no_cond(self, apply, grads, apply_now, snapshot, already_reduced):
+def _apply_after_all_gradients_no_cond(self, apply, grads, apply_now, snapshot, already_reduced, **_):
     with tf.control_dependencies([g for g in grads if g is not None]), \
             step_lib._ThreadFlag("already_reduced", already_reduced):
         apply(grads)

@@ -49,6 +49,7 @@ import tensorflow as tf
 from keras.src.losses import loss as keras_loss
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from keras_scale import deferred_update
 from keras_scale import state as training_state
 from keras_scale.progress_bar import quiet_progress_bar
 from keras_scale.schedules import inner_optimizer
@@ -603,7 +604,7 @@ class ComposedStep:
                                grads_bad=grads_bad)
         apply_now = self._apply_now(bad)
         self._conditional_apply(lambda g: optimizer.apply(g, trainable), reduced_grads, apply_now, snapshot,
-                                already_reduced=True)
+                                already_reduced=True, optimizer=optimizer, trainable=trainable)
         self._record(bad, x, y, sample_weight, pred_bad, loss_bad, local, present, trainable)
         return self._logs(self._nan_unless_a_step_was_taken(model.get_metrics_result()))
 
@@ -769,10 +770,11 @@ class ComposedStep:
             local_bad = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, local_bad)
         bad = self._decide_bad(optimizer, tf.constant(False), [], grads_bad=local_bad > 0)
         apply_now = self._apply_now(bad)
-        with _ThreadFlag("guarding", None):  # the inner apply is Keras's own
-            self._conditional_apply(apply, grads, apply_now, snapshot, already_reduced=False)
         trainable = list(trainable_variables) if trainable_variables is not None else list(
             optimizer._trainable_variables)
+        with _ThreadFlag("guarding", None):  # the inner apply is Keras's own
+            self._conditional_apply(apply, grads, apply_now, snapshot, already_reduced=False, optimizer=optimizer,
+                                    trainable=trainable)
         verdicts = getattr(_LOCAL, "foreign_verdicts", None)
         earlier_bad = tf.reduce_any(tf.stack(verdicts)) if verdicts else tf.constant(False)
         self._record(bad, x, y, sample_weight, tf.constant(0.0), tf.constant(0.0), [grads[i] for i in present],
@@ -1020,8 +1022,12 @@ class ComposedStep:
         return tf.add_n([_nonfinite_count(t) for t in _flat(y_pred)] or [tf.constant(0.0)])
 
     def _conditional_apply(self, apply: Callable[[Any], Any], grads: List[Any], apply_now: tf.Tensor,
-                           snapshot: List[Tuple[Any, Any]], already_reduced: bool) -> None:
+                           snapshot: List[Tuple[Any, Any]], already_reduced: bool, optimizer: Any = None,
+                           trainable: Optional[List[Any]] = None) -> None:
         """Apply the update only when ``apply_now`` (identical on every replica); else restore BN statistics.
+
+        On one replica, with an optimizer :mod:`keras_scale.deferred_update` knows to be exact, the update is
+        computed ahead (overlapping the backward pass, as in plain Keras) and only its writes wait in the cond.
 
         A ``merge_call`` cannot sit inside a replica-context ``tf.cond``, so (like Keras's
         ``LossScaleOptimizer``) merge into the cross-replica context unconditionally and decide there. Each
@@ -1039,6 +1045,12 @@ class ComposedStep:
                 var.assign(value)
 
         values = [s for _, s in snapshot]
+        if optimizer is not None and deferred_update.can_defer(
+                optimizer, grads, trainable or [], replicas=_replicas(self.model.distribute_strategy)):
+            writes = deferred_update.deferred_writes(optimizer, lambda: apply_fn(grads), trainable)
+            tf.cond(apply_now, lambda: deferred_update.commit(writes),
+                    lambda: (restore_fn(values), tf.constant(False))[1])
+            return
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
             tf.cond(apply_now, lambda: (apply_fn(grads), tf.constant(True))[1],
                     lambda: (restore_fn(values), tf.constant(False))[1])
