@@ -119,6 +119,7 @@ def make_arms(log_dir: str, nvml) -> dict:
 
     return {
         "bare": [],
+        "bare (again)": [],  # the control arm: how far two identical arms differ in this run
         "TerminateOnNaN (Keras)": [keras.callbacks.TerminateOnNaN()],
         "NanGuard": [ks.NanGuard(verbose=0)],
         "NanGuard(check_gradients=False)": [ks.NanGuard(verbose=0, check_gradients=False)],
@@ -208,6 +209,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=60, help="steps per fit call")
     parser.add_argument("--skip", type=int, default=10, help="untimed steps at the start of each fit call")
     parser.add_argument("--sizes", default="mlp,conv")
+    parser.add_argument("--no-second-fit", action="store_true", help="per-step figures only")
     args = parser.parse_args(argv)
     nvml, nvml_desc = fake_or_real_nvml()
     print(f"callbacks_overhead: GpuMonitor samples the {nvml_desc}")
@@ -216,7 +218,8 @@ def main(argv=None) -> int:
         for size in args.sizes.split(","):
             per_step(size, args.rounds, args.steps if size == "mlp" else max(args.skip + 12, args.steps // 3),
                      args.skip, nvml)
-        second_fit(args.rounds)
+        if not args.no_second_fit:
+            second_fit(args.rounds)
     return 0
 
 

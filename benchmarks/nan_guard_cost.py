@@ -10,7 +10,10 @@ arm's in the same round.
 Arms:
   bare                       plain Keras ``fit``'s train function
   TerminateOnNaN             identical graph to bare (Keras checks the loss on the host): the noise floor
-  NanGuard                   the default guard: skip when the loss or any gradient is non-finite
+  bare (again)               a second bare model: the control arm (how far two identical arms differ)
+  NanGuard                   the default guard: skip when the loss or any gradient is non-finite (on one replica
+                             the update is computed ahead and only its writes wait for the decision:
+                             keras_scale/deferred_update.py)
   NanGuard(check_gradients=False)
                              skip when the loss is non-finite (decided before the backward pass)
   ks.wrap(accum=N) + NanGuard
@@ -18,6 +21,8 @@ Arms:
   LossScaleOptimizer (Keras) Keras's own skip-if-non-finite update (checks every gradient, then a cond):
                              what the same guarantee costs in Keras itself
   parts (measured by changing one thing in the default guard's graph while it is traced):
+    NanGuard, update inside the cond
+                                    the whole update inside the guard's cond (not deferred): what it cost before
     guard, update waits, no check   the update waits for every gradient; nothing is checked
     guard, check off the path       every gradient is checked, but the update does not wait for it
     guard, exact check after the all-reduce
@@ -99,6 +104,12 @@ def _apply_after_all_gradients_no_cond(self, apply, grads, apply_now, snapshot, 
         apply(grads)
 
 
+def _update_in_the_cond(original):
+    def conditional_apply(self, apply, grads, apply_now, snapshot, already_reduced, **_):
+        return original(self, apply, grads, apply_now, snapshot, already_reduced)  # (no optimizer: not deferred)
+    return conditional_apply
+
+
 def _no_magnitude(original):
     def all_reduce(self, grads, share, loss_bad, batch_size, even=False, check=False):
         return original(self, grads, share, loss_bad, batch_size, even=even, check=False)
@@ -120,6 +131,9 @@ def arms(size: str):
         "bare": (adam, lambda: [], {}),
         "TerminateOnNaN (Keras)": (adam, lambda: [keras.callbacks.TerminateOnNaN()], {}),
         "NanGuard": (adam, lambda: [ks.NanGuard(verbose=0)], {}),
+        "  NanGuard, update inside the cond": (adam, lambda: [ks.NanGuard(verbose=0)],
+                                               {"_conditional_apply": _update_in_the_cond(C._conditional_apply)}),
+        "bare (again)": (adam, lambda: [], {}),
         "NanGuard(check_gradients=False)": (adam, lambda: [ks.NanGuard(verbose=0, check_gradients=False)], {}),
         "LossScaleOptimizer (Keras)": (lambda: keras.optimizers.LossScaleOptimizer(adam()), lambda: [], {}),
         "  guard, update waits, no check": (adam, lambda: [ks.NanGuard(verbose=0)],
@@ -185,9 +199,9 @@ def main(argv=None) -> int:
             steps_ms[name].append(took[name] * 1e3)
     print(f"nan_guard_cost: {args.size}, {args.replicas} replica(s), {args.rounds} interleaved rounds x {args.steps} "
           f"steps; median step time and median of the per-round ratios to bare")
-    print(f"{'arm':36s} {'ms':>7s} {'ratio':>7s}")
+    print(f"{'arm':42s} {'ms':>7s} {'ratio':>7s}")
     for name in functions:
-        print(f"{name:36s} {statistics.median(steps_ms[name]):7.3f} {statistics.median(ratios[name]):7.3f}")
+        print(f"{name:42s} {statistics.median(steps_ms[name]):7.3f} {statistics.median(ratios[name]):7.3f}")
     return 0
 
 
