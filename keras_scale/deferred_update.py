@@ -31,9 +31,8 @@ from typing import Any, Callable, List, Sequence, Tuple
 import keras
 import tensorflow as tf
 from keras.src.backend.common.stateless_scope import StatelessScope
-from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
-__all__ = ["can_defer", "deferred_writes", "commit", "commit_cross_replica", "MAX_DEFERRED_BYTES", "DEFERRABLE_OPTIMIZERS"]
+__all__ = ["can_defer", "deferred_writes", "commit", "MAX_DEFERRED_BYTES", "DEFERRABLE_OPTIMIZERS"]
 
 # Keras's own optimizers whose update_step writes only through self.assign / assign_add / assign_sub (checked
 # against keras/src/optimizers/*.py; Muon writes its weight decay directly, LossScaleOptimizer runs a cond).
@@ -72,13 +71,11 @@ def can_defer(optimizer: Any, grads: Sequence[Any], trainable_variables: Sequenc
         >>> dense = keras.layers.Dense(1); dense.build((None, 2))
         >>> opt = keras.optimizers.Adam(); opt.build(dense.trainable_variables)
         >>> grads = [tf.zeros(v.shape) for v in dense.trainable_variables]
-        >>> can_defer(opt, grads, dense.trainable_variables), can_defer(keras.optimizers.Nadam(), grads, [])
+        >>> can_defer(opt, grads, dense.trainable_variables), can_defer(opt, grads, dense.trainable_variables, 2)
         (True, False)
     """
-    if type(optimizer) not in DEFERRABLE_OPTIMIZERS or not getattr(optimizer, "built", False):
+    if replicas != 1 or type(optimizer) not in DEFERRABLE_OPTIMIZERS or not getattr(optimizer, "built", False):
         return False
-    if replicas != 1 and type(optimizer)._backend_update_step is not TFOptimizer._backend_update_step:
-        return False  # (Nadam updates a variable of its own around the per-variable loop)
     if getattr(optimizer, "use_ema", False) or getattr(optimizer, "gradient_accumulation_steps", None):
         return False
     if any(isinstance(g, tf.IndexedSlices) for g in grads):
@@ -88,8 +85,8 @@ def can_defer(optimizer: Any, grads: Sequence[Any], trainable_variables: Sequenc
     return _nbytes(list(optimizer.variables) + list(trainable_variables)) <= MAX_DEFERRED_BYTES
 
 
-def deferred_writes(optimizer: Any, apply: Callable[[], Any], trainable_variables: Sequence[Any],
-                    replicas: int = 1) -> List[Tuple[Any, tf.Tensor]]:
+def deferred_writes(optimizer: Any, apply: Callable[[], Any], trainable_variables: Sequence[Any]
+                    ) -> List[Tuple[Any, tf.Tensor]]:
     """Trace ``apply()`` (an ``optimizer.apply``) writing nothing; return ``(variable, value)`` for each write.
 
     Call inside a traced function, only when :func:`can_defer` said so.
@@ -145,12 +142,6 @@ def deferred_writes(optimizer: Any, apply: Callable[[], Any], trainable_variable
 
     overrides = {"assign": assign, "assign_add": assign_add, "assign_sub": assign_sub,
                  "_apply_weight_decay": apply_weight_decay, "_var_key": var_key}
-    if replicas != 1:  # in this replica's thread, on its own copies (the gradients are reduced already)
-        def replica_update_step(grads: Sequence[Any], variables: Sequence[Any], learning_rate: Any) -> None:
-            for grad, var in zip(grads, variables):
-                optimizer.update_step(grad, var, learning_rate)
-
-        overrides["_backend_update_step"] = replica_update_step
     saved = {name: vars(optimizer)[name] for name in overrides if name in vars(optimizer)}
     graph = tf.compat.v1.get_default_graph()
     first_op = len(graph.get_operations())
@@ -189,18 +180,3 @@ def commit(writes: Sequence[Tuple[Any, tf.Tensor]]) -> tf.Tensor:
 def _unique(variables: List[Any]) -> List[Any]:
     seen: set = set()
     return [v for v in variables if not (id(v) in seen or seen.add(id(v)))]
-
-
-def commit_cross_replica(distribution: Any, variables: Sequence[Any], values: Sequence[Any]) -> tf.Tensor:
-    """:func:`commit` from the cross-replica context: each replica's copy of each variable gets that replica's value.
-
-    Example:
-        tf.cond(ok, lambda: commit_cross_replica(distribution, variables, per_replica_values), ...)
-    """
-    for variable, value in zip(variables, values):
-        distribution.extended.update(variable._value, _assign, args=(value,), group=False)
-    return tf.constant(True)
-
-
-def _assign(variable: Any, value: Any) -> None:
-    variable.assign(value)

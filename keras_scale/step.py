@@ -1045,29 +1045,21 @@ class ComposedStep:
                 var.assign(value)
 
         values = [s for _, s in snapshot]
-        replicas = _replicas(self.model.distribute_strategy)
-        writes = None
-        # (several replicas: only gradients reduced already; the deferred update does no all-reduce of its own)
-        if optimizer is not None and (replicas == 1 or already_reduced) and deferred_update.can_defer(
-                optimizer, grads, trainable or [], replicas=replicas):
-            writes = deferred_update.deferred_writes(optimizer, lambda: apply_fn(grads), trainable, replicas)
-            if replicas == 1:
-                tf.cond(apply_now, lambda: deferred_update.commit(writes),
-                        lambda: (restore_fn(values), tf.constant(False))[1])
-                return
-        if writes is None and tf.__internal__.distribute.strategy_supports_no_merge_call():
+        if optimizer is not None and deferred_update.can_defer(
+                optimizer, grads, trainable or [], replicas=_replicas(self.model.distribute_strategy)):
+            writes = deferred_update.deferred_writes(optimizer, lambda: apply_fn(grads), trainable)
+            tf.cond(apply_now, lambda: deferred_update.commit(writes),
+                    lambda: (restore_fn(values), tf.constant(False))[1])
+            return
+        if tf.__internal__.distribute.strategy_supports_no_merge_call():
             tf.cond(apply_now, lambda: (apply_fn(grads), tf.constant(True))[1],
                     lambda: (restore_fn(values), tf.constant(False))[1])
             return
-
-        written = [k for k, _ in writes] if writes is not None else None
 
         def cross_replica(distribution, apply_now, grads, values):
             flag = distribution.experimental_local_results(apply_now)[0]
 
             def yes():
-                if written is not None:  # (deferred: grads are this step's pending values)
-                    return deferred_update.commit_cross_replica(distribution, written, grads)
                 distribution.extended.call_for_each_replica(apply_fn, args=(grads,))
                 return tf.constant(True)
 
@@ -1077,8 +1069,7 @@ class ComposedStep:
 
             tf.cond(flag, yes, no)
 
-        tf.distribute.get_replica_context().merge_call(
-            cross_replica, args=(apply_now, grads if writes is None else [v for _, v in writes], values))
+        tf.distribute.get_replica_context().merge_call(cross_replica, args=(apply_now, grads, values))
 
     def _state(self) -> List[Any]:
         return training_state.float_variables(self.model)  # weights and every optimizer's variables
