@@ -201,14 +201,15 @@ def test_can_defer_says_no_to_what_it_cannot_do_exactly():
     dense = keras.layers.Dense(2)
     dense.build((None, 3))
     grads = [tf.zeros(v.shape) for v in dense.trainable_variables]
-    unbuilt = keras.optimizers.Adam()
-    assert not deferred_update.can_defer(unbuilt, grads, dense.trainable_variables)
-    for optimizer in (keras.optimizers.Adam(), keras.optimizers.Adam(gradient_accumulation_steps=2)):
-        optimizer.build(dense.trainable_variables)
-    built = keras.optimizers.Adam()
-    built.build(dense.trainable_variables)
-    assert deferred_update.can_defer(built, grads, dense.trainable_variables)
-    assert not deferred_update.can_defer(built, grads, dense.trainable_variables, replicas=2)
+    assert not deferred_update.can_defer(keras.optimizers.Adam(), grads, dense.trainable_variables)  # not built
+    built = {name: getattr(keras.optimizers, name)() for name in ("Adam", "Muon")}
     accumulating = keras.optimizers.Adam(gradient_accumulation_steps=2)
-    accumulating.build(dense.trainable_variables)
+    for optimizer in [*built.values(), accumulating]:
+        optimizer.build(dense.trainable_variables)
+    assert deferred_update.can_defer(built["Adam"], grads, dense.trainable_variables)
+    # several replicas: the all-reduce already makes every update wait for every gradient (nothing to win)
+    assert not deferred_update.can_defer(built["Adam"], grads, dense.trainable_variables, replicas=2)
+    assert not deferred_update.can_defer(built["Muon"], grads, dense.trainable_variables)  # writes directly
     assert not deferred_update.can_defer(accumulating, grads, dense.trainable_variables)
+    sparse = [tf.IndexedSlices(tf.zeros((1, 2)), tf.constant([0]), tf.constant([3, 2])), grads[1]]
+    assert not deferred_update.can_defer(built["Adam"], sparse, dense.trainable_variables)
