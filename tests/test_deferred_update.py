@@ -213,3 +213,49 @@ def test_can_defer_says_no_to_what_it_cannot_do_exactly():
     assert not deferred_update.can_defer(accumulating, grads, dense.trainable_variables)
     sparse = [tf.IndexedSlices(tf.zeros((1, 2)), tf.constant([0]), tf.constant([3, 2])), grads[1]]
     assert not deferred_update.can_defer(built["Adam"], sparse, dense.trainable_variables)
+
+
+class TwoApplies(keras.Model):
+    """Its own train_step applies ONE optimizer twice, to two layers' variables (each with its own gradients)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = keras.layers.Dense(4, activation="tanh")
+        self.b = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.b(self.a(x))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape(persistent=True) as tape:
+            # the norm of an all-zero vector when asked (x's first value 99): a finite loss, NaN gradients
+            zero = tf.cast(tf.reduce_any(tf.equal(x, 99.0)), tf.float32)
+            loss_a = tf.reduce_mean(tf.square(self.a(x))) + tf.norm(self.a(x) * (1.0 - zero)) * zero
+            loss_b = tf.reduce_mean(tf.square(self(x) - y))
+        self.optimizer.apply(tape.gradient(loss_a, self.a.trainable_weights), self.a.trainable_weights)
+        self.optimizer.apply(tape.gradient(loss_b, self.b.trainable_weights), self.b.trainable_weights)
+        return {"loss": loss_b}
+
+
+def test_one_optimizer_applied_twice_in_a_step_decides_each_apply_on_its_own_as_documented(deferrals):
+    """README: such a step applies the finite call and skips the other (it is not all-or-nothing)."""
+    keras.utils.set_random_seed(4)
+    model = TwoApplies()
+    model.compile(optimizer=keras.optimizers.Adam(0.01))
+    model(np.zeros((1, 6), "float32"))
+    model.optimizer.build(model.trainable_variables)
+    x = RNG.normal(size=(32, 6)).astype("float32")
+    y = RNG.normal(size=(32, 1)).astype("float32")
+    model.fit(x[:8], y[:8], batch_size=8, epochs=1, verbose=0)  # builds; 2 applies: iterations 2
+    a_before = [v.numpy().copy() for v in model.a.weights]
+    b_before = [v.numpy().copy() for v in model.b.weights]
+    bad = x[8:16].copy()
+    bad[0, 0] = 99.0  # layer a's gradients are NaN (its loss finite); layer b's are finite
+    guard = ks.NanGuard(verbose=0)
+    model.fit(bad, y[8:16], batch_size=8, epochs=1, verbose=0, callbacks=[guard])
+    assert deferrals.count("Adam") == 2 and guard.skipped_steps == 1
+    for before, v in zip(a_before, model.a.weights):
+        np.testing.assert_array_equal(v.numpy(), before)  # a's apply skipped
+    assert all(not np.array_equal(v.numpy(), before) for before, v in zip(b_before, model.b.weights))  # b's taken
+    assert int(model.optimizer.iterations.numpy()) == 3 and all(np.isfinite(v.numpy()).all() for v in model.weights)
