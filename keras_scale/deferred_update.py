@@ -12,7 +12,7 @@ values, exactly as ``stateless_apply`` does on JAX. Nothing is written until the
 the committed values are the same tensors the optimizer would have written in place (bit-identical updates), and
 a skipped step writes nothing. The guarantee is unchanged: no non-finite gradient ever reaches a variable.
 
-Used only where it is known to be exact (:func:`can_defer`): one replica, a built-in Keras optimizer of exactly
+Used only where it is known to be exact (:func:`can_defer`): one replica and no distributed variables, a built-in Keras optimizer of exactly
 that class (their ``update_step`` writes only through ``self.assign*``), no EMA, no ``gradient_accumulation_steps``
 (Keras runs those in a cond of its own), dense gradients, and state small enough to hold twice
 (:data:`MAX_DEFERRED_BYTES`: the pending values live beside the variables until the commit). Anything else keeps
@@ -80,6 +80,9 @@ def can_defer(optimizer: Any, grads: Sequence[Any], trainable_variables: Sequenc
         return False
     if any(isinstance(g, tf.IndexedSlices) for g in grads):
         return False
+    if any(isinstance(getattr(v, "_value", v), tf.distribute.DistributedValues)
+           for v in list(optimizer.variables) + list(trainable_variables)):
+        return False  # (a MirroredStrategy of one device: its optimizer updates each device's copy)
     if any(getattr(v, "overwrite_with_gradient", False) for v in trainable_variables):
         return False
     return _nbytes(list(optimizer.variables) + list(trainable_variables)) <= MAX_DEFERRED_BYTES

@@ -215,6 +215,18 @@ def test_can_defer_says_no_to_what_it_cannot_do_exactly():
     assert not deferred_update.can_defer(built["Adam"], sparse, dense.trainable_variables)
 
 
+def test_distributed_variables_are_never_deferred_even_on_one_replica(mirrored):
+    """ks.fit(strategy="mirrored") on a machine with one device: a MirroredStrategy of one replica, whose optimizer
+    updates each device's copy of a variable: its update stays in the cond (``test_fit``'s slow test trains it)."""
+    with mirrored.scope():
+        dense = keras.layers.Dense(2)
+        dense.build((None, 3))
+        optimizer = keras.optimizers.Adam()
+        optimizer.build(dense.trainable_variables)
+    grads = [tf.zeros(v.shape) for v in dense.trainable_variables]
+    assert not deferred_update.can_defer(optimizer, grads, dense.trainable_variables, replicas=1)
+
+
 class TwoApplies(keras.Model):
     """Its own train_step applies ONE optimizer twice, to two layers' variables (each with its own gradients)."""
 
