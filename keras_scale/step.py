@@ -18,7 +18,9 @@ Parts, each switched on by the piece that needs it and otherwise free:
 - **non-finite guard** (``keras_scale.NanGuard``): a step whose loss or gradients are not finite applies no
   update at all (no optimizer moment, no ``iterations`` bump, BatchNorm statistics restored); every replica
   takes the same decision because it is made on reduced values; counters and a diagnosis of the first bad
-  step live in variables; the epoch's count comes back in the step's logs (``nan_skipped``), which Keras
+  step live in variables; on one replica the update is computed ahead and only its writes wait for the decision
+  (:mod:`keras_scale.deferred_update`), so it still runs beside the backward pass as in plain Keras; the epoch's
+  count comes back in the step's logs (``nan_skipped``), which Keras
   already brings to the host, so no extra read per step. A model with its own ``train_step`` is guarded at its
   optimizer's ``apply`` instead (where optax's ``apply_if_finite`` sits);
 - **loss scaling**: a ``LossScaleOptimizer`` scales each micro-batch, unscales once, and makes one
