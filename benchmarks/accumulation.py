@@ -22,10 +22,12 @@ import time
 CONFIGS = [
     # name, replicas, how
     ("plain B*N", 1, "plain_big"),
+    ("plain B*N (again)", 1, "plain_big"),  # the control: the baseline measured twice
     ("wrap(accum=N) B*N", 1, "wrap"),
     ("keras native accum, batch B", 1, "native"),
     ("plain B", 1, "plain_small"),
     ("2-replica plain B*N", 2, "plain_big"),
+    ("2-replica plain B*N (again)", 2, "plain_big"),
     ("2-replica wrap(accum=N) B*N", 2, "wrap"),
     ("2-replica keras native accum", 2, "native"),
     # synchronized BatchNorm: the micro-batch loop is unrolled in Python (its all-reduce cannot sit in a
