@@ -12,11 +12,11 @@ values, exactly as ``stateless_apply`` does on JAX. Nothing is written until the
 the committed values are the same tensors the optimizer would have written in place (bit-identical updates), and
 a skipped step writes nothing. The guarantee is unchanged: no non-finite gradient ever reaches a variable.
 
-Used only where it is known to be exact (:func:`can_defer`): one replica and no distributed variables, a built-in Keras optimizer of exactly
-that class (their ``update_step`` writes only through ``self.assign*``), no EMA, no ``gradient_accumulation_steps``
-(Keras runs those in a cond of its own), dense gradients, and state small enough to hold twice
-(:data:`MAX_DEFERRED_BYTES`: the pending values live beside the variables until the commit). Anything else keeps
-the update inside the cond. A direct write found in the traced update is refused at trace time: the guarantee
+Used only where it is known to be exact (:func:`can_defer`): one replica and no distributed variables, a built-in
+Keras optimizer of exactly that class (their ``update_step`` writes only through ``self.assign*``), no EMA, no
+``gradient_accumulation_steps`` (Keras runs those in a cond of its own), dense gradients, and state small enough
+to hold twice (:data:`MAX_DEFERRED_BYTES`: the pending values live beside the variables until the commit).
+Anything else keeps the update inside the cond. A direct write found in the traced update is refused at trace time: the guarantee
 would not hold.
 
 Example:
@@ -26,6 +26,7 @@ Example:
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, List, Sequence, Tuple
 
 import keras
@@ -53,14 +54,8 @@ _WRITE_OPS = frozenset({"AssignVariableOp", "AssignAddVariableOp", "AssignSubVar
 
 
 def _nbytes(variables: Sequence[Any]) -> int:
-    total = 0
-    for v in variables:
-        shape = [int(d or 0) for d in tuple(v.shape)]
-        n = 1
-        for d in shape:
-            n *= d
-        total += n * tf.as_dtype(keras.backend.standardize_dtype(v.dtype)).size
-    return total
+    return sum(math.prod(int(d or 0) for d in tuple(v.shape))
+               * tf.as_dtype(keras.backend.standardize_dtype(v.dtype)).size for v in variables)
 
 
 def can_defer(optimizer: Any, grads: Sequence[Any], trainable_variables: Sequence[Any], replicas: int = 1) -> bool:
@@ -97,7 +92,7 @@ def deferred_writes(optimizer: Any, apply: Callable[[], Any], trainable_variable
     Example:
         writes = deferred_writes(opt, lambda: opt.apply(grads, trainable), trainable)   # nothing written yet
     """
-    known = _unique(list(optimizer.variables) + list(trainable_variables))
+    known = list({id(v): v for v in list(optimizer.variables) + list(trainable_variables)}.values())
     by_tf = {id(v._value): v for v in known}
     scope = StatelessScope(initialize_variables=False)
 
@@ -178,8 +173,3 @@ def commit(writes: Sequence[Tuple[Any, tf.Tensor]]) -> tf.Tensor:
     for variable, value in writes:
         variable.assign(value)
     return tf.constant(True)
-
-
-def _unique(variables: List[Any]) -> List[Any]:
-    seen: set = set()
-    return [v for v in variables if not (id(v) in seen or seen.add(id(v)))]

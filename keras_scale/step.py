@@ -1047,15 +1047,19 @@ class ComposedStep:
                 var.assign(value)
 
         values = [s for _, s in snapshot]
+
+        def skip():
+            restore_fn(values)
+            return tf.constant(False)
+
+        trainable = list(trainable or [])
         if optimizer is not None and deferred_update.can_defer(
-                optimizer, grads, trainable or [], replicas=_replicas(self.model.distribute_strategy)):
+                optimizer, grads, trainable, replicas=_replicas(self.model.distribute_strategy)):
             writes = deferred_update.deferred_writes(optimizer, lambda: apply_fn(grads), trainable)
-            tf.cond(apply_now, lambda: deferred_update.commit(writes),
-                    lambda: (restore_fn(values), tf.constant(False))[1])
+            tf.cond(apply_now, lambda: deferred_update.commit(writes), skip)
             return
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
-            tf.cond(apply_now, lambda: (apply_fn(grads), tf.constant(True))[1],
-                    lambda: (restore_fn(values), tf.constant(False))[1])
+            tf.cond(apply_now, lambda: (apply_fn(grads), tf.constant(True))[1], skip)
             return
 
         def cross_replica(distribution, apply_now, grads, values):
