@@ -35,6 +35,7 @@ from keras_scale.callbacks.checkpoint.lock import LockMixin
 from keras_scale.callbacks.checkpoint.preemption import PREEMPTION_EXIT_CODE, PreemptionMixin
 from keras_scale.callbacks.checkpoint.restore import RestoreMixin
 from keras_scale.callbacks.checkpoint.resume import ResumeMixin, _describe, _ResumeEpoch
+from keras_scale.callbacks.checkpoint.warmup import WarmupMixin
 from keras_scale.callbacks.checkpoint.state import (StateMixin, _lr_variable, _metric_variables, _other_lr_values,
                                                    _signature)
 
@@ -60,7 +61,7 @@ def checkpoint_for(model: keras.Model) -> Optional["ChiefCheckpoint"]:
 
 
 class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, RestoreMixin, ResumeMixin, BestMixin,
-                      keras.callbacks.Callback):
+                      WarmupMixin, keras.callbacks.Callback):
     """Crash- and preemption-safe checkpoints of everything training needs, written by the chief only, resumed
     exactly.
 
@@ -387,6 +388,8 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         self._install_wrapper()
         self._install_final_save_hook()
         self._install_stop_save_hook()
+        self._warmup = None
+        self._warm_up_once()  # the first saves' memory, touched in the background (warmup.py)
 
     def on_epoch_begin(self, epoch, logs=None):
         if self._resume_pending:
@@ -407,6 +410,8 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
             self._install_wrapper()
 
     def on_train_batch_end(self, batch, logs=None):
+        if self._warmup is None:  # a model whose variables were made by its first step
+            self._warm_up_once()
         self._step_in_epoch = int(batch) + 1
         self._calls += 1
         self._check_preemption(self._calls % self.signal_check_every_n_steps == 0)

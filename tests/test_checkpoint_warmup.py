@@ -1,0 +1,93 @@
+"""ChiefCheckpoint touches the memory its first saves write into, in the background (checkpoint/warmup.py): once per
+fit, sized from the training state, after the fit-start restore (never slowing it), after the first step for a
+model that gets its variables there, never beyond a quarter of the available memory, and never on a non-chief."""
+import threading
+
+import numpy as np
+import pytest
+
+import keras_scale as ks
+from keras_scale import state as training_state
+from keras_scale.callbacks.checkpoint import warmup
+from tests._helpers import StopAfter, fit, make_model, weights
+from tests._models import GAN_X, gan_weights, make_gan
+
+
+@pytest.fixture
+def started(monkeypatch):
+    """Every warm-up ChiefCheckpoint starts: ``(bytes, the callback's restored_from then)``; each really runs."""
+    calls = []
+    real = warmup.warm_memory
+
+    def spy(nbytes):
+        calls.append(nbytes)
+        thread = real(nbytes)
+        if thread is not None:
+            thread.join(timeout=60)  # (done before the test looks)
+        return thread
+
+    monkeypatch.setattr(warmup, "warm_memory", spy)
+    return calls
+
+
+def test_one_warm_up_per_fit_sized_from_the_training_state(tmp_path, started):
+    model = make_model(width=64)
+    ckpt = ks.ChiefCheckpoint(str(tmp_path / "ck"), save_freq=5, max_to_keep=2)
+    fit(model, [ckpt], epochs=2)
+    nbytes = warmup.checkpoint_nbytes(training_state.variables(model))
+    # weights + both Adam moments are in it (and not much else)
+    assert nbytes >= 3 * sum(w.nbytes for w in weights(model))
+    # max_to_keep + 1 checkpoints of the state at fit start (a few scalars, e.g. metric counts, come later)
+    assert len(started) == 1 and 0 <= 3 * nbytes - started[0] <= 3 * 64
+    fit(model, [ks.ChiefCheckpoint(str(tmp_path / "ck"), save_freq=5, max_to_keep=2)], epochs=3)
+    assert len(started) == 2  # one more for the second fit, and none per batch
+
+
+def test_the_warm_up_comes_after_the_restore_and_changes_nothing_in_training(tmp_path, monkeypatch):
+    seen = []
+    real = warmup.warm_memory
+
+    def spy(nbytes):
+        seen.append(ckpt.restored_from)
+        return real(nbytes)
+
+    monkeypatch.setattr(warmup, "warm_memory", spy)
+    directory = str(tmp_path / "ck")
+    reference = make_model()
+    fit(reference, [], epochs=3)
+    first = make_model()
+    ckpt = ks.ChiefCheckpoint(directory, save_freq=3)
+    fit(first, [ckpt, StopAfter(14)], epochs=3)
+    second = make_model()
+    ckpt = ks.ChiefCheckpoint(directory, save_freq=3)
+    fit(second, [ckpt], epochs=3)
+    assert seen[0] is None and seen[1] is not None  # the resumed fit: started once the checkpoint was restored
+    for a, b in zip(weights(reference), weights(second)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_model_whose_optimizers_are_built_by_its_first_step_is_warmed_after_it(tmp_path, started):
+    gan = make_gan()
+    assert not any(opt.built for opt in training_state.optimizers(gan).values())  # (keras-io's GAN: no call())
+    gan.fit(GAN_X, epochs=1, batch_size=8, verbose=0, callbacks=[ks.ChiefCheckpoint(str(tmp_path / "ck"))])
+    assert len(started) == 1
+    assert started[0] >= 4 * 3 * sum(w.nbytes for w in gan_weights(gan))  # both optimizers' moments, 4 checkpoints
+
+
+def test_a_non_chief_or_a_remote_directory_touches_nothing(tmp_path, monkeypatch, started):
+    monkeypatch.setattr("keras_scale.callbacks.checkpoint.callback.is_chief", lambda strategy: False)
+    fit(make_model(), [ks.ChiefCheckpoint(str(tmp_path / "ck"), save_freq=5)], epochs=1)
+    assert started == []
+
+
+def test_never_more_than_a_quarter_of_the_available_memory_nor_the_cap():
+    gib = 2**30
+    assert warmup.planned_bytes(10 * gib, max_to_keep=3, available=8 * gib) == 2 * gib
+    assert warmup.planned_bytes(10 * gib, max_to_keep=3, available=1024 * gib) == warmup.MAX_WARM_BYTES
+    assert warmup.planned_bytes(10 * 2**20, max_to_keep=0, available=1024 * gib) == 20 * 2**20  # at least 1 kept
+    assert warmup.planned_bytes(10 * gib, max_to_keep=3, available=None) == 0  # unknown: touch nothing
+    assert warmup.warm_memory(0) is None
+    thread = warmup.warm_memory(32 * 2**20)
+    assert isinstance(thread, threading.Thread) and thread.daemon
+    thread.join(timeout=60)
+    assert not thread.is_alive()
