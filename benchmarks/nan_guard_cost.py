@@ -26,14 +26,22 @@ Arms:
     guard, update waits, no check   the update waits for every gradient; nothing is checked
     guard, check off the path       every gradient is checked, but the update does not wait for it
     guard, exact check after the all-reduce
-                                    (2 replicas) no |g| sum in the all-reduce: every reduced gradient is checked
+                                    (2 replicas) no gradient norms in the all-reduce: every reduced gradient is checked
     guard, update waits, no cond    the update waits for every gradient and is applied unconditionally (no
                                     cond, no check): what the wait alone costs, without the cond around it
 
 With ``--replicas 2`` (2 logical CPUs, MirroredStrategy) the guarded arms also carry the flag in the gradients'
 all-reduce and the cross-replica cond.
 
+Two identical arms (bare, bare again) can differ by several percent for the whole run, not only from round to
+round: each model instance runs at its own speed. ``--copies K`` builds every arm K times (separate models, same
+weights) and times each copy in every round; an arm's ratio is then the median over rounds of (its copies' mean
+step time ÷ the bare copies' mean), which averages that per-instance luck out. The CPU column is the same ratio of
+process CPU time (both cores' work): extra graph work shows there even when the wall time hides it.
+``--arms`` keeps only the named arms (names as printed, separated by ``;``; the bare arms are always kept).
+
 Usage: python benchmarks/nan_guard_cost.py [--rounds 21] [--steps 60] [--replicas 1|2] [--size mlp|conv]
+       [--copies 1] [--arms "NanGuard;ks.wrap(accum=1) + NanGuard"]
 """
 from __future__ import annotations
 
@@ -157,6 +165,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=60, help="timed steps per arm and round")
     parser.add_argument("--replicas", type=int, default=1, choices=(1, 2))
     parser.add_argument("--size", default="mlp", choices=("mlp", "conv"))
+    parser.add_argument("--copies", type=int, default=1, help="models built per arm (their mean is the arm)")
+    parser.add_argument("--arms", default="", help="';'-separated arm names: keep only these (and the bare arms)")
     args = parser.parse_args(argv)
     if args.replicas > 1:
         cpu = tf.config.list_physical_devices("CPU")[0]
@@ -165,43 +175,54 @@ def main(argv=None) -> int:
     else:
         strategy = tf.distribute.get_strategy()
     ds = make_dataset(args.size)
-    functions, iterators = {}, {}
+    wanted = {w.strip() for w in args.arms.split(";") if w.strip()}
+    chosen = {name: arm for name, arm in arms(args.size).items()
+              if not wanted or name.startswith("bare") or name.strip() in wanted}
+    functions, iterators = {}, {}  # (arm, copy) -> train function / iterator
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for name, (optimizer, callbacks, patches, *accum) in arms(args.size).items():
-            keras.utils.set_random_seed(0)  # every arm starts from the same weights
-            with strategy.scope():
-                model = make_model(args.size, optimizer())
-                if accum:  # the composed step with accumulation (same global batch, split in micro-batches)
-                    model = ks.wrap(model, accum=accum[0])
-            grab = _Grab()
-            with _patched(**patches):
-                model.fit(ds, epochs=1, steps_per_epoch=3, verbose=0, callbacks=[*callbacks(), grab])
-            functions[name] = grab.train_function
-            iterators[name] = iter(strategy.experimental_distribute_dataset(ds) if args.replicas > 1 else ds)
-    ratios = {name: [] for name in functions}
-    steps_ms = {name: [] for name in functions}
+        for name, (optimizer, callbacks, patches, *accum) in chosen.items():
+            for copy in range(args.copies):
+                keras.utils.set_random_seed(0)  # every arm starts from the same weights
+                with strategy.scope():
+                    model = make_model(args.size, optimizer())
+                    if accum:  # the composed step with accumulation (same global batch, split in micro-batches)
+                        model = ks.wrap(model, accum=accum[0])
+                grab = _Grab()
+                with _patched(**patches):
+                    model.fit(ds, epochs=1, steps_per_epoch=3, verbose=0, callbacks=[*callbacks(), grab])
+                functions[name, copy] = grab.train_function
+                iterators[name, copy] = iter(strategy.experimental_distribute_dataset(ds) if args.replicas > 1 else ds)
+    ratios = {name: [] for name in chosen}
+    cpu_ratios = {name: [] for name in chosen}
+    steps_ms = {name: [] for name in chosen}
     order = list(functions)
     for r in range(args.rounds):
         random.Random(r).shuffle(order)
-        took = {}
-        for name in order:
-            fn, it = functions[name], iterators[name]
+        took, cpu = {}, {}
+        for key in order:
+            fn, it = functions[key], iterators[key]
             for _ in range(3):
                 fn(it)
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             for _ in range(args.steps):
                 logs = fn(it)
             float(logs["loss"])
-            took[name] = (time.perf_counter() - t) / args.steps
-        for name in functions:
-            ratios[name].append(took[name] / took["bare"])
-            steps_ms[name].append(took[name] * 1e3)
+            took[key] = (time.perf_counter() - t) / args.steps
+            cpu[key] = (time.process_time() - c) / args.steps
+        mean = {name: statistics.mean(took[name, c] for c in range(args.copies)) for name in chosen}
+        mean_cpu = {name: statistics.mean(cpu[name, c] for c in range(args.copies)) for name in chosen}
+        for name in chosen:
+            ratios[name].append(mean[name] / mean["bare"])
+            cpu_ratios[name].append(mean_cpu[name] / mean_cpu["bare"])
+            steps_ms[name].append(mean[name] * 1e3)
     print(f"nan_guard_cost: {args.size}, {args.replicas} replica(s), {args.rounds} interleaved rounds x {args.steps} "
-          f"steps; median step time and median of the per-round ratios to bare")
-    print(f"{'arm':42s} {'ms':>7s} {'ratio':>7s}")
-    for name in functions:
-        print(f"{name:42s} {statistics.median(steps_ms[name]):7.3f} {statistics.median(ratios[name]):7.3f}")
+          f"steps, {args.copies} model(s) per arm; median step time and median of the per-round ratios to bare "
+          f"(wall, and CPU time)")
+    print(f"{'arm':42s} {'ms':>7s} {'ratio':>7s} {'CPU':>7s}")
+    for name in chosen:
+        print(f"{name:42s} {statistics.median(steps_ms[name]):7.3f} {statistics.median(ratios[name]):7.3f} "
+              f"{statistics.median(cpu_ratios[name]):7.3f}")
     return 0
 
 

@@ -5,7 +5,7 @@ Parts, each switched on by the piece that needs it and otherwise free:
 - **accumulation** (``keras_scale.wrap``): split the batch ``fit`` delivers into micro-batches, run
   forward+backward on one micro-batch at a time, sum the gradients;
 - **one all-reduce per update**: the accumulated gradients (plus a "loss was non-finite" flag, the batch's
-  loss normaliser when the replicas' batches can be uneven, and the gradients' ``sum |g|`` when the guard checks
+  loss normaliser when the replicas' batches can be uneven, and the sum of the gradients' norms when the guard checks
   them) are all-reduced once, then handed to the optimizer with its own all-reduce switched off, so
   clipping, weight decay, EMA and loss scaling see the global gradient, exactly as on one device. The gradient
   is the global mean: each micro-batch on each replica is weighted by its share of the global normaliser (its
@@ -122,11 +122,14 @@ _SAFE_MAGNITUDE = 1e38  # a sum of |gradients| below this (float32 max 3.4e38): 
 
 
 def _magnitude(grads: List[Any]) -> tf.Tensor:
-    """``sum |g|`` over every element of ``grads`` (float32): non-finite when an element is, and an upper bound
-    of every element of the gradients' sum over replicas (so it also catches an overflow in the all-reduce)."""
+    """``sum_g ||g||_2`` over ``grads`` (float32): non-finite when an element is, and an upper bound of every
+    element of the gradients' sum over replicas (``|sum_r g_r| <= sum_r |g_r| <= sum_r ||g_r||_2``), so it also
+    catches an overflow in the all-reduce. One reading pass per gradient (no ``|g|`` tensor written first); a
+    finite norm whose square overflowed only sends the decision to the exact check."""
     values = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
-    sums = [tf.cast(tf.reduce_sum(tf.abs(v if v.dtype in (tf.float32, tf.float64) else tf.cast(v, tf.float32))),
-                    tf.float32) for v in values if v.dtype.is_floating]
+    sums = [tf.cast(tf.math.reduce_euclidean_norm(
+        v if v.dtype in (tf.float32, tf.float64) else tf.cast(v, tf.float32)), tf.float32)
+        for v in values if v.dtype.is_floating]
     if not sums:
         return tf.constant(0.0)
     return tf.add_n(sums) if len(sums) > 1 else sums[0]
@@ -686,7 +689,7 @@ class ComposedStep:
         ``even``: the per-replica batch has a static size (tf.distribute gives uneven splits an unknown size), so
         every replica holds ``B`` samples and, unmasked, the plain sum IS the global mean: no scaling pass
         before or after the all-reduce and no normaliser in it. ``check`` (a guard that checks gradients, on
-        several replicas): each replica adds ``sum |payload|`` to the same all-reduce, so the decision needs no
+        several replicas): each replica adds its gradients' norms (:func:`_magnitude`) to the same all-reduce, so the decision needs no
         pass over the reduced gradients: the reduced sum is finite and far from overflow exactly when no reduced
         gradient element can be non-finite (else the exact per-element check runs). Returns the reduced
         gradients, the any-loss-bad flag, the present indices, this replica's gradients, and (``check``) whether

@@ -1,5 +1,5 @@
 """The guarded step's all-reduce on 2 replicas: with even (static) per-replica batches no scaling pass at all, and
-the gradient check folded into the all-reduce (``sum |g|`` rides along): still the plain-Keras update, and still
+the gradient check folded into the all-reduce (the sum of the gradients' norms rides along): still the plain-Keras update, and still
 no non-finite gradient ever applied, including one that overflows only when the replicas' gradients are summed."""
 import keras
 import numpy as np
@@ -64,6 +64,27 @@ def test_a_gradient_that_overflows_only_in_the_all_reduce_is_never_applied(mirro
     assert guard.skipped_steps == 1 and int(model.optimizer.iterations.numpy()) == 0
     assert model.get_weights()[0].item() == 1.0
     assert get_step(model).state_finite()
+
+
+def test_a_finite_gradient_whose_norm_overflows_is_still_applied(mirrored):
+    """Each replica's gradient is 7.5e20 (its square, inside the norm, overflows float32; the reduced 1.5e21 is
+    finite): the magnitude is not finite, so the exact check decides, and the step is taken as in plain Keras."""
+    x = np.full((2, 1), 1e10, "float32")
+    y = np.zeros((2, 1), "float32")
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(2, drop_remainder=True)
+    def sgd(model):  # (Adam's squared moment would overflow too and hide the update)
+        with mirrored.scope():
+            model.compile(keras.optimizers.SGD(1e-21), "mse")
+        return model
+
+    plain = sgd(build(mirrored, kernel=7.5))
+    plain.fit(ds, epochs=1, verbose=0)
+    model = sgd(build(mirrored, kernel=7.5))
+    guard = ks.NanGuard(verbose=0)
+    model.fit(ds, epochs=1, verbose=0, callbacks=[guard])
+    assert guard.skipped_steps == 0 and int(model.optimizer.iterations.numpy()) == 1
+    assert model.get_weights()[0].item() != 7.5
+    np.testing.assert_array_equal(model.get_weights()[0], plain.get_weights()[0])
 
 
 @pytest.mark.parametrize("guarded", [False, True])
