@@ -91,3 +91,38 @@ def test_never_more_than_a_quarter_of_the_available_memory_nor_the_cap():
     assert isinstance(thread, threading.Thread) and thread.daemon
     thread.join(timeout=60)
     assert not thread.is_alive()
+
+
+def test_bfloat16_and_float8_values_are_counted():
+    import keras
+    import ml_dtypes
+
+    assert warmup.checkpoint_nbytes({"w": keras.Variable(np.zeros((256, 4)), dtype="bfloat16")}) == 2048
+    assert warmup.checkpoint_nbytes({"f8": np.zeros((10,), ml_dtypes.float8_e4m3fn)}) == 10
+    assert warmup.checkpoint_nbytes({"s": keras.Variable(np.zeros((3,)), dtype="float32")}) == 12
+
+
+def test_one_warm_up_at_a_time_in_a_process(monkeypatch):
+    """Fits in a quick loop: a warm-up still running means no second one (the caps hold for the process)."""
+    gate = threading.Event()
+    monkeypatch.setattr(warmup, "_touch", lambda nbytes: gate.wait(30))
+    first = warmup.warm_memory(2**20)
+    assert first is not None and warmup.warm_memory(2**20) is None
+    gate.set()
+    first.join(timeout=30)
+    again = warmup.warm_memory(2**20)
+    assert again is not None
+    again.join(timeout=30)
+
+
+def test_a_failure_while_planning_never_stops_the_fit(tmp_path, monkeypatch):
+    def broken(variables):
+        raise TypeError("a shape that cannot be counted")
+
+    monkeypatch.setattr(warmup, "checkpoint_nbytes", broken)
+    model = make_model()
+    reference = make_model()
+    fit(reference, [], epochs=1)
+    fit(model, [ks.ChiefCheckpoint(str(tmp_path / "ck"), save_freq=5)], epochs=1)
+    for a, b in zip(weights(model), weights(reference)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)

@@ -5,13 +5,14 @@ not used before costs about 2 ms per MB more than writing them into memory that 
 machine backs a page with real memory only when it is first touched. A run's first ``max_to_keep + 1`` saves all
 write new files while the older checkpoints are still kept, so each pays that price on the training thread
 (72 MB: 220-310 ms for the first two saves, 50 ms for later ones, which reuse the pages of deleted checkpoints).
-:func:`warm_memory` touches that much memory once, in a daemon thread, when the checkpoint is set up, and gives it
-back: the first saves then find pages already backed (72 MB: 65-100 ms). It never blocks training and never holds
-more than a quarter of the memory available now (and at most :data:`MAX_WARM_BYTES`); on a machine where first
-touch is cheap it costs only that thread's few hundred milliseconds of CPU.
+:func:`warm_memory` touches that much memory once, in a daemon thread, as a fit starts, and gives it back: the first saves then find pages already backed (72 MB: 65-100 ms). It never blocks training; it never holds
+more than a quarter of the memory available now (``MemAvailable``, or the container's memory limit less its usage
+when that is smaller) nor :data:`MAX_WARM_BYTES`, and only one warm-up runs at a time in a process (fits in a quick
+loop do not pile them up). Its cost is that thread's CPU time: about 2 ms per MB of one core where first touch is
+expensive (2 GiB: about 5 s beside the first steps), a fraction of that where it is not.
 
-ChiefCheckpoint starts it once per fit (:class:`WarmupMixin`): after its fit-start restore, which it would slow
-down, or after the first step for a model that gets its variables there.
+ChiefCheckpoint asks for it at each fit start (:class:`WarmupMixin`): after its fit-start restore, which it would
+slow down, or after the first step for a model whose optimizers are built there.
 
 Example:
     thread = warm_memory(planned_bytes(checkpoint_nbytes(variables), max_to_keep=3, available=available_bytes()))
@@ -19,7 +20,7 @@ Example:
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
@@ -42,26 +43,41 @@ def checkpoint_nbytes(variables: Dict[str, Any]) -> int:
     for variable in variables.values():
         dtype = getattr(variable, "dtype", None)
         dtype = np.dtype(getattr(dtype, "as_numpy_dtype", dtype))
-        if dtype.kind in "biufc":  # (strings are a few bytes of bookkeeping)
-            total += int(np.prod(tuple(variable.shape), dtype=np.int64)) * dtype.itemsize
+        shape = tuple(variable.shape)
+        # (kind "V": bfloat16 and float8 from ml_dtypes; strings are a few bytes of bookkeeping)
+        if dtype.kind in "biufcV" and all(isinstance(d, int) for d in shape):
+            total += int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     return total
 
 
+def _read_int(path: str) -> Optional[int]:
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):  # (cgroup v2 writes "max" for no limit)
+        return None
+
+
 def available_bytes() -> Optional[int]:
-    """``MemAvailable`` of ``/proc/meminfo`` in bytes (``None`` where it cannot be read: no warming then).
+    """Memory this process can still take, in bytes: ``MemAvailable`` of ``/proc/meminfo``, or the container's
+    limit less its usage (cgroup v2) when that is smaller; ``None`` where it cannot be read (no warming then).
 
     Example:
         >>> available_bytes() is None or available_bytes() > 0
         True
     """
+    available = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    available = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
-    return None
+    limit, used = _read_int("/sys/fs/cgroup/memory.max"), _read_int("/sys/fs/cgroup/memory.current")
+    if available is not None and limit is not None and used is not None:
+        available = min(available, max(limit - used, 0))
+    return available
 
 
 def planned_bytes(checkpoint_bytes: int, max_to_keep: int, available: Optional[int] = None) -> int:
@@ -77,7 +93,7 @@ def planned_bytes(checkpoint_bytes: int, max_to_keep: int, available: Optional[i
     """
     if available is None or checkpoint_bytes <= 0:
         return 0
-    return int(min(checkpoint_bytes * (max(int(max_to_keep), 1) + 1), available // 4, MAX_WARM_BYTES))
+    return max(0, int(min(checkpoint_bytes * (max(int(max_to_keep), 1) + 1), available // 4, MAX_WARM_BYTES)))
 
 
 def _touch(nbytes: int) -> None:
@@ -89,17 +105,22 @@ def _touch(nbytes: int) -> None:
         pass
 
 
+_running: List[threading.Thread] = []  # the warm-up now running in this process, if any
+
+
 def warm_memory(nbytes: int) -> Optional[threading.Thread]:
-    """Touch ``nbytes`` of memory once in a daemon thread and free it; the thread (``None`` when ``nbytes`` is 0).
+    """Touch ``nbytes`` of memory once in a daemon thread and free it; the thread, or ``None`` when ``nbytes`` is 0
+    or an earlier warm-up is still running (one at a time, so the caps hold for the process).
 
     Example:
         >>> warm_memory(8 * 2**20).join()
         >>> warm_memory(0) is None
         True
     """
-    if nbytes <= 0:
+    if nbytes <= 0 or any(t.is_alive() for t in _running):
         return None
     thread = threading.Thread(target=_touch, args=(int(nbytes),), name="keras_scale-checkpoint-warmup", daemon=True)
+    _running[:] = [thread]
     thread.start()
     return thread
 
@@ -123,6 +144,9 @@ class WarmupMixin:
         if not (getattr(self, "_chief", False) and _is_local(self.directory)):
             self._warmup = False
             return
-        nbytes = checkpoint_nbytes(training_state.variables(self.model))
-        if nbytes and any(getattr(v, "built", True) for v in training_state.optimizers(self.model).values()):
-            self._warmup = warm_memory(planned_bytes(nbytes, self.max_to_keep, available_bytes())) or False
+        try:
+            nbytes = checkpoint_nbytes(training_state.variables(self.model))
+            if nbytes and any(getattr(v, "built", True) for v in training_state.optimizers(self.model).values()):
+                self._warmup = warm_memory(planned_bytes(nbytes, self.max_to_keep, available_bytes())) or False
+        except Exception:  # noqa: BLE001 - a speed-up only: whatever fails here must not stop the fit
+            self._warmup = False
