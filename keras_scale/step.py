@@ -583,10 +583,14 @@ class ComposedStep:
         grads, trainable, share, loss_bad, pred_bad, stats = self._accumulate(x, y, sample_weight, batch_size)
         if stats is not None:
             self._record_split_logs(stats, batch_size, x, outputs, logged)
-        # (the guard's gradient check travels in the all-reduce: see _all_reduce)
+        # (the guard's gradient check travels in the all-reduce, see _all_reduce; with several replicas in this
+        # process it is made once, in the merge_call that decides, on the reduced gradients: see _split_check)
         fold_check = self.guard and (self.check_gradients or is_loss_scaled(optimizer))
+        split_check = fold_check and not is_loss_scaled(optimizer) and _replicas(model.distribute_strategy) > 1 \
+            and not tf.__internal__.distribute.strategy_supports_no_merge_call()
         reduced_grads, any_loss_bad, present, local, grads_bad = self._all_reduce(
-            grads, share, loss_bad, batch_size, even=self._static_even(first, model), check=fold_check)
+            grads, share, loss_bad, batch_size, even=self._static_even(first, model),
+            check=fold_check and not split_check)
         self._count_samples(batch_size, reduced_grads)
 
         if not self.guard:  # (guarded: the update sits in a cond on all reduced gradients, atomic already)
@@ -606,10 +610,13 @@ class ComposedStep:
             with tf.control_dependencies(deps):
                 any_loss_bad = tf.identity(any_loss_bad)
         bad = self._decide_bad(optimizer, any_loss_bad, [g for g in reduced_grads if g is not None],
-                               grads_bad=grads_bad)
+                               grads_bad=tf.constant(False) if split_check else grads_bad)
         apply_now = self._apply_now(bad)
-        self._conditional_apply(lambda g: optimizer.apply(g, trainable), reduced_grads, apply_now, snapshot,
-                                already_reduced=True, optimizer=optimizer, trainable=trainable)
+        grads_bad = self._conditional_apply(lambda g: optimizer.apply(g, trainable), reduced_grads, apply_now,
+                                            snapshot, already_reduced=True, optimizer=optimizer, trainable=trainable,
+                                            check_gradients=split_check)
+        if split_check:
+            bad = tf.logical_or(bad, grads_bad)
         self._record(bad, x, y, sample_weight, pred_bad, loss_bad, local, present, trainable)
         return self._logs(self._nan_unless_a_step_was_taken(model.get_metrics_result()))
 
@@ -1028,8 +1035,13 @@ class ComposedStep:
 
     def _conditional_apply(self, apply: Callable[[Any], Any], grads: List[Any], apply_now: tf.Tensor,
                            snapshot: List[Tuple[Any, Any]], already_reduced: bool, optimizer: Any = None,
-                           trainable: Optional[List[Any]] = None) -> None:
+                           trainable: Optional[List[Any]] = None, check_gradients: bool = False
+                           ) -> Optional[tf.Tensor]:
         """Apply the update only when ``apply_now`` (identical on every replica); else restore BN statistics.
+
+        ``check_gradients`` (several replicas in this process, ``grads`` already reduced): also skip when a reduced
+        gradient is not finite, checked once inside the merge_call (:func:`_split_check`); returns that verdict
+        (``None`` otherwise).
 
         On one replica, with an optimizer :mod:`keras_scale.deferred_update` knows to be exact, the update is
         computed ahead (overlapping the backward pass, as in plain Keras) and only its writes wait in the cond.
@@ -1056,17 +1068,21 @@ class ComposedStep:
             return tf.constant(False)
 
         trainable = list(trainable or [])
-        if optimizer is not None and deferred_update.can_defer(
+        if optimizer is not None and not check_gradients and deferred_update.can_defer(
                 optimizer, grads, trainable, replicas=_replicas(self.model.distribute_strategy)):
             writes = deferred_update.deferred_writes(optimizer, lambda: apply_fn(grads), trainable)
             tf.cond(apply_now, lambda: deferred_update.commit(writes), skip)
-            return
+            return None
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
             tf.cond(apply_now, lambda: (apply_fn(grads), tf.constant(True))[1], skip)
-            return
+            return None
 
         def cross_replica(distribution, apply_now, grads, values):
             flag = distribution.experimental_local_results(apply_now)[0]
+            grads_bad = None
+            if check_gradients:
+                grads_bad = _split_check(distribution, grads)
+                flag = tf.logical_and(flag, tf.logical_not(grads_bad))
 
             def yes():
                 distribution.extended.call_for_each_replica(apply_fn, args=(grads,))
@@ -1077,8 +1093,9 @@ class ComposedStep:
                 return tf.constant(False)
 
             tf.cond(flag, yes, no)
+            return grads_bad
 
-        tf.distribute.get_replica_context().merge_call(cross_replica, args=(apply_now, grads, values))
+        return tf.distribute.get_replica_context().merge_call(cross_replica, args=(apply_now, grads, values))
 
     def _state(self) -> List[Any]:
         return training_state.float_variables(self.model)  # weights and every optimizer's variables
@@ -1198,6 +1215,38 @@ class ComposedStep:
         self.skipped_steps.assign_add(one)
         self.epoch_skipped.assign_add(one)
         self.incidents.assign_add(one)
+
+
+def _split_check(distribution: Any, grads: List[Any]) -> tf.Tensor:
+    """True when an all-reduced gradient holds a non-finite element: checked once, not once per replica.
+
+    Called in the cross-replica context of several replicas in one process (MirroredStrategy), where every device
+    holds an identical copy of each reduced gradient: the gradients are dealt out to the devices by size and each
+    device checks its share on its own copy, in parallel, so the check reads every reduced element exactly once
+    (the magnitude in the all-reduce, :func:`_magnitude`, costs one pass per replica). An overflow in the
+    all-reduce shows as an inf in the reduced gradient, so it is caught too.
+    """
+    per_gradient = [distribution.experimental_local_results(g) for g in grads if g is not None]
+    if not per_gradient:
+        return tf.constant(False)
+    num_devices = len(per_gradient[0])
+
+    def size(t: Any) -> int:
+        t = t.values if isinstance(t, tf.IndexedSlices) else t
+        return t.shape.num_elements() or 0
+
+    shares: List[List[Any]] = [[] for _ in range(num_devices)]
+    loads = [0] * num_devices
+    for copies in sorted(per_gradient, key=lambda c: -size(c[0])):  # largest first, to the least-loaded device
+        d = loads.index(min(loads))
+        shares[d].append(copies[d])
+        loads[d] += size(copies[d])
+    verdicts = []
+    for share in shares:
+        if share:
+            with tf.device(share[0].device if not isinstance(share[0], tf.IndexedSlices) else share[0].values.device):
+                verdicts.append(tf.logical_not(_all_gradients_finite(share)))
+    return tf.reduce_any(tf.stack(verdicts))
 
 
 def _replicas(strategy: Any) -> int:

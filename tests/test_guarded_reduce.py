@@ -1,6 +1,8 @@
 """The guarded step's all-reduce on 2 replicas: with even (static) per-replica batches no scaling pass at all, and
-the gradient check folded into the all-reduce (the sum of the gradients' norms rides along): still the plain-Keras update, and still
-no non-finite gradient ever applied, including one that overflows only when the replicas' gradients are summed."""
+the gradient check made once on the reduced gradients, each device checking its share (MirroredStrategy: in the
+merge_call that decides; the sum of the gradients' norms rides in the all-reduce where there is no merge_call):
+still the plain-Keras update, and still no non-finite gradient ever applied, whichever variable's gradient it is and
+whichever replica it comes from, including one that overflows only when the replicas' gradients are summed."""
 import keras
 import numpy as np
 import pytest
@@ -89,8 +91,8 @@ def test_a_finite_gradient_whose_norm_overflows_is_still_applied(mirrored):
 
 @pytest.mark.parametrize("guarded", [False, True])
 def test_even_batches_all_reduce_only_the_gradients_and_the_flags(guarded):
-    """Static even per-replica batches: one all-reduce per update holding the gradients, the non-finite-loss flag
-    and (guarded) the gradients' magnitude; no normaliser (nothing to scale)."""
+    """Static even per-replica batches: one all-reduce per update holding the gradients and the non-finite-loss
+    flag (the gradient check reads the reduced gradients); no normaliser (nothing to scale)."""
     from tests.test_accumulation import _CountingReduction
 
     ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(8, drop_remainder=True)
@@ -106,4 +108,62 @@ def test_even_batches_all_reduce_only_the_gradients_and_the_flags(guarded):
         model.fit(ds, epochs=1, verbose=0, callbacks=callbacks)
         counts[arm] = (ops.calls, ops.tensors)
     assert counts["ours"][0] == counts["plain"][0] > 0
-    assert counts["ours"][1] == counts["plain"][1] + (2 if guarded else 1)
+    assert counts["ours"][1] == counts["plain"][1] + 1
+
+
+class _NanGradientOn7(keras.layers.Layer):
+    """``x * scale`` with a trainable vector ``scale`` of ``width`` entries, whose gradient is NaN when ``x`` holds
+    7.0 (the loss stays finite)."""
+
+    def __init__(self, width, **kwargs):
+        super().__init__(**kwargs)
+        self.width = width
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(self.width,), initializer="ones", name="scale")
+
+    def call(self, x):
+        @tf.custom_gradient
+        def scaled(x, s):
+            def grad(dy):
+                poisoned = tf.reduce_any(tf.equal(x, 7.0))
+                ds = tf.reduce_sum(dy * x, axis=0)
+                return tf.reduce_sum(dy * s, axis=-1, keepdims=True), tf.where(
+                    poisoned, tf.fill(tf.shape(ds), float("nan")), ds)
+            return x * s, grad
+        return scaled(x, tf.convert_to_tensor(self.scale))
+
+
+def _branches(strategy, widths=(64, 16, 4, 1)):
+    """Parallel branches of different sizes (so the check's shares land on different devices): input column i is
+    scaled by branch i's vector of ``widths[i]`` entries, the one that gets the NaN gradient."""
+    with strategy.scope():
+        keras.utils.set_random_seed(4)
+        inp = keras.Input((len(widths),))
+        outs = []
+        for i, w in enumerate(widths):
+            col = keras.layers.Lambda(lambda t, i=i: t[:, i:i + 1])(inp)
+            scaled = _NanGradientOn7(w)(col)  # the only trainable variables: 64 entries land on one device, the rest
+            outs.append(keras.layers.Lambda(  # on the other
+                lambda t: tf.reduce_sum(tf.tanh(t), axis=-1, keepdims=True))(scaled))
+        model = keras.Model(inp, keras.layers.Add()(outs))
+        model.compile(keras.optimizers.Adam(1e-2), "mse")
+    return model
+
+
+@pytest.mark.parametrize("branch", [0, 1, 2, 3])
+@pytest.mark.parametrize("replica", [0, 1])
+def test_a_non_finite_gradient_of_any_variable_from_either_replica_skips_the_step(mirrored, branch, replica):
+    x = RS.rand(16, 4).astype("float32")
+    y = RS.rand(16, 1).astype("float32")
+    x[8 + replica * 4, branch] = 7.0  # batch 2 (of 8 samples): on replica `replica`, only branch `branch`'s scale
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(8, drop_remainder=True)
+    model = _branches(mirrored)
+    guard = ks.NanGuard(verbose=0)
+    model.fit(ds.take(1), epochs=1, verbose=0)
+    before = [w.copy() for w in model.get_weights()]
+    model.fit(ds.skip(1), epochs=1, verbose=0, callbacks=[guard])
+    assert guard.skipped_steps == 1 and int(model.optimizer.iterations.numpy()) == 1
+    for a, b in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(a, b)
+    assert get_step(model).state_finite()
