@@ -27,6 +27,9 @@ Arms:
     guard, check off the path       every gradient is checked, but the update does not wait for it
     guard, exact check after the all-reduce
                                     (2 replicas) no gradient norms in the all-reduce: every reduced gradient is checked
+    guard, norms in the all-reduce  (2 replicas) the check as the previous version made it: each replica adds its
+                                    gradients' norms to the all-reduce (MultiWorkerMirroredStrategy still does),
+                                    instead of one check of the reduced gradients in the merge_call
     guard, update waits, no cond    the update waits for every gradient and is applied unconditionally (no
                                     cond, no check): what the wait alone costs, without the cond around it
 
@@ -153,6 +156,8 @@ def arms(size: str):
         "ks.wrap(accum=2) + NanGuard": (adam, lambda: [ks.NanGuard(verbose=0)], {}, 2),
         "  guard, exact check after the all-reduce": (adam, lambda: [ks.NanGuard(verbose=0)],
                                                       {"_all_reduce": _no_magnitude(C._all_reduce)}),
+        "  guard, norms in the all-reduce": (adam, lambda: [ks.NanGuard(verbose=0)],
+                                            {"_check_in_merge_call": lambda self, optimizer: False}),
         "  guard, update waits, no cond": (adam, lambda: [ks.NanGuard(verbose=0)],
                                            {"_decide_bad": _loss_only,
                                             "_conditional_apply": _apply_after_all_gradients_no_cond}),

@@ -586,8 +586,7 @@ class ComposedStep:
         # (the guard's gradient check travels in the all-reduce, see _all_reduce; with several replicas in this
         # process it is made once, in the merge_call that decides, on the reduced gradients: see _split_check)
         fold_check = self.guard and (self.check_gradients or is_loss_scaled(optimizer))
-        split_check = fold_check and not is_loss_scaled(optimizer) and _replicas(model.distribute_strategy) > 1 \
-            and not tf.__internal__.distribute.strategy_supports_no_merge_call()
+        split_check = fold_check and self._check_in_merge_call(optimizer)
         reduced_grads, any_loss_bad, present, local, grads_bad = self._all_reduce(
             grads, share, loss_bad, batch_size, even=self._static_even(first, model),
             check=fold_check and not split_check)
@@ -612,13 +611,29 @@ class ComposedStep:
         bad = self._decide_bad(optimizer, any_loss_bad, [g for g in reduced_grads if g is not None],
                                grads_bad=tf.constant(False) if split_check else grads_bad)
         apply_now = self._apply_now(bad)
+        # what a bad step records runs in the guard's own skip branch: one cond per step, not two
+        on_bad, inputs = self._on_bad(x, y, sample_weight, pred_bad, loss_bad, local, present, trainable)
+        halting = self.halt_after_consecutive > 0
+
+        def on_skip(values: List[Any], grads_bad: Optional[tf.Tensor]) -> Any:
+            if not halting:  # skipped exactly when bad
+                return on_bad(values[1:])
+            bad_here = values[0] if grads_bad is None else tf.logical_or(values[0], grads_bad)
+            return tf.cond(bad_here, lambda: on_bad(values[1:]), lambda: tf.constant(False))  # (or halted)
+
         grads_bad = self._conditional_apply(lambda g: optimizer.apply(g, trainable), reduced_grads, apply_now,
                                             snapshot, already_reduced=True, optimizer=optimizer, trainable=trainable,
-                                            check_gradients=split_check)
+                                            check_gradients=split_check, on_skip=on_skip, skip_inputs=[bad] + inputs)
         if split_check:
             bad = tf.logical_or(bad, grads_bad)
-        self._record(bad, x, y, sample_weight, pred_bad, loss_bad, local, present, trainable)
+        self._count(bad)
         return self._logs(self._nan_unless_a_step_was_taken(model.get_metrics_result()))
+
+    def _check_in_merge_call(self, optimizer: Any) -> bool:
+        """Several replicas in this process (a merge_call decides): check the reduced gradients there, once
+        (:func:`_split_check`). Loss-scaled optimizers keep the norms in the all-reduce (their scale floor)."""
+        return (not is_loss_scaled(optimizer) and _replicas(self.model.distribute_strategy) > 1
+                and not tf.__internal__.distribute.strategy_supports_no_merge_call())
 
     def _nan_unless_a_step_was_taken(self, logs: Any) -> Any:
         """NaN for every logged value while no step of the epoch was taken (all skipped): Keras's trackers would
@@ -1035,13 +1050,15 @@ class ComposedStep:
 
     def _conditional_apply(self, apply: Callable[[Any], Any], grads: List[Any], apply_now: tf.Tensor,
                            snapshot: List[Tuple[Any, Any]], already_reduced: bool, optimizer: Any = None,
-                           trainable: Optional[List[Any]] = None, check_gradients: bool = False
-                           ) -> Optional[tf.Tensor]:
+                           trainable: Optional[List[Any]] = None, check_gradients: bool = False,
+                           on_skip: Optional[Callable[[List[Any], Optional[tf.Tensor]], Any]] = None,
+                           skip_inputs: List[Any] = ()) -> Optional[tf.Tensor]:
         """Apply the update only when ``apply_now`` (identical on every replica); else restore BN statistics.
 
         ``check_gradients`` (several replicas in this process, ``grads`` already reduced): also skip when a reduced
         gradient is not finite, checked once inside the merge_call (:func:`_split_check`); returns that verdict
-        (``None`` otherwise).
+        (``None`` otherwise). ``on_skip(skip_inputs, grads_bad)`` runs in the skip branch, on each replica with its
+        own ``skip_inputs`` (tensors; they travel as merge_call arguments).
 
         On one replica, with an optimizer :mod:`keras_scale.deferred_update` knows to be exact, the update is
         computed ahead (overlapping the backward pass, as in plain Keras) and only its writes wait in the cond.
@@ -1063,8 +1080,15 @@ class ComposedStep:
 
         values = [s for _, s in snapshot]
 
-        def skip():
+        skip_inputs = list(skip_inputs)
+
+        def restore_and_record(values, inputs, grads_bad=None):
             restore_fn(values)
+            if on_skip is not None:
+                on_skip(inputs, grads_bad)
+
+        def skip():
+            restore_and_record(values, skip_inputs)
             return tf.constant(False)
 
         trainable = list(trainable or [])
@@ -1077,7 +1101,7 @@ class ComposedStep:
             tf.cond(apply_now, lambda: (apply_fn(grads), tf.constant(True))[1], skip)
             return None
 
-        def cross_replica(distribution, apply_now, grads, values):
+        def cross_replica(distribution, apply_now, grads, values, inputs):
             flag = distribution.experimental_local_results(apply_now)[0]
             grads_bad = None
             if check_gradients:
@@ -1089,13 +1113,15 @@ class ComposedStep:
                 return tf.constant(True)
 
             def no():
-                distribution.extended.call_for_each_replica(restore_fn, args=(values,))
+                distribution.extended.call_for_each_replica(
+                    lambda v, i: restore_and_record(v, i, grads_bad), args=(values, inputs))
                 return tf.constant(False)
 
             tf.cond(flag, yes, no)
             return grads_bad
 
-        return tf.distribute.get_replica_context().merge_call(cross_replica, args=(apply_now, grads, values))
+        return tf.distribute.get_replica_context().merge_call(cross_replica,
+                                                              args=(apply_now, grads, values, skip_inputs))
 
     def _state(self) -> List[Any]:
         return training_state.float_variables(self.model)  # weights and every optimizer's variables
@@ -1158,9 +1184,17 @@ class ComposedStep:
         """
         if count:
             self._count(bad)
+        on_bad, inputs = self._on_bad(x, y, sample_weight, pred_bad, loss_bad, local_grads, present, trainable,
+                                      count=count, diagnose=diagnose)
+        tf.cond(bad, lambda: on_bad(inputs), lambda: tf.constant(False))
 
+    def _on_bad(self, x, y, sample_weight, pred_bad, loss_bad, local_grads, present, trainable,
+                count: bool = True, diagnose: Optional[tf.Tensor] = None) -> Tuple[Callable[[List[Any]], Any], List[Any]]:
+        """What a bad step records (the skip counters, the first bad step's diagnosis), as ``(on_bad, inputs)``:
+        ``on_bad(inputs)`` builds it from this replica's ``inputs`` (tensors only, so that a merge_call can hand each
+        replica its own), inside whatever branch runs on a bad step."""
         slots: List[DiagnosisSlot] = []
-        tensors: List[Any] = []  # what each diagnosis slot counts; counted only on a bad step (inside the cond)
+        tensors: List[Any] = []  # what each diagnosis slot counts; counted only on a bad step
 
         def add(source, label, value):
             slots.append(DiagnosisSlot(source, label))
@@ -1172,7 +1206,9 @@ class ComposedStep:
             add("targets", f"targets[{i}]", t)
         for i, t in enumerate(_flat(sample_weight)[:16]):
             add("sample_weight", f"sample_weight[{i}]", t)
-        add("predictions", "predictions", pred_bad)
+        # predictions: a count already, or (unsplit) the predictions themselves, counted on a bad step only
+        add("predictions", "predictions", _flat(pred_bad.args[0]) if isinstance(pred_bad, functools.partial)
+            else [pred_bad])
         add("loss", "loss", loss_bad)
         budget = DIAG_CAPACITY - 1 - len(slots)
         for i, g in zip(present[:budget], local_grads[:budget]):
@@ -1181,25 +1217,31 @@ class ComposedStep:
         # sample_weight), so the labels travel as a layout id in slot 0, not as "the latest trace's"
         self._layouts.append(slots)
         layout_id = float(len(self._layouts))
+        predictions_counted = not isinstance(pred_bad, functools.partial)
 
-        def write_diag():
-            counts = [tf.constant(layout_id)] + [
-                t() if callable(t) else t if slot.counted else _nonfinite_count(t) for slot, t in zip(slots, tensors)]
+        def write_diag(values):
+            counts = [tf.constant(layout_id)]
+            for slot, t in zip(slots, values):
+                if slot.source == "predictions":
+                    counts.append(t[0] if predictions_counted else tf.add_n(
+                        [_nonfinite_count(p) for p in t] or [tf.constant(0.0)]))
+                else:
+                    counts.append(t if slot.counted else _nonfinite_count(t))
             vec = tf.stack([tf.reshape(tf.cast(c, tf.float32), []) for c in counts])
             vec = tf.pad(vec, [[0, DIAG_CAPACITY - len(counts)]])
             self.diag.assign(vec)
             return tf.constant(True)
 
-        def on_bad():  # (a good step touches no counter: one cond, nothing else)
+        def on_bad(values):  # (a good step touches no counter)
             first = tf.equal(self.incidents, 0)
             if diagnose is not None:
                 first = tf.logical_and(first, diagnose)
-            tf.cond(first, write_diag, lambda: tf.constant(False))
+            tf.cond(first, lambda: write_diag(values), lambda: tf.constant(False))
             if count:
                 self._count_bad()
             return tf.constant(True)
 
-        tf.cond(bad, on_bad, lambda: tf.constant(False))
+        return on_bad, tensors
 
     def _count(self, bad: tf.Tensor) -> None:
         """One step's verdict: the consecutive-bad count (policies that halt) and, when bad, the skip counters."""
