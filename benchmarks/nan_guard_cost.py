@@ -102,10 +102,10 @@ def _loss_only(self, optimizer, any_loss_bad, reduced_grads, grads_bad=None):
 
 
 def _apply_after_all_gradients(original):
-    def conditional_apply(self, apply, grads, apply_now, snapshot, already_reduced, **_):
+    def conditional_apply(self, apply, grads, apply_now, snapshot, already_reduced, optimizer=None, **kwargs):
         with tf.control_dependencies([g for g in grads if g is not None]):
             apply_now = tf.identity(apply_now)
-        return original(self, apply, grads, apply_now, snapshot, already_reduced)  # (the update inside the cond)
+        return original(self, apply, grads, apply_now, snapshot, already_reduced, **kwargs)  # (the update inside the cond)
     return conditional_apply
 
 
@@ -116,8 +116,8 @@ def _apply_after_all_gradients_no_cond(self, apply, grads, apply_now, snapshot, 
 
 
 def _update_in_the_cond(original):
-    def conditional_apply(self, apply, grads, apply_now, snapshot, already_reduced, **_):
-        return original(self, apply, grads, apply_now, snapshot, already_reduced)  # (no optimizer: not deferred)
+    def conditional_apply(self, apply, grads, apply_now, snapshot, already_reduced, optimizer=None, **kwargs):
+        return original(self, apply, grads, apply_now, snapshot, already_reduced, **kwargs)  # (no optimizer: not deferred)
     return conditional_apply
 
 
@@ -127,17 +127,18 @@ def _no_magnitude(original):
     return all_reduce
 
 
-def _record_with_check(original):
-    def record(self, bad, x, y, sample_weight, pred_bad, loss_bad, local_grads, present, trainable):
-        grads_bad = tf.logical_not(step_lib._all_gradients_finite(local_grads))
-        return original(self, tf.logical_or(bad, grads_bad), x, y, sample_weight, pred_bad, loss_bad, local_grads,
-                        present, trainable)
-    return record
+def _check_off_the_path(self, optimizer, any_loss_bad, reduced_grads, grads_bad=None):
+    """Every gradient is checked, but only the skip counter waits for the verdict (not the update)."""
+    grads_bad = tf.logical_not(step_lib._all_gradients_finite(reduced_grads))
+    self.incidents.assign_add(tf.cast(grads_bad, tf.int64))
+    return any_loss_bad
 
 
 def arms(size: str):
     adam = lambda: keras.optimizers.Adam(1e-3)  # noqa: E731
     C = step_lib.ComposedStep
+    _no_split = {"_check_in_merge_call": lambda self, optimizer: False,  # (arms that decide without the check)
+                 "_all_reduce": _no_magnitude(C._all_reduce)}
     return {  # name: (optimizer factory, callbacks factory, patches while tracing)
         "bare": (adam, lambda: [], {}),
         "TerminateOnNaN (Keras)": (adam, lambda: [keras.callbacks.TerminateOnNaN()], {}),
@@ -148,10 +149,10 @@ def arms(size: str):
         "NanGuard(check_gradients=False)": (adam, lambda: [ks.NanGuard(verbose=0, check_gradients=False)], {}),
         "LossScaleOptimizer (Keras)": (lambda: keras.optimizers.LossScaleOptimizer(adam()), lambda: [], {}),
         "  guard, update waits, no check": (adam, lambda: [ks.NanGuard(verbose=0)],
-                                            {"_decide_bad": _loss_only,
+                                            {"_decide_bad": _loss_only, **_no_split,
                                              "_conditional_apply": _apply_after_all_gradients(C._conditional_apply)}),
         "  guard, check off the path": (adam, lambda: [ks.NanGuard(verbose=0)],
-                                        {"_decide_bad": _loss_only, "_record": _record_with_check(C._record)}),
+                                        {"_decide_bad": _check_off_the_path, **_no_split}),
         "ks.wrap(accum=1) + NanGuard": (adam, lambda: [ks.NanGuard(verbose=0)], {}, 1),
         "ks.wrap(accum=2) + NanGuard": (adam, lambda: [ks.NanGuard(verbose=0)], {}, 2),
         "  guard, exact check after the all-reduce": (adam, lambda: [ks.NanGuard(verbose=0)],
@@ -159,7 +160,7 @@ def arms(size: str):
         "  guard, norms in the all-reduce": (adam, lambda: [ks.NanGuard(verbose=0)],
                                             {"_check_in_merge_call": lambda self, optimizer: False}),
         "  guard, update waits, no cond": (adam, lambda: [ks.NanGuard(verbose=0)],
-                                           {"_decide_bad": _loss_only,
+                                           {"_decide_bad": _loss_only, **_no_split,
                                             "_conditional_apply": _apply_after_all_gradients_no_cond}),
     }
 

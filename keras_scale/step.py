@@ -611,8 +611,12 @@ class ComposedStep:
         bad = self._decide_bad(optimizer, any_loss_bad, [g for g in reduced_grads if g is not None],
                                grads_bad=tf.constant(False) if split_check else grads_bad)
         apply_now = self._apply_now(bad)
-        # what a bad step records runs in the guard's own skip branch: one cond per step, not two
-        on_bad, inputs = self._on_bad(x, y, sample_weight, pred_bad, loss_bad, local, present, trainable)
+        # the first bad step's diagnosis runs in the guard's own skip branch: one cond per step, not two
+        # (the gradients it counts are the reduced ones, as applied: a replica's own gradients, held to the end of the
+        # step, kept the all-reduce from reusing their buffers, 5% of a 2-replica MLP step)
+        replicas = _replicas(model.distribute_strategy)
+        on_bad, inputs = self._on_bad(x, y, sample_weight, pred_bad, loss_bad, [reduced_grads[i] for i in present],
+                                      present, trainable, gradient_share=1.0 / replicas, count=False)
         halting = self.halt_after_consecutive > 0
 
         def on_skip(values: List[Any], grads_bad: Optional[tf.Tensor]) -> Any:
@@ -627,6 +631,7 @@ class ComposedStep:
         if split_check:
             bad = tf.logical_or(bad, grads_bad)
         self._count(bad)
+        self._count_bad(tf.cast(bad, tf.int64))  # (adding 0 on a good step: cheaper than the ops in a branch)
         return self._logs(self._nan_unless_a_step_was_taken(model.get_metrics_result()))
 
     def _check_in_merge_call(self, optimizer: Any) -> bool:
@@ -1188,11 +1193,14 @@ class ComposedStep:
                                       count=count, diagnose=diagnose)
         tf.cond(bad, lambda: on_bad(inputs), lambda: tf.constant(False))
 
-    def _on_bad(self, x, y, sample_weight, pred_bad, loss_bad, local_grads, present, trainable,
-                count: bool = True, diagnose: Optional[tf.Tensor] = None) -> Tuple[Callable[[List[Any]], Any], List[Any]]:
+    def _on_bad(self, x, y, sample_weight, pred_bad, loss_bad, grads, present, trainable,
+                count: bool = True, diagnose: Optional[tf.Tensor] = None, gradient_share: float = 1.0
+                ) -> Tuple[Callable[[List[Any]], Any], List[Any]]:
         """What a bad step records (the skip counters, the first bad step's diagnosis), as ``(on_bad, inputs)``:
         ``on_bad(inputs)`` builds it from this replica's ``inputs`` (tensors only, so that a merge_call can hand each
-        replica its own), inside whatever branch runs on a bad step."""
+        replica its own), inside whatever branch runs on a bad step. ``gradient_share``: what each replica's count
+        of ``grads`` weighs in the diagnosis (summed over replicas): ``1/R`` when every replica counts the same
+        reduced gradients."""
         slots: List[DiagnosisSlot] = []
         tensors: List[Any] = []  # what each diagnosis slot counts; counted only on a bad step
 
@@ -1211,7 +1219,7 @@ class ComposedStep:
             else [pred_bad])
         add("loss", "loss", loss_bad)
         budget = DIAG_CAPACITY - 1 - len(slots)
-        for i, g in zip(present[:budget], local_grads[:budget]):
+        for i, g in zip(present[:budget], grads[:budget]):
             add("gradients", trainable[i].path, g)
         # which trace wrote the vector: a fit can reuse a function traced for other data (with/without
         # sample_weight), so the labels travel as a layout id in slot 0, not as "the latest trace's"
@@ -1225,6 +1233,8 @@ class ComposedStep:
                 if slot.source == "predictions":
                     counts.append(t[0] if predictions_counted else tf.add_n(
                         [_nonfinite_count(p) for p in t] or [tf.constant(0.0)]))
+                elif slot.source == "gradients" and gradient_share != 1.0:
+                    counts.append(_nonfinite_count(t) * gradient_share)
                 else:
                     counts.append(t if slot.counted else _nonfinite_count(t))
             vec = tf.stack([tf.reshape(tf.cast(c, tf.float32), []) for c in counts])
@@ -1252,11 +1262,12 @@ class ComposedStep:
             halt = tf.cast(consecutive >= self.halt_after_consecutive, tf.int64)
             self.halted.assign(tf.maximum(self.halted, halt))
 
-    def _count_bad(self) -> None:
-        one = tf.constant(1, tf.int64)
-        self.skipped_steps.assign_add(one)
-        self.epoch_skipped.assign_add(one)
-        self.incidents.assign_add(one)
+    def _count_bad(self, n: Optional[tf.Tensor] = None) -> None:
+        """Count ``n`` skipped steps (default one)."""
+        n = tf.constant(1, tf.int64) if n is None else n
+        self.skipped_steps.assign_add(n)
+        self.epoch_skipped.assign_add(n)
+        self.incidents.assign_add(n)
 
 
 def _split_check(distribution: Any, grads: List[Any]) -> tf.Tensor:

@@ -167,3 +167,7 @@ def test_a_non_finite_gradient_of_any_variable_from_either_replica_skips_the_ste
     for a, b in zip(model.get_weights(), before):
         np.testing.assert_array_equal(a, b)
     assert get_step(model).state_finite()
+    # the diagnosis names that variable's gradient alone, with its count (every entry of the replica's gradient)
+    report = guard.reports[0]
+    assert report.source == "gradients" and len(report.details) == 1, report.details
+    assert report.details[0].endswith(f": {(64, 16, 4, 1)[branch]} non-finite values"), report.details

@@ -300,7 +300,7 @@ class NanGuard(keras.callbacks.Callback):
         found: Dict[str, List[str]] = {k: [] for k in _ORDER}
         for slot, value in step.read_diagnosis():
             unit = "value(s)" if slot.counted else "values"
-            found[slot.source].append(f"{slot.label}: {int(value)} non-finite {unit}")
+            found[slot.source].append(f"{slot.label}: {int(round(value))} non-finite {unit}")
         source = next((k for k in _ORDER if found[k]), "gradients")
         details = found[source] or ["(values overflowed after the all-reduce)"]
         if poisoned:
