@@ -30,6 +30,9 @@ Arms:
     guard, norms in the all-reduce  (2 replicas) the check as the previous version made it: each replica adds its
                                     gradients' norms to the all-reduce (MultiWorkerMirroredStrategy still does),
                                     instead of one check of the reduced gradients in the merge_call
+    guard, a cond around the update only
+                                    (2 replicas) the cross-replica cond with nothing but the update in it (no check,
+                                    no restore, nothing recorded): what the cond itself costs
     guard, update waits, no cond    the update waits for every gradient and is applied unconditionally (no
                                     cond, no check): what the wait alone costs, without the cond around it
 
@@ -115,6 +118,23 @@ def _apply_after_all_gradients_no_cond(self, apply, grads, apply_now, snapshot, 
         apply(grads)
 
 
+def _cond_around_the_update_only(self, apply, grads, apply_now, snapshot, already_reduced, **_):
+    """(several replicas) the cross-replica cond with the update in one branch and nothing in the other: no check,
+    no restore, nothing recorded: what the cond itself costs."""
+    def apply_fn(g):
+        with step_lib._ThreadFlag("already_reduced", already_reduced):
+            apply(g)
+
+    def cross_replica(distribution, apply_now, grads):
+        flag = distribution.experimental_local_results(apply_now)[0]
+
+        def yes():
+            distribution.extended.call_for_each_replica(apply_fn, args=(grads,))
+            return tf.constant(True)
+        tf.cond(flag, yes, lambda: tf.constant(False))
+    tf.distribute.get_replica_context().merge_call(cross_replica, args=(apply_now, grads))
+
+
 def _update_in_the_cond(original):
     def conditional_apply(self, apply, grads, apply_now, snapshot, already_reduced, optimizer=None, **kwargs):
         return original(self, apply, grads, apply_now, snapshot, already_reduced, **kwargs)  # (no optimizer: not deferred)
@@ -159,6 +179,9 @@ def arms(size: str):
                                                       {"_all_reduce": _no_magnitude(C._all_reduce)}),
         "  guard, norms in the all-reduce": (adam, lambda: [ks.NanGuard(verbose=0)],
                                             {"_check_in_merge_call": lambda self, optimizer: False}),
+        "  guard, a cond around the update only": (adam, lambda: [ks.NanGuard(verbose=0)],
+                                                   {"_decide_bad": _loss_only, **_no_split,
+                                                    "_conditional_apply": _cond_around_the_update_only}),
         "  guard, update waits, no cond": (adam, lambda: [ks.NanGuard(verbose=0)],
                                            {"_decide_bad": _loss_only, **_no_split,
                                             "_conditional_apply": _apply_after_all_gradients_no_cond}),

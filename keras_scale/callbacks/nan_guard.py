@@ -108,9 +108,9 @@ class NanGuard(keras.callbacks.Callback):
         check_gradients: ``True`` (default): a step is skipped when its loss **or any gradient** is not finite.
             No variable changes before every gradient is checked; on one replica the update is computed
             ahead and only its writes wait (:mod:`keras_scale.deferred_update`), so it still runs beside the
-            backward pass: ~3% of a 5 ms MLP step on 2 CPU cores, against ~15% with the whole update waiting
-            (``benchmarks/nan_guard_cost.py``). ``False``: decide on the loss alone, known before the backward
-            pass, and still skipped.
+            backward pass: 6-7% of a 1.8 ms MLP step on 2 CPU cores (3% at 5 ms), against ~19% with the whole
+            update waiting (``benchmarks/nan_guard_cost.py``). ``False``: decide on the loss alone, known before the
+            backward pass, and still skipped.
             A finite loss with non-finite gradients (``sqrt``/``norm`` at 0, an overflow in the backward pass)
             is then applied and the weights turn non-finite. What still holds: the state (weights and optimizer
             variables) is checked at every skipped step, epoch end and train end, and a non-finite one is
@@ -122,7 +122,8 @@ class NanGuard(keras.callbacks.Callback):
 
     No extra device-to-host read per step: the step returns the epoch's count in its logs (``nan_skipped``, which
     Keras already brings to the host for every batch and every callback, whatever their order); the host reads
-    the diagnosis only when that count grows. The in-graph halt (``stop``, ``rollback``) keeps the weights safe
+    the diagnosis only when that count grows. Its gradient counts are those of the all-reduced gradient, the one the
+    step would have applied (on several replicas a NaN from one replica is NaN there). The in-graph halt (``stop``, ``rollback``) keeps the weights safe
     until then. Works on any model: plain, wrapped, or with its own ``train_step`` (then checked at its
     optimizer's ``apply``: gradients only).
 
