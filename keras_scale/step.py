@@ -168,7 +168,7 @@ def _install_optimizer_switches(model: keras.Model, owner: Any, optimizer: Any) 
             keras_reduce = type(inner)._all_reduce_sum_gradients
 
             def _all_reduce_sum_gradients(grads_and_vars):
-                if getattr(_LOCAL, "already_reduced", False):
+                if getattr(_LOCAL, "already_reduced", False) or id(inner) in _REDUCED_NOW:
                     return list(grads_and_vars)
                 return keras_reduce(inner, grads_and_vars)
 
@@ -187,6 +187,11 @@ def _install_optimizer_switches(model: keras.Model, owner: Any, optimizer: Any) 
 
             lifecycle.patch(model, owner, optimizer, "apply", apply)
             lifecycle.patch(model, owner, optimizer, "_keras_scale_guarded_apply", True)
+
+
+# inner optimizers (by id) whose gradients are reduced already while the cross-replica update is traced: seen by
+# every thread of that trace, also the replica threads a LossScaleOptimizer's own merge_call starts
+_REDUCED_NOW: set = set()
 
 
 class _ThreadFlag:
@@ -587,8 +592,14 @@ class ComposedStep:
         # process it is made once, in the merge_call that decides, on the reduced gradients: see _split_check)
         fold_check = self.guard and (self.check_gradients or is_loss_scaled(optimizer))
         split_check = fold_check and self._check_in_merge_call(optimizer)
+        decide_on = loss_bad
+        if self.guard and is_loss_scaled(optimizer):
+            # a non-finite gradient is the loss scaler's business, a non-finite BatchNorm statistic (or any state
+            # the forward pass wrote) is not: a NaN input under a relu can leave the loss finite, the scaler skips
+            # the update as an overflow, and the statistics would keep the NaN. Agreed through the all-reduce.
+            decide_on = loss_bad + tf.cast(tf.logical_not(self._forward_state_finite()), tf.float32)
         reduced_grads, any_loss_bad, present, local, grads_bad = self._all_reduce(
-            grads, share, loss_bad, batch_size, even=self._static_even(first, model),
+            grads, share, decide_on, batch_size, even=self._static_even(first, model),
             check=fold_check and not split_check)
         self._count_samples(batch_size, reduced_grads)
 
@@ -633,6 +644,13 @@ class ComposedStep:
         self._count(bad)
         self._count_bad(tf.cast(bad, tf.int64))  # (adding 0 on a good step: cheaper than the ops in a branch)
         return self._logs(self._nan_unless_a_step_was_taken(model.get_metrics_result()))
+
+    def _forward_state_finite(self) -> tf.Tensor:
+        """Whether the model's floating non-trainable variables (BatchNorm statistics, ...) are finite, as this
+        replica's forward pass left them."""
+        state = [v for v in _unique(list(self.model.non_trainable_variables))
+                 if tf.as_dtype(keras.backend.standardize_dtype(v.dtype)).is_floating]
+        return _values_finite(state) if state else tf.constant(True)
 
     def _check_in_merge_call(self, optimizer: Any) -> bool:
         """Several replicas in this process (a merge_call decides): check the reduced gradients there, once
@@ -1114,7 +1132,15 @@ class ComposedStep:
                 flag = tf.logical_and(flag, tf.logical_not(grads_bad))
 
             def yes():
-                distribution.extended.call_for_each_replica(apply_fn, args=(grads,))
+                # (an optimizer that merges again, as LossScaleOptimizer does, runs its inner optimizer in replica
+                # threads of its own, which must not sum the reduced gradients over the replicas a second time)
+                key = id(inner_optimizer(optimizer)) if optimizer is not None and already_reduced else None
+                if key is not None:
+                    _REDUCED_NOW.add(key)
+                try:
+                    distribution.extended.call_for_each_replica(apply_fn, args=(grads,))
+                finally:
+                    _REDUCED_NOW.discard(key)
                 return tf.constant(True)
 
             def no():

@@ -171,3 +171,23 @@ def test_a_non_finite_gradient_of_any_variable_from_either_replica_skips_the_ste
     report = guard.reports[0]
     assert report.source == "gradients" and len(report.details) == 1, report.details
     assert report.details[0].endswith(f": {(64, 16, 4, 1)[branch]} non-finite values"), report.details
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+def test_under_a_loss_scale_optimizer_two_replicas_apply_the_one_device_update(mirrored, guarded):
+    """SGD (an update proportional to the gradient, so a gradient summed over the replicas twice shows as 2x):
+    the composed step's update under a LossScaleOptimizer on 2 replicas equals plain Keras's on one device."""
+    rs = np.random.RandomState(0)
+    x, y = rs.rand(16, 4).astype("float32"), rs.rand(16, 1).astype("float32")
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(8, drop_remainder=True)
+    models = []
+    for strategy in (tf.distribute.get_strategy(), mirrored):
+        with strategy.scope():
+            keras.utils.set_random_seed(1)
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+            model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)), "mse")
+        models.append(model)
+    models[0].fit(ds, epochs=1, verbose=0)
+    models[1].fit(ds, epochs=1, verbose=0, callbacks=[ks.NanGuard(verbose=0)] if guarded else [])
+    for a, b in zip(models[1].get_weights(), models[0].get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
