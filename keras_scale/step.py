@@ -38,6 +38,7 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -189,9 +190,30 @@ def _install_optimizer_switches(model: keras.Model, owner: Any, optimizer: Any) 
             lifecycle.patch(model, owner, optimizer, "_keras_scale_guarded_apply", True)
 
 
-# inner optimizers (by id) whose gradients are reduced already while the cross-replica update is traced: seen by
-# every thread of that trace, also the replica threads a LossScaleOptimizer's own merge_call starts
-_REDUCED_NOW: set = set()
+# inner optimizers (by id) whose gradients are reduced already while their update is traced: seen by every thread of
+# that trace, also the replica threads a LossScaleOptimizer's own merge_call starts (which miss a thread-local flag)
+_REDUCED_NOW: Dict[int, int] = {}
+
+
+class _GradientsReduced:
+    """While ``optimizer``'s update of already-reduced gradients is traced: it must not sum them over the replicas
+    again, in this thread or any other of the trace."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.key = id(inner_optimizer(optimizer))
+        self.flag = _ThreadFlag("already_reduced", True)
+
+    def __enter__(self) -> None:
+        with _INSTALL_LOCK:
+            _REDUCED_NOW[self.key] = _REDUCED_NOW.get(self.key, 0) + 1
+        self.flag.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.flag.__exit__(*exc)
+        with _INSTALL_LOCK:
+            _REDUCED_NOW[self.key] -= 1
+            if not _REDUCED_NOW[self.key]:
+                del _REDUCED_NOW[self.key]
 
 
 class _ThreadFlag:
@@ -608,7 +630,7 @@ class ComposedStep:
                        for g in reduced_grads if g is not None] if self.atomic_update else []
             if self.atomic_update:  # and on the metric updates: an OOM in a metric must come before the update
                 barrier += [tf.identity(v) for v in self._metric_reads()]
-            with _ThreadFlag("already_reduced", True), tf.control_dependencies(barrier):
+            with _GradientsReduced(optimizer), tf.control_dependencies(barrier):
                 optimizer.apply(reduced_grads, trainable)
             return model.get_metrics_result()
 
@@ -1134,13 +1156,9 @@ class ComposedStep:
             def yes():
                 # (an optimizer that merges again, as LossScaleOptimizer does, runs its inner optimizer in replica
                 # threads of its own, which must not sum the reduced gradients over the replicas a second time)
-                key = id(inner_optimizer(optimizer)) if optimizer is not None and already_reduced else None
-                if key is not None:
-                    _REDUCED_NOW.add(key)
-                try:
+                with _GradientsReduced(optimizer) if optimizer is not None and already_reduced \
+                        else contextlib.nullcontext():
                     distribution.extended.call_for_each_replica(apply_fn, args=(grads,))
-                finally:
-                    _REDUCED_NOW.discard(key)
                 return tf.constant(True)
 
             def no():

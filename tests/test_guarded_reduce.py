@@ -173,10 +173,11 @@ def test_a_non_finite_gradient_of_any_variable_from_either_replica_skips_the_ste
     assert report.details[0].endswith(f": {(64, 16, 4, 1)[branch]} non-finite values"), report.details
 
 
-@pytest.mark.parametrize("guarded", [False, True])
-def test_under_a_loss_scale_optimizer_two_replicas_apply_the_one_device_update(mirrored, guarded):
+@pytest.mark.parametrize("guarded,accum", [(True, None), (False, 2), (False, 1), (True, 2)])
+def test_under_a_loss_scale_optimizer_two_replicas_apply_the_one_device_update(mirrored, guarded, accum):
     """SGD (an update proportional to the gradient, so a gradient summed over the replicas twice shows as 2x):
-    the composed step's update under a LossScaleOptimizer on 2 replicas equals plain Keras's on one device."""
+    the composed step's update under a LossScaleOptimizer on 2 replicas equals plain Keras's on one device, guarded
+    or not (the LossScaleOptimizer's own merge_call runs its inner optimizer in replica threads of its own)."""
     rs = np.random.RandomState(0)
     x, y = rs.rand(16, 4).astype("float32"), rs.rand(16, 1).astype("float32")
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(8, drop_remainder=True)
@@ -185,6 +186,8 @@ def test_under_a_loss_scale_optimizer_two_replicas_apply_the_one_device_update(m
         with strategy.scope():
             keras.utils.set_random_seed(1)
             model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+            if accum is not None and strategy is mirrored:
+                model = ks.wrap(model, accum=accum)
             model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)), "mse")
         models.append(model)
     models[0].fit(ds, epochs=1, verbose=0)
