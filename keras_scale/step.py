@@ -53,6 +53,7 @@ from keras.src.losses import loss as keras_loss
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_scale import deferred_update
+from keras_scale.epoch_logs import epoch_logs_as_keras
 from keras_scale import state as training_state
 from keras_scale.progress_bar import quiet_progress_bar
 from keras_scale.schedules import inner_optimizer
@@ -537,6 +538,7 @@ class ComposedStep:
         for optimizer in training_state.optimizers(model).values():  # a GAN's own train_step may use several
             _install_optimizer_switches(model, self, optimizer)  # (also for a cached function: it may retrace)
         quiet_progress_bar(model, self)  # the progress bar shows nan_skipped only when a step was skipped
+        epoch_logs_as_keras(model, self)  # the epoch logs the metrics' results, as plain Keras (also on replicas)
         if force or cached is None or not self._same(cached[0], identity):
             if model.optimizer is not None:
                 if not model.optimizer.built and model.built and model.trainable_variables:

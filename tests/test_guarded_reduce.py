@@ -194,3 +194,35 @@ def test_under_a_loss_scale_optimizer_two_replicas_apply_the_one_device_update(m
     models[1].fit(ds, epochs=1, verbose=0, callbacks=[ks.NanGuard(verbose=0)] if guarded else [])
     for a, b in zip(models[1].get_weights(), models[0].get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad_batch", [False, True])
+def test_two_replicas_history_holds_the_epoch_metrics_plain_keras_logs(mirrored, bad_batch):
+    """The epoch's logs are the metrics over the epoch, aggregated over the replicas (``get_metrics_result``), as plain
+    Keras logs them, not the mean of each replica's own result: the step's extra ``nan_skipped`` key must not make
+    Keras fall back to the last step's per-replica logs (a Precision, an AUC or a weighted mean differ). With a
+    NaN batch, what plain Keras logs on the data without it."""
+    rs = np.random.RandomState(5)
+    x = rs.normal(size=(60, 5)).astype("float32")
+    y = (rs.uniform(size=(60, 1)) < 0.4).astype("float32")
+    w = rs.uniform(0.5, 2.0, size=(60,)).astype("float32")
+    xb = x.copy()
+    if bad_batch:
+        xb[13, 1] = np.nan  # in the second batch of 12
+    keep = np.r_[0:12, 24:60] if bad_batch else np.arange(60)
+
+    def fit(data, guarded):
+        with mirrored.scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1, activation="sigmoid")])
+            model.compile(optimizer="sgd", loss="binary_crossentropy",
+                          metrics=[keras.metrics.Precision(name="precision"), keras.metrics.AUC(name="auc")],
+                          weighted_metrics=["mae"])
+        ds = tf.data.Dataset.from_tensor_slices(data).batch(12, drop_remainder=True)
+        return model.fit(ds, epochs=2, verbose=0, callbacks=[ks.NanGuard(verbose=0)] if guarded else []).history
+
+    expected = fit((x[keep], y[keep], w[keep]), guarded=False)
+    history = fit((xb, y, w), guarded=True)
+    assert history["nan_skipped"] == [float(bad_batch)] * 2
+    for key in ("loss", "precision", "auc", "mae"):
+        np.testing.assert_allclose(history[key], expected[key], rtol=1e-5, err_msg=key)
