@@ -268,6 +268,13 @@ class NanGuard(keras.callbacks.Callback):
             self._poison_reported = False  # (the state is finite again)
         if incidents == 0 and not poisoned:
             return
+        if poisoned and self._poison_reported and self.policy != "rollback":
+            # the non-finite state already reported, not rolled back since: the steps it makes non-finite (every
+            # later loss) are counted, not reported again
+            step.diag.assign(tf.zeros_like(step.diag))
+            step.incidents.assign(0)
+            self.skipped_steps = int(step.skipped_steps.numpy())
+            return
         if incidents == 0 and self._poison_reported:
             return  # the non-finite state already reported, not rolled back since
         self._poison_reported = poisoned
