@@ -559,3 +559,61 @@ def test_under_a_loss_scale_optimizer_a_nan_input_hidden_by_a_relu_never_reaches
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=atol, err_msg=a.path)
     for a, b in zip(guarded.optimizer.variables, reference.optimizer.variables):  # the loss scale too
         np.testing.assert_allclose(np.asarray(a.numpy()), np.asarray(b.numpy()), rtol=1e-5, atol=atol)
+
+
+class _ImputeNaN(keras.layers.Layer):
+    def call(self, inputs):  # a model that reads NaN as "missing" and imputes 0 itself
+        return tf.where(tf.math.is_nan(inputs), tf.zeros_like(inputs), inputs)
+
+
+class _HideNonFinite(keras.layers.Layer):
+    def call(self, inputs):  # what a relu does to NaN with some CPU kernels: the loss stays finite, the gradient
+        return tf.where(tf.math.is_finite(inputs), inputs, tf.zeros_like(inputs))  # of the kernel before is NaN
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_under_a_loss_scale_optimizer_non_finite_data_behind_nan_gradients_is_an_incident_not_an_overflow(
+        replicas, mirrored):
+    """No BatchNorm this time: a layer hides the NaN input from the loss, the gradients are NaN, and a
+    LossScaleOptimizer alone would call it an overflow (halve the scale, skip, say nothing, every time the batch comes
+    back). The guard sees the data behind them: counted, reported as the inputs, the scale untouched; the run equals
+    plain Keras on the data without that batch. A model that imputes NaN itself (finite gradients) trains exactly as
+    under plain Keras: non-finite data alone is not an incident."""
+    strategy = mirrored if replicas == 2 else tf.distribute.get_strategy()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(24, 4)).astype("float32")
+    y = rng.normal(size=(24, 1)).astype("float32")
+    x[15, 1] = np.nan  # the second batch of 8
+
+    def make(impute=False):
+        with strategy.scope():
+            keras.utils.set_random_seed(1)
+            inp = keras.Input((4,))
+            h = keras.layers.Dense(8)(_ImputeNaN()(inp) if impute else inp)
+            out = keras.layers.Dense(1)(keras.layers.Activation("tanh")(_HideNonFinite()(h)))
+            model = keras.Model(inp, out)
+            model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05)), loss="mse")
+        return model
+
+    def ds(keep, data_x=x):
+        return tf.data.Dataset.from_tensor_slices((data_x[keep], y[keep])).batch(8, drop_remainder=True)
+
+    guarded, reference = make(), make()
+    guard = ks.NanGuard(verbose=0)
+    history = guarded.fit(ds(np.arange(24)), epochs=2, verbose=0, callbacks=[guard])
+    reference.fit(ds(np.r_[0:8, 16:24]), epochs=2, verbose=0)  # plain Keras without that batch
+    assert guard.skipped_steps == 2 and history.history["nan_skipped"] == [1, 1]
+    assert [r.source for r in guard.reports] == ["inputs", "inputs"]
+    for a, b in zip(guarded.weights, reference.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6, err_msg=a.path)
+    for a, b in zip(guarded.optimizer.variables, reference.optimizer.variables):  # the loss scale too
+        np.testing.assert_allclose(np.asarray(a.numpy()), np.asarray(b.numpy()), rtol=1e-5, atol=1e-6)
+
+    imputing, plain = make(impute=True), make(impute=True)
+    guard = ks.NanGuard(verbose=0)
+    imputing.fit(ds(np.arange(24)), epochs=2, verbose=0, callbacks=[guard])
+    plain.fit(ds(np.arange(24)), epochs=2, verbose=0)
+    assert guard.skipped_steps == 0 and not guard.reports
+    assert int(imputing.optimizer.iterations.numpy()) == 6
+    for a, b in zip(imputing.weights, plain.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6, err_msg=a.path)
