@@ -86,7 +86,9 @@ def test_slow_input_pipeline_is_called_input_bound(tmp_path):
     _fit_with_window(tmp_path, _dataset(6, slow_input_s=0.03), start_step=2, num_steps=3)
     s = ks.profile_summary(tmp_path)
     assert s.step_numbers == [2, 3, 4]
-    assert s.step_time_ms >= 30  # each step waits for the 30 ms preprocessing
+    # each step waits for the 30 ms preprocessing (the tiny model computes in ~1 ms); the next batch's sleep may
+    # start before the step does (Keras's iterator runs ahead), so a step can read a little under 30 ms
+    assert s.step_time_ms >= 25
     assert s.input_percent > 50
     assert s.verdict == "input-bound"
     assert "prefetch(tf.data.AUTOTUNE)" in s.verdict_line
