@@ -142,8 +142,8 @@ def _update_in_the_cond(original):
 
 
 def _no_magnitude(original):
-    def all_reduce(self, grads, share, loss_bad, batch_size, even=False, check=False, data_bad=None):
-        return original(self, grads, share, loss_bad, batch_size, even=even, check=False, data_bad=data_bad)
+    def all_reduce(self, grads, share, loss_bad, batch_size, even=False, check=False):
+        return original(self, grads, share, loss_bad, batch_size, even=even, check=False)
     return all_reduce
 
 

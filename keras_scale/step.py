@@ -141,13 +141,6 @@ def _values_finite(variables: List[Any]) -> tf.Tensor:
     return _all_gradients_finite([tf.convert_to_tensor(v) for v in variables])
 
 
-def _data_finite(data: Any) -> tf.Tensor:
-    """Whether every floating tensor of ``data`` (a batch's inputs, targets, sample weights) is finite."""
-    tensors = [t.values if isinstance(t, (tf.SparseTensor, tf.IndexedSlices)) else t for t in _flat(data)]
-    tensors = [t for t in tensors if isinstance(t, tf.Tensor) and t.dtype.is_floating]
-    return _all_gradients_finite(tensors) if tensors else tf.constant(True)
-
-
 def is_loss_scaled(optimizer: Any) -> bool:
     """True for Keras's ``LossScaleOptimizer`` (mixed_float16).
 
@@ -623,19 +616,15 @@ class ComposedStep:
         # process it is made once, in the merge_call that decides, on the reduced gradients: see _split_check)
         fold_check = self.guard and (self.check_gradients or is_loss_scaled(optimizer))
         split_check = fold_check and self._check_in_merge_call(optimizer)
-        decide_on, data_bad = loss_bad, None
+        decide_on = loss_bad
         if self.guard and is_loss_scaled(optimizer):
             # a non-finite gradient is the loss scaler's business, a non-finite BatchNorm statistic (or any state
             # the forward pass wrote) is not: a NaN input under a relu can leave the loss finite, the scaler skips
             # the update as an overflow, and the statistics would keep the NaN. Agreed through the all-reduce.
             decide_on = loss_bad + tf.cast(tf.logical_not(self._forward_state_finite()), tf.float32)
-            # and non-finite gradients from a non-finite input, target or sample weight that the loss does not show
-            # (a relu turns NaN into 0 on CPU) are not an overflow: the scaler would halve the scale and say nothing
-            # (finite gradients from such data are applied, as without a scaler: a model may impute NaN itself)
-            data_bad = tf.cast(tf.logical_not(_data_finite((x, y, sample_weight))), tf.float32)
-        reduced_grads, any_loss_bad, present, local, grads_bad, any_data_bad = self._all_reduce(
+        reduced_grads, any_loss_bad, present, local, grads_bad = self._all_reduce(
             grads, share, decide_on, batch_size, even=self._static_even(first, model),
-            check=fold_check and not split_check, data_bad=data_bad)
+            check=fold_check and not split_check)
         self._count_samples(batch_size, reduced_grads)
 
         if not self.guard:  # (guarded: the update sits in a cond on all reduced gradients, atomic already)
@@ -655,7 +644,7 @@ class ComposedStep:
             with tf.control_dependencies(deps):
                 any_loss_bad = tf.identity(any_loss_bad)
         bad = self._decide_bad(optimizer, any_loss_bad, [g for g in reduced_grads if g is not None],
-                               grads_bad=tf.constant(False) if split_check else grads_bad, data_bad=any_data_bad)
+                               grads_bad=tf.constant(False) if split_check else grads_bad)
         apply_now = self._apply_now(bad)
         # the first bad step's diagnosis runs in the guard's own skip branch: one cond per step, not two
         # (the gradients it counts are the reduced ones, as applied: a replica's own gradients, held to the end of the
@@ -756,9 +745,8 @@ class ComposedStep:
         return reads
 
     def _all_reduce(self, grads: List[Any], share: Optional[tf.Tensor], loss_bad: tf.Tensor,
-                    batch_size: tf.Tensor, even: bool = False, check: bool = False,
-                    data_bad: Optional[tf.Tensor] = None
-                    ) -> Tuple[List[Any], tf.Tensor, List[int], List[Any], Optional[tf.Tensor], Optional[tf.Tensor]]:
+                    batch_size: tf.Tensor, even: bool = False, check: bool = False
+                    ) -> Tuple[List[Any], tf.Tensor, List[int], List[Any], Optional[tf.Tensor]]:
         """ONE all-reduce per update: gradients, the non-finite-loss flag and the normaliser; the global mean.
 
         Each replica holds ``A_r = sum_k f_k grad_k / R`` (``f_k`` a micro-batch's share of the replica's batch,
@@ -773,9 +761,8 @@ class ComposedStep:
         several replicas): each replica adds its gradients' norms (:func:`_magnitude`) to the same all-reduce, so the decision needs no
         pass over the reduced gradients: the reduced sum is finite and far from overflow exactly when no reduced
         gradient element can be non-finite (else the exact per-element check runs). Returns the reduced
-        gradients, the any-loss-bad flag, the present indices, this replica's gradients, (``check``) whether
-        a reduced gradient is non-finite (``None``: decide from the reduced gradients), and (``data_bad`` given, a
-        0/1 flag that rides in the same all-reduce) whether any replica's flag is set.
+        gradients, the any-loss-bad flag, the present indices, this replica's gradients, and (``check``) whether
+        a reduced gradient is non-finite (``None``: decide from the reduced gradients).
         """
         present = [i for i, g in enumerate(grads) if g is not None]
         local = [grads[i] for i in present]
@@ -784,7 +771,7 @@ class ComposedStep:
         if replicas == 1:
             for i in present:
                 reduced_grads[i] = grads[i] if share is None else _scaled(grads[i], tf.math.divide_no_nan(1.0, share))
-            return reduced_grads, loss_bad > 0, present, local, None, None if data_bad is None else data_bad > 0
+            return reduced_grads, loss_bad > 0, present, local, None
         if even and share is None:
             payload, extra = list(local), [loss_bad]
         else:
@@ -792,16 +779,12 @@ class ComposedStep:
             weight = b if share is None else b * share
             payload = [_scaled(g, b, no_nan=True) for g in local]  # an empty replica adds 0, not 0 * NaN
             extra = [loss_bad, weight]
-        normalised = len(extra) == 2
-        if data_bad is not None:
-            extra.append(data_bad)
         if check:
             extra.append(_magnitude(payload))
         reduced = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, payload + extra)
         summed, reduced_extra = reduced[:len(payload)], reduced[len(payload):]
-        any_data_bad = None if data_bad is None else reduced_extra[2 if normalised else 1] > 0
         scale = None
-        if normalised:  # the normaliser: scale to the global mean
+        if len(extra) - int(check) == 2:  # the normaliser: scale to the global mean
             scale = tf.math.divide_no_nan(float(replicas), reduced_extra[1])
             summed = [_scaled(g, scale) for g in summed]
         for i, g in zip(present, summed):
@@ -812,7 +795,7 @@ class ComposedStep:
             safe = tf.logical_and(tf.math.is_finite(bound), bound < _SAFE_MAGNITUDE)
             grads_bad = tf.cond(safe, lambda: tf.constant(False),
                                 lambda: tf.logical_not(_all_gradients_finite(summed)))
-        return reduced_grads, reduced_extra[0] > 0, present, local, grads_bad, any_data_bad
+        return reduced_grads, reduced_extra[0] > 0, present, local, grads_bad
 
     def _count_samples(self, batch_size: tf.Tensor, after: List[Any]) -> None:
         """Add this replica's batch to ``samples_seen``, once the step got that far (an OOM retried by
@@ -857,13 +840,9 @@ class ComposedStep:
         x, y, sample_weight, snapshot = getattr(_LOCAL, "foreign_data", (None, None, None, []))
         present = [i for i, g in enumerate(grads) if g is not None]
         local_bad = tf.cast(tf.logical_not(_all_gradients_finite([grads[i] for i in present])), tf.float32)
-        # (under a loss scaler a non-finite gradient is an overflow, its business; non-finite data is an incident)
-        data_bad = tf.cast(tf.logical_not(_data_finite((x, y, sample_weight))), tf.float32) if is_loss_scaled(
-            optimizer) else tf.constant(0.0)
         if _replicas(self.model.distribute_strategy) > 1:
-            local_bad, data_bad = tf.unstack(tf.distribute.get_replica_context().all_reduce(
-                tf.distribute.ReduceOp.SUM, tf.stack([local_bad, data_bad])))
-        bad = self._decide_bad(optimizer, tf.constant(False), [], grads_bad=local_bad > 0, data_bad=data_bad > 0)
+            local_bad = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, local_bad)
+        bad = self._decide_bad(optimizer, tf.constant(False), [], grads_bad=local_bad > 0)
         apply_now = self._apply_now(bad)
         trainable = list(trainable_variables) if trainable_variables is not None else list(
             optimizer._trainable_variables)
@@ -890,7 +869,7 @@ class ComposedStep:
         return logs
 
     def _decide_bad(self, optimizer: Any, any_loss_bad: tf.Tensor, reduced_grads: List[Any],
-                    grads_bad: Optional[tf.Tensor] = None, data_bad: Optional[tf.Tensor] = None) -> tf.Tensor:
+                    grads_bad: Optional[tf.Tensor] = None) -> tf.Tensor:
         if grads_bad is None:
             # (loss only: the update need not wait for every gradient; a non-finite gradient under a finite
             # loss is then applied, and NanGuard finds the non-finite state on the host)
@@ -902,14 +881,10 @@ class ComposedStep:
             # is so low that scaling cannot be the cause: then it is an incident (else the scale collapses
             # silently and half the updates are dropped)
             dynamic_scale = getattr(optimizer, "dynamic_scale", None)  # None until the optimizer is built
-            # (or when non-finite data explains them: ``data_bad``, agreed over the replicas)
             if dynamic_scale is None:
-                grads_bad = tf.constant(False) if data_bad is None else tf.logical_and(grads_bad, data_bad)
+                grads_bad = tf.constant(False)
             else:
-                not_overflow = tf.cast(dynamic_scale, tf.float32) <= _LOSS_SCALE_FLOOR
-                if data_bad is not None:
-                    not_overflow = tf.logical_or(not_overflow, data_bad)
-                grads_bad = tf.logical_and(grads_bad, not_overflow)
+                grads_bad = tf.logical_and(grads_bad, tf.cast(dynamic_scale, tf.float32) <= _LOSS_SCALE_FLOOR)
         return tf.logical_or(any_loss_bad, grads_bad)
 
     def _accumulate(self, x, y, sample_weight, batch_size):
