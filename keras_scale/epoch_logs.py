@@ -39,9 +39,12 @@ def _nan_like(value: Any) -> Any:
     return np.full(array.shape, np.nan, array.dtype) if np.issubdtype(array.dtype, np.floating) else value
 
 
-def epoch_logs_as_keras(model: Any, owner: Any) -> None:
+def epoch_logs_as_keras(model: Any, owner: Any, nan_when_no_step: bool = True) -> None:
     """Let ``model``'s fit log the model's metric results at each epoch's end, as plain Keras does, with the composed
     step's own keys (:data:`STEP_LOG_KEYS`) kept; for ``owner``'s fit (no-op when already done for it).
+
+    ``nan_when_no_step``: an epoch whose loss tracker counted nothing logs NaN (the composed step's trackers); False
+    for a model with its own ``train_step``, whose trackers are its own (Keras's is never updated there).
 
     Example:
         epoch_logs_as_keras(model, get_step(model))
@@ -57,7 +60,7 @@ def epoch_logs_as_keras(model: Any, owner: Any) -> None:
         ours: Dict[str, Any] = {key: logs[key] for key in STEP_LOG_KEYS if key in logs}
         rest = {key: value for key, value in logs.items() if key not in ours}
         result = keras_method(rest)
-        if result is not rest and _nothing_taken(model):  # the metrics' results, of an epoch that took no step
+        if result is not rest and nan_when_no_step and _nothing_taken(model):  # the metrics' results, of an epoch that took no step
             result = {key: _nan_like(value) for key, value in result.items()}
         return {**result, **ours}
 

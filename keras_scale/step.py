@@ -538,7 +538,8 @@ class ComposedStep:
         for optimizer in training_state.optimizers(model).values():  # a GAN's own train_step may use several
             _install_optimizer_switches(model, self, optimizer)  # (also for a cached function: it may retrace)
         quiet_progress_bar(model, self)  # the progress bar shows nan_skipped only when a step was skipped
-        epoch_logs_as_keras(model, self)  # the epoch logs the metrics' results, as plain Keras (also on replicas)
+        # the epoch logs the metrics' results, as plain Keras (also on replicas)
+        epoch_logs_as_keras(model, self, nan_when_no_step=not has_own_train_step(model))
         if force or cached is None or not self._same(cached[0], identity):
             if model.optimizer is not None:
                 if not model.optimizer.built and model.built and model.trainable_variables:

@@ -559,3 +559,86 @@ def test_under_a_loss_scale_optimizer_a_nan_input_hidden_by_a_relu_never_reaches
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=atol, err_msg=a.path)
     for a, b in zip(guarded.optimizer.variables, reference.optimizer.variables):  # the loss scale too
         np.testing.assert_allclose(np.asarray(a.numpy()), np.asarray(b.numpy()), rtol=1e-5, atol=atol)
+
+
+class _ImputeNaN(keras.layers.Layer):
+    def call(self, inputs):  # a model that reads NaN as "missing" and imputes 0 itself
+        return tf.where(tf.math.is_nan(inputs), tf.zeros_like(inputs), inputs)
+
+
+def test_under_mixed_float16_a_model_imputing_nan_itself_trains_through_overflows_as_plain_keras():
+    """Every batch holds a NaN the model imputes (finite gradients from non-finite data) and the first steps overflow
+    in fp16: the loss scaler's business, as in plain Keras (scale halved, step skipped), never a guard incident; the
+    guarded run equals plain Keras, scales and weights (a guard that blamed the data would stall the scale)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 6)).astype("float32")
+    y = 30.0 * rng.normal(size=(64, 1)).astype("float32")
+    x[np.arange(0, 64, 16) + 13, 0] = np.nan
+
+    def run(guarded):
+        keras.mixed_precision.set_global_policy("mixed_float16")
+        try:
+            keras.utils.set_random_seed(1)
+            model = keras.Sequential([keras.Input((6,)), _ImputeNaN(), keras.layers.Dense(8), keras.layers.ReLU(),
+                                      keras.layers.Dense(1, dtype="float32")])
+            model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+        scales = []
+        record = keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda batch, logs: scales.append(float(model.optimizer.dynamic_scale.numpy())))
+        guard = ks.NanGuard(verbose=0)
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[record] + ([guard] if guarded else []))
+        return model, scales, guard
+
+    plain, plain_scales, _ = run(False)
+    guarded, scales, guard = run(True)
+    assert min(plain_scales) < 32768  # the run does overflow (the scale starts at 32768)
+    assert scales == plain_scales and guard.skipped_steps == 0 and not guard.reports
+    assert int(guarded.optimizer.iterations.numpy()) == int(plain.optimizer.iterations.numpy()) > 0
+    for a, b in zip(guarded.get_weights(), plain.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+class OwnStepModel(keras.Model):
+    """keras.io's "Customizing fit(), going lower-level": its own train_step, trackers and ``metrics``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+        self.mae_metric = keras.metrics.MeanAbsoluteError(name="mae")
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = keras.losses.mean_squared_error(tf.reshape(y, [-1]), tf.reshape(y_pred, [-1]))
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        self.loss_tracker.update_state(loss)
+        self.mae_metric.update_state(y, y_pred)
+        return {"loss": self.loss_tracker.result(), "mae": self.mae_metric.result()}
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker, self.mae_metric]
+
+
+def test_a_model_with_its_own_train_step_and_trackers_logs_its_epochs_as_plain_keras():
+    """Its logs have exactly its metrics' keys, so Keras logs its trackers' results: the guard adds ``nan_skipped``
+    and nothing else (Keras's own loss tracker, never updated by such a step, must not turn the epoch into NaN)."""
+    x = np.random.default_rng(0).random((64, 8)).astype("float32")
+    y = np.random.default_rng(1).random((64, 1)).astype("float32")
+
+    def fit(callbacks):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8,))
+        model = OwnStepModel(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="adam")
+        return model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False, callbacks=callbacks).history
+
+    expected, history = fit([]), fit([ks.NanGuard(verbose=0)])
+    assert history.pop("nan_skipped") == [0, 0]
+    assert history.keys() == expected.keys()
+    for key in expected:
+        np.testing.assert_allclose(history[key], expected[key], rtol=1e-6, err_msg=key)
