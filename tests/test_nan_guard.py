@@ -642,3 +642,29 @@ def test_a_model_with_its_own_train_step_and_trackers_logs_its_epochs_as_plain_k
     assert history.keys() == expected.keys()
     for key in expected:
         np.testing.assert_allclose(history[key], expected[key], rtol=1e-6, err_msg=key)
+
+
+def test_loss_only_a_new_data_incident_is_reported_although_the_state_is_already_reported_poisoned():
+    """A rarely read Embedding row goes non-finite (a zero row under a norm: reported once, as the weights); a later
+    batch's own NaN input is its own incident, reported as the inputs, not swallowed as one more step the
+    poisoned state explains."""
+    class RowNorm(keras.layers.Layer):
+        def call(self, inputs):
+            return tf.sqrt(tf.reduce_sum(inputs * inputs, axis=-1, keepdims=True))
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 10, size=(128, 1))
+    tokens[40] = 0  # batch 2: the only use of token 0, whose row is zeros (its gradient through the norm is NaN)
+    numbers = rng.normal(size=(128, 2)).astype("float32")
+    numbers[5 * 16 + 3, 0] = np.nan  # batch 5: a NaN input of its own
+    t, n = keras.Input((1,), dtype="int32", name="tok"), keras.Input((2,), name="num")
+    embedding = keras.layers.Embedding(10, 4, name="emb")
+    out = keras.layers.Add()([RowNorm()(keras.layers.Flatten()(embedding(t))), keras.layers.Dense(1)(n)])
+    model = keras.Model({"tok": t, "num": n}, out)
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    embedding.embeddings.assign(np.concatenate([np.zeros((1, 4)), np.ones((9, 4))]).astype("float32"))
+    guard = ks.NanGuard(verbose=0, check_gradients=False)
+    history = model.fit({"tok": tokens, "num": numbers}, np.ones((128, 1)), batch_size=16, epochs=2, shuffle=False,
+                        verbose=0, callbacks=[guard])
+    assert history.history["nan_skipped"] == [1, 2]
+    assert [(r.source, r.epoch) for r in guard.reports] == [("weights", 0), ("inputs", 1)]

@@ -52,6 +52,7 @@ _ADVICE = {
                "cause (sqrt/norm of an all-zero vector: add an epsilon; an overflow: lower the LR, global_clipnorm).",
 }
 _ORDER = ("inputs", "targets", "sample_weight", "predictions", "loss", "gradients")
+_DATA_SOURCES = ("inputs", "targets", "sample_weight")  # what a batch brings, whatever the state
 
 
 class NanGuardGaveUp(RuntimeError):
@@ -268,17 +269,20 @@ class NanGuard(keras.callbacks.Callback):
             self._poison_reported = False  # (the state is finite again)
         if incidents == 0 and not poisoned:
             return
+        blame_state = poisoned
         if poisoned and self._poison_reported and self.policy != "rollback":
             # the non-finite state already reported, not rolled back since: the steps it makes non-finite (every
-            # later loss) are counted, not reported again
-            step.diag.assign(tf.zeros_like(step.diag))
-            step.incidents.assign(0)
-            self.skipped_steps = int(step.skipped_steps.numpy())
-            return
-        if incidents == 0 and self._poison_reported:
+            # later loss) are counted, not reported again; a step with non-finite data of its own is its own incident
+            if incidents == 0 or not any(slot.source in _DATA_SOURCES for slot, _ in step.read_diagnosis()):
+                step.diag.assign(tf.zeros_like(step.diag))
+                step.incidents.assign(0)
+                self.skipped_steps = int(step.skipped_steps.numpy())
+                return
+            blame_state = False
+        elif incidents == 0 and self._poison_reported:
             return  # the non-finite state already reported, not rolled back since
         self._poison_reported = poisoned
-        report = self._report(incidents, poisoned)
+        report = self._report(incidents, blame_state)
         self.reports.append(report)
         events.record("nan", report.step, log_dir=self.log_dir, **{k: v for k, v in vars(report).items() if k != "step"})
         self._say(str(report), incident=True)
