@@ -668,3 +668,28 @@ def test_loss_only_a_new_data_incident_is_reported_although_the_state_is_already
                         verbose=0, callbacks=[guard])
     assert history.history["nan_skipped"] == [1, 2]
     assert [(r.source, r.epoch) for r in guard.reports] == [("weights", 0), ("inputs", 1)]
+
+
+def test_a_first_all_skipped_epoch_logs_nan_which_keras_save_best_only_keeps_as_its_best(tmp_path):
+    """What the README warns about: the NaN of an epoch that took no step is what Keras's own callbacks compare
+    against, and Keras takes a first epoch's NaN as the best, improved on never after (np.less(x, nan) is False):
+    monitor a validation metric when a first epoch can be all skipped."""
+    x, y = _data(32)
+    x_bad = np.full_like(x, np.nan)  # the first epoch: every batch non-finite
+    ds = tf.data.Dataset.from_tensor_slices((np.concatenate([x_bad, x]), np.concatenate([y, y]))).batch(BATCH)
+    model = _model()
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    saves = []
+
+    class Recorder(keras.callbacks.ModelCheckpoint):
+        def _save_model(self, epoch, batch, logs):
+            before = self.best
+            super()._save_model(epoch, batch, logs)
+            if self.best is not before:
+                saves.append(epoch)
+
+    checkpoint = Recorder(str(tmp_path / "best.keras"), monitor="loss", save_best_only=True)
+    history = model.fit(ds.take(2).concatenate(ds.skip(2).repeat()), steps_per_epoch=2, epochs=3,
+                        verbose=0, callbacks=[ks.NanGuard(verbose=0), checkpoint])
+    assert np.isnan(history.history["loss"][0]) and np.isfinite(history.history["loss"][1:]).all()
+    assert history.history["nan_skipped"][0] == 2 and saves == [0]  # the NaN epoch, and never a later one
