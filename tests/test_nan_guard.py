@@ -55,6 +55,11 @@ def test_skip_nan_input_batch(accum):
     report = guard.reports[0]
     assert report.source == "inputs" and "inputs[0]: 3 non-finite values" in report.details[0]
     assert "clean the data" in report.advice
+    # a new guard on a later fit: skipped_steps is the model's count over its whole training, this fit's epochs in
+    # nan_skipped
+    again = ks.NanGuard(verbose=0)
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False, callbacks=[again])
+    assert again.skipped_steps == 5 and history.history["nan_skipped"] == [1, 1]
 
 
 def test_skipped_step_is_exactly_a_no_op():

@@ -128,8 +128,9 @@ class NanGuard(keras.callbacks.Callback):
     until then. Works on any model: plain, wrapped, or with its own ``train_step`` (then checked at its
     optimizer's ``apply``: gradients only).
 
-    After training: ``skipped_steps`` (total non-finite steps), ``reports`` (one :class:`NanReport` per
-    incident), ``rollbacks``; ``logs["nan_skipped"]`` holds each epoch's count.
+    After training: ``skipped_steps`` (the model's non-finite steps over its whole training, every fit and resume
+    included: the count lives with the model and its checkpoints, not with this callback), ``reports`` (one
+    :class:`NanReport` per incident), ``rollbacks``; ``logs["nan_skipped"]`` holds each epoch's count.
 
     Example:
         >>> import keras, numpy as np
