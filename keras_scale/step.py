@@ -38,7 +38,6 @@ Example:
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -1119,7 +1118,10 @@ class ComposedStep:
         variables = [v for v, _ in snapshot]
 
         def apply_fn(grads):
-            with _ThreadFlag("already_reduced", already_reduced):
+            # (reduced gradients: also for the replica threads of an optimizer that merges again, as
+            # LossScaleOptimizer does, which must not sum them over the replicas a second time)
+            with _GradientsReduced(optimizer) if already_reduced and optimizer is not None \
+                    else _ThreadFlag("already_reduced", already_reduced):
                 apply(grads)
 
         def restore_fn(values):
@@ -1157,11 +1159,7 @@ class ComposedStep:
                 flag = tf.logical_and(flag, tf.logical_not(grads_bad))
 
             def yes():
-                # (an optimizer that merges again, as LossScaleOptimizer does, runs its inner optimizer in replica
-                # threads of its own, which must not sum the reduced gradients over the replicas a second time)
-                with _GradientsReduced(optimizer) if optimizer is not None and already_reduced \
-                        else contextlib.nullcontext():
-                    distribution.extended.call_for_each_replica(apply_fn, args=(grads,))
+                distribution.extended.call_for_each_replica(apply_fn, args=(grads,))
                 return tf.constant(True)
 
             def no():

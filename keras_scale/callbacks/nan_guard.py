@@ -275,9 +275,7 @@ class NanGuard(keras.callbacks.Callback):
             # the non-finite state already reported, not rolled back since: the steps it makes non-finite (every
             # later loss) are counted, not reported again; a step with non-finite data of its own is its own incident
             if incidents == 0 or not any(slot.source in _DATA_SOURCES for slot, _ in step.read_diagnosis()):
-                step.diag.assign(tf.zeros_like(step.diag))
-                step.incidents.assign(0)
-                self.skipped_steps = int(step.skipped_steps.numpy())
+                self._acknowledge(step)
                 return
             blame_state = False
         elif incidents == 0 and self._poison_reported:
@@ -287,9 +285,7 @@ class NanGuard(keras.callbacks.Callback):
         self.reports.append(report)
         events.record("nan", report.step, log_dir=self.log_dir, **{k: v for k, v in vars(report).items() if k != "step"})
         self._say(str(report), incident=True)
-        step.diag.assign(tf.zeros_like(step.diag))
-        step.incidents.assign(0)
-        self.skipped_steps = int(step.skipped_steps.numpy())
+        self._acknowledge(step)
         halted = int(step.halted.numpy()) > 0
         if self.policy == "stop" and not final:
             self.model.stop_training = True
@@ -307,6 +303,12 @@ class NanGuard(keras.callbacks.Callback):
                       "(ChiefCheckpoint never saves a non-finite state).", incident=True)
         elif self.policy == "rollback" and ((halted and not final) or poisoned):
             self._rollback()  # (a non-finite state even at train end: the fit must not leave the model so)
+
+    def _acknowledge(self, step: step_lib.ComposedStep) -> None:
+        """The host has seen the incidents so far: clear them and the diagnosis (the next bad step writes its own)."""
+        step.diag.assign(tf.zeros_like(step.diag))
+        step.incidents.assign(0)
+        self.skipped_steps = int(step.skipped_steps.numpy())
 
     def _report(self, incidents: int, poisoned: bool = False) -> NanReport:
         step = self._step
