@@ -17,6 +17,16 @@ from tests.fakes.fake_nvml import FakeNvml
 
 # `keras_scale.doctor` is both a module and the function it exports; take the module explicitly.
 dr = importlib.import_module("keras_scale.doctor")
+# the helpers a test pokes directly live in the doctor's family modules
+dr_command = importlib.import_module("keras_scale.doctor.command")
+dr_cuda_libraries = importlib.import_module("keras_scale.doctor.cuda_libraries")
+dr_driver = importlib.import_module("keras_scale.doctor.driver")
+dr_env_vars = importlib.import_module("keras_scale.doctor.env_vars")
+dr_facts = importlib.import_module("keras_scale.doctor.facts")
+dr_gather = importlib.import_module("keras_scale.doctor.gather")
+dr_probe = importlib.import_module("keras_scale.doctor.probe")
+dr_versions = importlib.import_module("keras_scale.doctor.versions")
+dr_xla_flags = importlib.import_module("keras_scale.doctor.xla_flags")
 Facts, CheckResult = dr.Facts, dr.CheckResult
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -111,9 +121,9 @@ def test_driver_minimum_table_is_well_formed():
         major, minor = cuda.split(".")[:2]
         assert major in table["minor_version_compatibility"]
         if minor != "0":
-            assert dr._ver(drv) >= dr._ver(table["minor_version_compatibility"][major])
-    ordered = sorted(table["toolkit"], key=dr._ver)
-    assert [dr._ver(table["toolkit"][k]) for k in ordered] == sorted(dr._ver(table["toolkit"][k]) for k in ordered)
+            assert dr_facts._ver(drv) >= dr_facts._ver(table["minor_version_compatibility"][major])
+    ordered = sorted(table["toolkit"], key=dr_facts._ver)
+    assert [dr_facts._ver(table["toolkit"][k]) for k in ordered] == sorted(dr_facts._ver(table["toolkit"][k]) for k in ordered)
 
 
 @pytest.mark.parametrize("driver,cuda_max,wheel,status", [
@@ -144,7 +154,7 @@ def test_driver_vs_cuda(driver, cuda_max, wheel, status):
 
 
 def test_every_driver_row_cites_its_source_and_the_corrected_rows():
-    with open(dr._DATA_FILE) as fh:
+    with open(dr_driver._DATA_FILE) as fh:
         data = json.load(fh)
     for section in ("toolkit", "minor_version_compatibility"):
         for version, row in data[section].items():
@@ -272,11 +282,11 @@ def test_gatherers_find_cuda_libs_and_conda_packages_on_disk(tmp_path):
     plain = tmp_path / "plain"
     plain.mkdir()
     env = {"LD_LIBRARY_PATH": os.pathsep.join([str(prefix / "lib"), str(plain), "/does/not/exist"])}
-    dirs = dr._ld_cuda_dirs(env)
+    dirs = dr_cuda_libraries._ld_cuda_dirs(env)
     assert dirs == {str(prefix / "lib"): ["libcudart.so.11.0", "libcudnn.so.8"]}
-    conda = dr._conda_cuda_packages(env, list(dirs))
+    conda = dr_cuda_libraries._conda_cuda_packages(env, list(dirs))
     assert conda == {str(prefix): ["cudatoolkit-11.8.0-h6a678d5_0", "cudnn-8.9.2.26-cuda11_0"]}
-    assert dr._conda_cuda_packages({"CONDA_PREFIX": str(prefix)}, []) == conda
+    assert dr_cuda_libraries._conda_cuda_packages({"CONDA_PREFIX": str(prefix)}, []) == conda
 
 
 def test_cuda_libraries_from_tf_log():
@@ -364,8 +374,8 @@ def test_unknown_xla_flag_is_found_in_tensorflows_own_library(tmp_path):
     f = dr.check_xla_flags(_facts(env={"XLA_FLAGS": value}, xla_unknown_flags=["xla_gpu_autotun_level"]))
     assert f.status == "error" and "--xla_gpu_autotun_level" in f.detail
     assert "--xla_gpu_autotune_level=0" not in f.detail.split("not defined")[0]
-    if dr._tf_library_paths():  # the real TensorFlow here: its XLA knows autotune_level, not the typo
-        assert dr.unknown_xla_flags(value, dr._tf_library_paths()) == ["xla_gpu_autotun_level"]
+    if dr_xla_flags._tf_library_paths():  # the real TensorFlow here: its XLA knows autotune_level, not the typo
+        assert dr.unknown_xla_flags(value, dr_xla_flags._tf_library_paths()) == ["xla_gpu_autotun_level"]
 
 
 @pytest.mark.parametrize("env,status,needle", [
@@ -392,14 +402,14 @@ def test_nccl_env(env, status, needle):
 def test_nccl_conf_files_are_read_and_the_environment_wins(tmp_path):
     (tmp_path / "etc").mkdir()
     (tmp_path / "etc" / "nccl.conf").write_text("# site defaults\nNCCL_P2P_LEVEL=LOC\nNCCL_IB_DISABLE = 1\n")
-    conf = dr._read_nccl_conf({"HOME": "/nonexistent"}, root=str(tmp_path))
+    conf = dr_env_vars._read_nccl_conf({"HOME": "/nonexistent"}, root=str(tmp_path))
     assert conf == {"NCCL_IB_DISABLE": ("1", "/etc/nccl.conf"), "NCCL_P2P_LEVEL": ("LOC", "/etc/nccl.conf")}
     f = dr.check_nccl_env(_facts(nccl_conf=conf))
     assert f.status == "warn" and "NCCL_P2P_LEVEL=LOC (from /etc/nccl.conf)" in f.detail and "InfiniBand" in f.detail
     _write(tmp_path, "/home/u/.nccl.conf", "NCCL_DEBUG=TRACE\n")  # the user's file, read after /etc/nccl.conf
-    assert dr._read_nccl_conf({"HOME": "/home/u"}, root=str(tmp_path))["NCCL_DEBUG"] == ("TRACE", "/home/u/.nccl.conf")
+    assert dr_env_vars._read_nccl_conf({"HOME": "/home/u"}, root=str(tmp_path))["NCCL_DEBUG"] == ("TRACE", "/home/u/.nccl.conf")
     env = {"NCCL_P2P_LEVEL": "NVL", "NCCL_IB_DISABLE": "0", "HOME": "/nonexistent"}
-    overridden = dr._read_nccl_conf(env, root=str(tmp_path))
+    overridden = dr_env_vars._read_nccl_conf(env, root=str(tmp_path))
     assert dr.check_nccl_env(_facts(env=env, nccl_conf=overridden)).status == "ok"
 
 
@@ -592,7 +602,7 @@ def test_versions_below_the_declared_floor_from_installed_metadata():
     assert ok.status == "ok" and "keras 3.15.1 (needs >= 3.8)" in ok.detail and "pytest" not in ok.detail
     assert dr.check_versions(_facts(requirements=None)).status == "skip"
     # the floors come from the installed distribution's metadata (pyproject.toml is the one source)
-    assert dr._requirements() is None or "tensorflow" in dr._floors(_facts(requirements=dr._requirements()))
+    assert dr_versions._requirements() is None or "tensorflow" in dr_versions._floors(_facts(requirements=dr_versions._requirements()))
 
 
 def _health(**kw):
@@ -818,13 +828,13 @@ def test_report_from_fake_nvml_flags_sick_gpus_end_to_end(tmp_path, monkeypatch)
 
 def test_probe_result_keeps_the_stages_before_a_crash():
     partial = dict(TF_OK, stage="jit_compile on /device:GPU:0")
-    out = dr._probe_result(dr._PROBE_MARK + json.dumps(partial) + "\n", "F0000 Unknown flags in XLA_FLAGS: --xla_x\n",
+    out = dr_probe._probe_result(dr_probe._PROBE_MARK + json.dumps(partial) + "\n", "F0000 Unknown flags in XLA_FLAGS: --xla_x\n",
                            -6)
     assert out["crashed"] and "code -6 at: jit_compile on /device:GPU:0" in out["error"]
     assert out["tensorflow"] == "2.21.0" and out["log_hints"] == ["F0000 Unknown flags in XLA_FLAGS: --xla_x"]
-    done = dr._probe_result(dr._PROBE_MARK + json.dumps(dict(TF_OK, stage="done")) + "\n", "", 0)
+    done = dr_probe._probe_result(dr_probe._PROBE_MARK + json.dumps(dict(TF_OK, stage="done")) + "\n", "", 0)
     assert not done.get("crashed")
-    hung = dr._probe_result("", "", None, timed_out_s=180.0)
+    hung = dr_probe._probe_result("", "", None, timed_out_s=180.0)
     assert hung["tensorflow"] is None and "did not finish within 180 s (hung at: start-up)" in hung["error"]
 
 
@@ -860,7 +870,7 @@ def test_progress_rewrites_one_line_on_a_terminal():
             return True
 
     stream = Tty()
-    progress = dr._Progress(stream)
+    progress = dr_command._Progress(stream)
     progress("reading the GPUs")
     progress("reading the host")
     progress.done()
@@ -940,8 +950,8 @@ def test_xla_flags_from_a_file_and_unknown_tf_xla_flags(tmp_path):
     lib.write_bytes(b"\x7fELF\0tf_xla_auto_jit\0tf_xla_cpu_global_jit\0")
     value = "--tf_xla_auto_jit=2 --tf_xla_auto --tf_xla_cpu_global_jit"
     assert dr.unknown_xla_flags(value, [str(lib)], whole_word=True) == ["tf_xla_auto"]  # a prefix is not the name
-    if dr._tf_library_paths("libtensorflow_cc.so"):  # the real TensorFlow here
-        real = dr._tf_library_paths("libtensorflow_cc.so")
+    if dr_xla_flags._tf_library_paths("libtensorflow_cc.so"):  # the real TensorFlow here
+        real = dr_xla_flags._tf_library_paths("libtensorflow_cc.so")
         assert dr.unknown_xla_flags("--tf_xla_nonsense=1 --tf_xla_auto_jit=2", real, whole_word=True) == [
             "tf_xla_nonsense"]
 
@@ -956,8 +966,8 @@ def test_numeric_xla_flag_without_value_read_from_the_flag_descriptor(tmp_path):
                                      xla_flag_kinds=kinds))
     assert bare.status == "error" and "--xla_gpu_autotune_level takes a value (integer)" in bare.detail
     assert "--xla_hlo_profile" not in bare.detail  # a true/false flag may stand alone
-    if dr._tf_library_paths():  # the real XLA of this TensorFlow
-        real = dr.xla_flag_kinds(["xla_gpu_autotune_level", "xla_hlo_profile", "xla_dump_to"], dr._tf_library_paths())
+    if dr_xla_flags._tf_library_paths():  # the real XLA of this TensorFlow
+        real = dr.xla_flag_kinds(["xla_gpu_autotune_level", "xla_hlo_profile", "xla_dump_to"], dr_xla_flags._tf_library_paths())
         assert real == {"xla_gpu_autotune_level": "integer", "xla_hlo_profile": "bool", "xla_dump_to": "string"}
 
 
@@ -971,7 +981,7 @@ def _gather(monkeypatch, fake, env, tf=None):
     facts = dr.gather_facts(nvml=fake, probe_tensorflow=False)
     if tf is not None:
         facts.tf = tf
-        dr._visible_from_tensorflow(facts)
+        dr_gather._visible_from_tensorflow(facts)
     return facts, {c.name: c for c in dr.run_checks(facts)}
 
 
@@ -1040,7 +1050,7 @@ def test_cuda_default_order_on_a_mixed_box_is_not_guessed(monkeypatch):
     assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in by["gpu_visibility"].fix
     assert by["compute_capability"].status == "skip" and "uncertain" in by["compute_capability"].detail
     # TensorFlow logged the PCI bus id of the GPU it got: the RTX 5090, which the wheel cannot run
-    tf_log = dr._probe_result(dr._PROBE_MARK + json.dumps(dict(tf, stage="done")) + "\n",
+    tf_log = dr_probe._probe_result(dr_probe._PROBE_MARK + json.dumps(dict(tf, stage="done")) + "\n",
                               "I0000 gpu_device.cc:2020] Created device /job:localhost/replica:0/task:0/device:GPU:0 "
                               "with 31000 MB memory:  -> device: 0, name: NVIDIA GeForce RTX 5090, pci bus id: "
                               "0000:65:00.0, compute capability: 12.0\n", 0)
@@ -1066,9 +1076,9 @@ def test_gpu_processes_ignore_hidden_gpus_and_the_doctors_own_probe(monkeypatch)
 def test_the_doctors_own_probe_child_is_not_a_leftover_process(tmp_path, monkeypatch):
     """The TensorFlow probe (a child process) holds GPU memory while NVML is read: it is not someone else's job."""
     probe = tmp_path / "probe.py"  # stands in for _tf_probe.py: holds "GPU memory" a moment, then reports
-    probe.write_text(f"import json, time\ntime.sleep(1.0)\nprint({dr._PROBE_MARK!r} + json.dumps({json.dumps(TF_OK)!r}"
+    probe.write_text(f"import json, time\ntime.sleep(1.0)\nprint({dr_probe._PROBE_MARK!r} + json.dumps({json.dumps(TF_OK)!r}"
                      f" and dict(json.loads({json.dumps(TF_OK)!r}), stage='done')))\n")
-    monkeypatch.setattr(dr, "_PROBE_SCRIPT", str(probe))
+    monkeypatch.setattr(dr_probe, "_PROBE_SCRIPT", str(probe))
 
     class ProbeOnGpu(FakeNvml):
         def processes(self, index):  # NVML lists this process's children as GPU users (the probe)
@@ -1100,8 +1110,8 @@ def test_cuda_wheel_pins_never_go_below_what_tensorflow_requires():
     g = dr.check_cuda_wheels(_facts(num_gpus=1, pip_nvidia_packages=newest[:4], cuda_driver_version=(12, 6),
                                     driver_version="560.35.03", tf_wheel_floors=floors))
     assert g.status == "warn" and "'nvidia-cuda-nvcc-cu12==12.6.*'" in g.fix and "nvJitLink" in g.detail
-    if dr._tf_wheel_floors():  # this TensorFlow's own metadata
-        assert dr._ver(dr._tf_wheel_floors()["nvidia-cuda-nvcc-cu12"]) >= (12, 5)
+    if dr_cuda_libraries._tf_wheel_floors():  # this TensorFlow's own metadata
+        assert dr_facts._ver(dr_cuda_libraries._tf_wheel_floors()["nvidia-cuda-nvcc-cu12"]) >= (12, 5)
 
 
 def test_a_tf_xla_flags_typo_is_blamed_on_the_flag_not_the_install():
