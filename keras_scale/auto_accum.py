@@ -423,7 +423,7 @@ class AutoAccum:
         if self.log_dir is not None and not self._scalars_failed:
             try:
                 if self._scalars is None:
-                    from keras_scale.callbacks._scalars import ChiefScalars
+                    from keras_scale.scalars import ChiefScalars
 
                     self._scalars = ChiefScalars(self.log_dir, strategy=model.distribute_strategy)
                 self._scalars.write({"auto_accum/accum": new, "auto_accum/micro_batch_size": micro_limit},
@@ -507,9 +507,10 @@ def find_micro_batch(model: keras.Model, sample_batch: Any, max_size: Optional[i
     from keras.src.trainers.data_adapters import data_adapter_utils
 
     from keras_scale._validate import check_int
-    from keras_scale.accumulation import unwrap
 
-    inner = unwrap(model)
+    # a keras_scale.wrap model trains its inner model: keras_scale.accumulation.unwrap, read from the class marker
+    # step.has_own_train_step reads too (keras_scale.accumulation imports this module, so this one cannot import it)
+    inner = model.inner if getattr(type(model), "_keras_scale_composed", False) else model
     if getattr(model, "_compile_loss", None) is None and getattr(model, "loss", None) is None:
         raise ValueError("find_micro_batch needs a compiled model (model.compile(optimizer=..., loss=...)) to "
                          "run its loss and backward pass.")

@@ -6,7 +6,7 @@ epoch) is recorded here, as one JSON object per line in ``<log_dir>/keras_scale/
 ``{"kind": "nan", "step": 5, "time": 1733.2, "pid": 42, ...fields}``. ``step`` is the optimizer update count.
 
 Nothing to enable: a keras_scale callback given a ``log_dir`` (``NanGuard``, ``Goodput``, ``GpuMonitor``,
-``LearningRateLogger``, ``HostMemoryWatch``; anything with a :class:`keras_scale.callbacks._scalars.ChiefScalars`)
+``LearningRateLogger``, ``HostMemoryWatch``; anything with a :class:`keras_scale.scalars.ChiefScalars`)
 opens the stream of that run on the chief for the duration of its fit; :func:`record` without ``log_dir``
 appends to the streams opened in the same ``fit`` (so ``ChiefCheckpoint``, which has no ``log_dir``, lands in the
 run of the callbacks beside it, whatever their order: a record made in a fit before its streams are open, e.g.

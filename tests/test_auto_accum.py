@@ -312,6 +312,14 @@ def test_find_micro_batch_reports_the_largest_that_fits_and_changes_nothing():
         ks.find_micro_batch(compile_(build(threshold=0)), (X[:8], Y[:8]))
 
 
+def test_find_micro_batch_on_a_wrapped_model_probes_its_inner_model():
+    inner = build(threshold=5, batchnorm=True, in_backward=True)
+    wrapped = compile_(ks.wrap(inner, accum=2))
+    before = weights(inner)
+    assert ks.find_micro_batch(wrapped, (X[:16], Y[:16])) == 5  # as for the unwrapped model
+    assert_close(weights(inner), before, atol=0)
+
+
 def test_ks_fit_accum_auto(capsys):
     ref_w, _, _ = plain_reference(tf.data.Dataset.from_tensor_slices((X, Y)).batch(16), epochs=1)
     model = compile_(build(threshold=4))

@@ -48,7 +48,7 @@ import tensorflow as tf
 from keras_scale import events
 from keras_scale import state as training_state
 from keras_scale._validate import check_int, check_number
-from keras_scale.callbacks._scalars import ChiefScalars, EpochFigures
+from keras_scale.scalars import ChiefScalars, EpochFigures
 from keras_scale.distribute import chief_print, is_chief
 from keras_scale.step import SKIPPED_LOG_KEY
 

@@ -31,7 +31,7 @@ from keras_scale import nvml as nvml_lib
 from keras_scale.advice import DEFAULT_RULES, Advice, AdviceThresholds, EpochStats, Rule, leftover_processes_message
 from keras_scale import events, lifecycle
 from keras_scale._validate import check_int, check_number
-from keras_scale.callbacks._scalars import ChiefScalars, EpochFigures
+from keras_scale.scalars import ChiefScalars, EpochFigures
 from keras_scale.distribute import chief_print
 
 __all__ = ["GpuMonitor", "aggregate_samples", "step_timing"]

@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import keras
 
 from keras_scale._validate import check_int, check_number
-from keras_scale.callbacks._scalars import ChiefScalars, EpochFigures
+from keras_scale.scalars import ChiefScalars, EpochFigures
 
 __all__ = ["HostMemoryWatch", "HostMemoryGrowthWarning", "steady_growth_mb_per_epoch", "host_rss_mb"]
 
@@ -70,7 +70,7 @@ class HostMemoryWatch(keras.callbacks.Callback):
     """Record this process's host memory (RSS) each epoch and warn when it grows steadily.
 
     - ``history.history["host_rss_mb"]``: one value per epoch in the ``History`` that ``fit`` returns (added when
-      ``fit`` ends, not to the epoch logs: see :mod:`keras_scale.callbacks._scalars`); also kept in
+      ``fit`` ends, not to the epoch logs: see :mod:`keras_scale.scalars`); also kept in
       ``rss_mb_history`` (after the warm-up epochs).
     - With ``log_dir``, the chief (:func:`keras_scale.is_chief`) writes ``host/rss_mb`` per epoch to the ``train``
       run under ``log_dir`` (the run Keras's ``TensorBoard(log_dir)`` writes to).

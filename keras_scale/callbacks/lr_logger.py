@@ -19,7 +19,7 @@ import keras
 import numpy as np
 
 from keras_scale._validate import check_int
-from keras_scale.callbacks._scalars import ChiefScalars
+from keras_scale.scalars import ChiefScalars
 
 __all__ = ["LearningRateLogger", "current_learning_rate"]
 
