@@ -293,7 +293,7 @@ function lane(points, label, x0, x1) {
   const width = 1000, height = 54, left = 130, right = 10;
   const chart = svg('svg', {width: '100%', viewBox: `0 0 ${width} ${height}`});
   const ys = points.map((p) => p[1]);
-  const y0 = Math.min(0, ...ys), y1 = Math.max(...ys, y0 + 1e-9);
+  const y0 = Math.min(0, ...ys), y1 = Math.max(...ys) > y0 ? niceTicks(y0, Math.max(...ys), 3).hi : y0 + 1;
   const X = (v) => left + (width - left - right) * (v - x0) / Math.max(1e-9, x1 - x0);
   const Y = (v) => 4 + (height - 12) * (1 - (v - y0) / (y1 - y0));
   chart.append(svg('text', {x: 0, y: height / 2 + 4}, label));
@@ -330,7 +330,7 @@ function gpuSection(gpu) {
 function checkpointSection(ck) {
   if (!ck.saves.length) return [el('div', {class: 'muted'}, 'no checkpoint saved (ChiefCheckpoint records its saves)')];
   const rows = ck.saves.slice(-200).reverse().map((s) => el('tr', {},
-    el('td', {}, String(s.step)), el('td', {}, savedAt(s.epoch, s.step_in_epoch)),
+    el('td', {}, String(s.step)), el('td', {class: 'saved-at'}, savedAt(s.epoch, s.step_in_epoch)),
     el('td', {}, secs(s.blocked_s)), el('td', {}, s.bytes === null ? '' : fmt(s.bytes / 1e6) + ' MB'),
     el('td', {}, s.async_save ? 'async' : 'sync'), el('td', {}, s.preemption ? 'preemption' : ''),
     el('td', {}, s.best ? `best ${s.best.monitor}=${fmt(s.best.value, 4)}` : ''),
