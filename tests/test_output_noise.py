@@ -24,7 +24,7 @@ def _fit(poisoned_sample: int, verbose: int, epochs: int = 1, callbacks=None):
                   metrics=["accuracy"])
     terminal = io.StringIO()  # stdout and stderr on one pipe, not a terminal
     with contextlib.redirect_stdout(terminal), contextlib.redirect_stderr(terminal):
-        model.fit(x, y, batch_size=16, epochs=epochs, verbose=verbose,
+        model.fit(x, y, batch_size=16, epochs=epochs, verbose=verbose, shuffle=False,
                   callbacks=[ks.NanGuard()] + list(callbacks or []))
     return terminal.getvalue()
 
