@@ -125,16 +125,45 @@ def main() -> None:
     print(f"  keras_scale.fit accuracy {history.history['accuracy'][-1]:.3f}")
 
     # ------------------------------------------------------------------ 4. where to look
-    print(f"""
-== done. Look at:
-  tensorboard --logdir {args.out}                 # loss, learning rate per step, NaN counter, host RSS,
-                                                  # GPU scalars (with a GPU), Profile tab (step-time breakdown)
-                                                  # keras_scale tab: goodput bars, the NaN skips on the loss
-                                                  # curve, checkpoint saves, the profile verdict (docs/dashboard.md)
-  keras-scale profile-summary {os.path.join(args.out, 'profile')}   # the profiler verdict, offline
-  ls {os.path.join(args.out, 'checkpoints')}      # rerun with --resume after a kill: continues at the same step
-  keras-scale doctor                              # drivers, CUDA, GPUs, leftover processes
-""")
+    print(where_to_look(args.out))
+
+
+def command(name: str) -> str:
+    """How to run ``name`` (``tensorboard``, ``keras-scale``) from here: the script beside this Python
+    (``.venv/bin/tensorboard`` when the venv is not activated), else ``name`` as it is on ``PATH``.
+
+    Example:
+        command("tensorboard")   # '.venv/bin/tensorboard' after `make demo`
+    """
+    import sys
+
+    on_path = shutil.which(name)
+    beside = os.path.join(os.path.dirname(sys.executable), name)
+    if os.access(beside, os.X_OK) and (on_path is None or os.path.realpath(on_path) != os.path.realpath(beside)):
+        rel = os.path.relpath(beside)
+        return rel if not rel.startswith("..") else beside
+    return name
+
+
+def where_to_look(out: str) -> str:
+    """The closing lines of the demo: commands that run as printed (the venv's scripts when it is not active)."""
+    tensorboard, keras_scale_cmd = command("tensorboard"), command("keras-scale")
+    lines = [
+        (f"{tensorboard} --logdir {out}", "loss, learning rate per step, NaN counter, host RSS,"),
+        ("", "GPU scalars (with a GPU), Profile tab (step-time breakdown)"),
+        ("", "keras_scale tab: goodput bars, the NaN skips on the loss"),
+        ("", "curve, checkpoint saves, the profile verdict (docs/dashboard.md)"),
+        (f"{keras_scale_cmd} profile-summary {os.path.join(out, 'profile')}", "the profiler verdict, offline"),
+        (f"{keras_scale_cmd} checkpoint ls {os.path.join(out, 'checkpoints')}",
+         "rerun with --resume after a kill: continues at the same step"),
+        (f"{keras_scale_cmd} doctor", "drivers, CUDA, GPUs, leftover processes"),
+    ]
+    width = max(len(cmd) for cmd, _ in lines) + 2
+    text = "\n== done. Look at:\n" + "\n".join(f"  {cmd:<{width}}# {why}" for cmd, why in lines)
+    if tensorboard != "tensorboard":
+        text += (f"\n  (or `source {os.path.dirname(tensorboard)}/activate` first, then `tensorboard`, "
+                 "`keras-scale` ... as they are)")
+    return text + "\n"
 
 
 if __name__ == "__main__":

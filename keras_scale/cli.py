@@ -247,7 +247,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _main(argv: Optional[Sequence[str]]) -> int:
     args: List[str] = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help"):
+    if not args:  # a usage error, as for any command missing its argument
+        print(_usage(), file=sys.stderr)
+        return 2
+    if args[0] in ("-h", "--help"):
         print(_usage())
         return 0
     if args[0] in ("-V", "--version"):

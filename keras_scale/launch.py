@@ -45,7 +45,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import IO, Any, Dict, List, Optional, Sequence, Tuple
+from typing import IO, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 EXIT_TIMEOUT = 124
 MAX_OUTPUT_CHARS = 10_000_000  # per worker and stream: the captured tail kept in WorkerResult
@@ -116,9 +116,11 @@ class WorkersFailed(RuntimeError):
 class _Pump(threading.Thread):
     """Reads one pipe of one worker as it comes: keeps its tail, and optionally echoes it with a line prefix."""
 
-    def __init__(self, pipe: IO[bytes], prefix: str, sink: Optional[IO[str]], lock: threading.Lock) -> None:
+    def __init__(self, pipe: IO[bytes], prefix: str, sink: Optional[IO[str]], lock: threading.Lock,
+                 on_sink_closed: Optional[Callable[[], None]] = None) -> None:
         super().__init__(daemon=True)
         self.pipe, self.prefix, self.sink, self.lock = pipe, prefix, sink, lock
+        self.on_sink_closed = on_sink_closed  # the reader of the sink went away (`keras-scale launch ... | head`)
         self.chunks: List[str] = []
         self.size = 0
 
@@ -136,8 +138,15 @@ class _Pump(threading.Thread):
                     lines.append(partial + "\n")
                 if lines:
                     with self.lock:
-                        self.sink.write("".join(self.prefix + line for line in lines))
-                        self.sink.flush()
+                        try:
+                            self.sink.write("".join(self.prefix + line for line in lines))
+                            self.sink.flush()
+                        except (BrokenPipeError, ValueError, OSError):  # the reader closed it: stop echoing,
+                            self.sink = None                              # keep draining the worker's pipe
+                            _silence(sys.stdout)
+                            _silence(sys.stderr)
+                            if self.on_sink_closed is not None:
+                                self.on_sink_closed()
             if not data:
                 break
         self.pipe.close()
@@ -151,6 +160,22 @@ class _Pump(threading.Thread):
 
     def text(self) -> str:
         return "".join(self.chunks)[-MAX_OUTPUT_CHARS:]
+
+
+def _silence(stream: Any) -> None:
+    """Point a closed output stream at /dev/null (its buffered text and later writes go nowhere, no
+    ``BrokenPipeError`` at exit), as Python's documentation advises for a reader that stops early."""
+    try:
+        stream.flush()
+        return  # still open
+    except (BrokenPipeError, ValueError, OSError):
+        pass
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def _signal_group(proc: subprocess.Popen, signum: int) -> None:
@@ -336,6 +361,14 @@ def launch_local_workers(
         for p in procs:
             _signal_group(p, signum)
 
+    def output_closed() -> None:
+        # the reader of our output went away (`| head`): end the launch as a Unix tool ends on SIGPIPE (the workers
+        # stopped like on a forwarded SIGTERM, exit status 128 + SIGPIPE, never restarted)
+        if not received:
+            received.append(signal.SIGPIPE)
+            for p in procs:
+                _signal_group(p, signal.SIGTERM)
+
     previous: Dict[int, Any] = {}
     if forward_signals and threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -354,7 +387,7 @@ def launch_local_workers(
                                     stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True)
             procs.append(proc)
             for pipe, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-                pump = _Pump(pipe, f"[worker {i}] ", sink if stream else None, lock)
+                pump = _Pump(pipe, f"[worker {i}] ", sink if stream else None, lock, output_closed)
                 pump.start()
                 pumps.append(pump)
             if received:  # a signal arrived while starting: forward it to this one too

@@ -32,8 +32,9 @@ def say(message: str, verbose: int = 1, incident: bool = False) -> None:
     if not verbose:
         return
     if incident:
-        # on a terminal Keras's progress bar may be mid-line on stdout: start the incident on a line of its own
-        lead = "\n" if getattr(sys.stdout, "isatty", lambda: False)() else ""
+        # Keras's progress bar may be mid-line on stdout (on a terminal, or piped: `python train.py 2>&1 | tee`):
+        # start the incident on a line of its own
+        lead = "\n" if getattr(sys.stdout, "isatty", lambda: False)() or _progress_bar_mid_line() else ""
         sys.stdout.flush()
         print(lead + message, file=sys.stderr, flush=True)
         return
@@ -42,3 +43,21 @@ def say(message: str, verbose: int = 1, incident: bool = False) -> None:
         io_utils.print_msg(message)
         return
     print(message, flush=True)
+
+
+def _progress_bar_mid_line() -> bool:
+    """A Keras ``fit`` on this thread has a ``verbose=1`` progress bar that printed a line not ended yet (Keras ends
+    it at the epoch's end)."""
+    if "keras" not in sys.modules:
+        return False
+    try:
+        from keras_scale.lifecycle import innermost_fit_callbacks
+
+        callbacks = innermost_fit_callbacks()
+        bar = getattr(getattr(callbacks, "_progbar", None), "progbar", None)
+        if bar is None or getattr(bar, "verbose", 0) != 1:
+            return False
+        seen, target = getattr(bar, "_seen_so_far", 0), getattr(bar, "target", None)
+        return bool(seen) and (target is None or seen < target)
+    except Exception:  # noqa: BLE001 - the progress bar's internals changed: no lead
+        return False

@@ -13,6 +13,8 @@ Example:
     {'loss': 0.25}
     >>> quiet_logs({"loss": 0.25, "nan_skipped": 2})
     {'loss': 0.25, 'nan_skipped': 2}
+    >>> quiet_logs({"loss": float("nan"), "nan_skipped": 1})   # a skipped first step: no loss counted yet
+    {'nan_skipped': 1}
 """
 from __future__ import annotations
 
@@ -35,7 +37,17 @@ def quiet_logs(logs: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
     """
     if not logs or not any(key in logs for key in QUIET_WHEN_ZERO):
         return logs
-    return {key: value for key, value in logs.items() if not (key in QUIET_WHEN_ZERO and _is_zero(value))}
+    skipped = any(key in logs and not _is_zero(logs[key]) for key in QUIET_WHEN_ZERO)
+    # after skipped steps, a metric that is NaN has counted no finite step yet (a skipped first step): not shown
+    return {key: value for key, value in logs.items()
+            if not (key in QUIET_WHEN_ZERO and _is_zero(value)) and not (skipped and _is_nan(value))}
+
+
+def _is_nan(value: Any) -> bool:
+    try:
+        return bool(value != value)
+    except Exception:  # noqa: BLE001 - not a number
+        return False
 
 
 def _is_zero(value: Any) -> bool:

@@ -88,9 +88,41 @@ class EpochFigures:
                 history.history.setdefault(key, []).append(value)
 
 
+def default_log_dir() -> Optional[str]:
+    """The run directory of the running ``fit`` for a keras_scale callback given no ``log_dir``: the ``log_dir`` of
+    a ``keras.callbacks.TensorBoard`` in the same callback list, else the first ``log_dir`` given to another
+    keras_scale callback there (``ProfileWindow("logs")``, ``Goodput(log_dir=...)``); None outside a fit or when
+    no callback names one. So one directory, as Keras's ``TensorBoard(log_dir)`` takes, holds every piece's data.
+
+    Example:
+        >>> default_log_dir() is None   # outside a fit
+        True
+    """
+    try:
+        import keras
+
+        from keras_scale.lifecycle import innermost_fit_callbacks
+
+        callback_list = innermost_fit_callbacks()
+    except Exception:  # noqa: BLE001 - no fit on this thread's stack
+        return None
+    if callback_list is None:
+        return None
+    callbacks = list(getattr(callback_list, "callbacks", None) or [])
+    for cb in callbacks:
+        if isinstance(cb, keras.callbacks.TensorBoard) and getattr(cb, "log_dir", None):
+            return os.fspath(cb.log_dir)
+    for cb in callbacks:
+        value = getattr(cb, "log_dir", None)
+        if type(cb).__module__.startswith("keras_scale.") and isinstance(value, (str, os.PathLike)) and value:
+            return os.fspath(value)
+    return None
+
+
 class ChiefScalars:
     """A TensorBoard writer that exists on the chief only (:func:`keras_scale.is_chief`) and when ``log_dir``
-    is given; everywhere else :meth:`write` does nothing.
+    is given, or, given None inside a ``fit``, when that fit's callbacks name a run directory
+    (:func:`default_log_dir`); everywhere else :meth:`write` does nothing.
 
     Example:
         >>> ChiefScalars(None).active
@@ -101,6 +133,9 @@ class ChiefScalars:
 
     def __init__(self, log_dir: Optional[str], strategy: Any = None) -> None:
         self._writer: Any = None
+        if log_dir is None:
+            log_dir = default_log_dir()
+        self.log_dir = log_dir  # where this callback's data goes (None: nowhere)
         if log_dir is not None and is_chief(strategy):
             import tensorflow as tf
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numbers
 import os
 import re
+import sys
 import threading
 import time
 import warnings
@@ -256,6 +257,24 @@ def _mean(values: Sequence[float]) -> Optional[float]:
     return sum(values) / len(values) if values else None
 
 
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                      for m in (sys.modules.get("keras"), sys.modules.get("tensorflow"))
+                      if m is not None and getattr(m, "__file__", None)) + (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)  # keras, tensorflow, keras_scale
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` for :func:`warnings.warn` (called right here) that points at the user's line (their
+    ``model.fit(...)``), past the frames of keras_scale, Keras and TensorFlow."""
+    frame, level = sys._getframe(1), 1  # the caller of this function: warn's stacklevel 1
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith(_LIBRARY_DIRS) and not frame.f_code.co_filename.startswith("<frozen"):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 1
+
+
 class GpuMonitor(keras.callbacks.Callback):
     """Sample the GPUs in a background thread during ``fit``; per epoch, log aggregates, step time and advice.
 
@@ -446,7 +465,7 @@ class GpuMonitor(keras.callbacks.Callback):
         if not self._warned_unavailable:
             self._warned_unavailable = True
             warnings.warn(f"GpuMonitor: GPU metrics are off ({reason}). Training continues; only step time, "
-                          "throughput and host CPU are recorded.", RuntimeWarning, stacklevel=3)
+                          "throughput and host CPU are recorded.", RuntimeWarning, stacklevel=_user_stacklevel())
         return False
 
     def _close_nvml(self) -> None:
@@ -481,7 +500,7 @@ class GpuMonitor(keras.callbacks.Callback):
             what, fix = leftover_processes_message(found, self.gpu_indices)
             warnings.warn("GpuMonitor: other processes already hold memory on the GPUs this job uses: "
                           f"{what}. They slow this run or make it run out of memory. {fix}.",
-                          RuntimeWarning, stacklevel=3)
+                          RuntimeWarning, stacklevel=_user_stacklevel())
         return found
 
     def _training_context(self) -> Dict[str, bool]:

@@ -25,7 +25,7 @@ from keras_scale import state as training_state
 from keras_scale import step as step_lib
 from keras_scale._validate import check_int
 from keras_scale.distribute import chief_print
-from keras_scale.callbacks._scalars import ChiefScalars
+from keras_scale.scalars import ChiefScalars
 from keras_scale.schedules import learning_rate_variable, scale_learning_rate
 
 
@@ -189,6 +189,7 @@ class NanGuard(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: Optional[Dict] = None) -> None:
         self._fitting = True
+        self._said_diagnoses = {}  # diagnosis -> [epoch, update, times] of this fit: a repeat is said in one line
         self._poison_reported = False
         self.skipped_steps = int(self._step.skipped_steps.numpy())
         self._batches = 0
@@ -251,6 +252,19 @@ class NanGuard(keras.callbacks.Callback):
 
         return checkpoint_for(self.model)
 
+    def _message(self, report: NanReport) -> str:
+        """The full diagnosis the first time this fit sees it; a repeat (the same bad batch every epoch) is one line
+        that counts it."""
+        said = vars(self).setdefault("_said_diagnoses", {})
+        key = (report.source, tuple(report.details), report.advice)
+        if key not in said:
+            said[key] = [report.epoch, report.step, 1]
+            return str(report)
+        said[key][2] += 1
+        epoch, step, times = said[key]
+        return (f"NanGuard: {report.bad_steps} non-finite step(s) at epoch {report.epoch + 1}, update {report.step}, "
+                f"skipped: the same diagnosis as at epoch {epoch + 1}, update {step} ({times} times so far).")
+
     def _say(self, message: str, incident: bool = False) -> None:
         chief_print(message, self.model.distribute_strategy, verbose=self.verbose, incident=incident)
 
@@ -284,7 +298,7 @@ class NanGuard(keras.callbacks.Callback):
         report = self._report(incidents, blame_state)
         self.reports.append(report)
         events.record("nan", report.step, log_dir=self.log_dir, **{k: v for k, v in vars(report).items() if k != "step"})
-        self._say(str(report), incident=True)
+        self._say(self._message(report), incident=True)
         self._acknowledge(step)
         halted = int(step.halted.numpy()) > 0
         if self.policy == "stop" and not final:

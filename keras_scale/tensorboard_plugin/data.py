@@ -38,6 +38,13 @@ _GPU_LANES = (("utilisation %", re.compile(r"^util(_gpu)?(_mean)?(_pct)?$")),
               ("power W", re.compile(r"^power(_mean)?_w$")),
               ("throttled (fraction)", re.compile(r"^throttle.*_frac$")))
 _LOSS_TAGS = ("batch_loss",)  # Keras's TensorBoard(update_freq=N): per-step loss at the global batch
+#: what each loss series is, shown under the curve: Keras logs the loss of a batch as the mean over the epoch so far
+LOSS_NOTES = {
+    "batch_loss": "Keras's batch_loss: the mean loss since the start of the epoch (not the batch's own loss), so it "
+                  "restarts at each epoch's first step (the dotted lines)",
+    "loss (epoch mean)": "the epoch's mean training loss, drawn at the epoch's last step",
+    "val_loss": "the validation loss after each epoch",
+}
 
 
 def find_runs(logdir: str) -> Dict[str, str]:
@@ -429,12 +436,14 @@ def run_detail(name: str, run_dir: str, read_scalars: Optional[ScalarReader] = N
             row.update({"epoch": e.get("epoch"), "step": e.get("step"), "pid": e.get("pid")})
             epochs.append(row)
     saves = _checkpoints(events, run_dir)
+    loss = _loss(events, scalars, max_points)
     detail = {
         "run": name,
         "categories": list(CATEGORIES),
         "summary": run_summary(name, run_dir, events),
         "epochs": epochs,
-        "loss": _loss(events, scalars, max_points),
+        "loss": loss,
+        "loss_notes": {k: v for k, v in LOSS_NOTES.items() if k in loss},
         "incidents": _incidents(events),
         "checkpoints": saves,
         "profiles": _profiles(events),

@@ -205,6 +205,47 @@ def _build_model(spec: str) -> keras.Model:
     return model
 
 
+def saved_at(epoch: int, step_in_epoch: int) -> str:
+    """Where a checkpoint was taken, as Keras counts epochs (from 1). A checkpoint records where training continues
+    (epoch ``epoch``, 0-based, after ``step_in_epoch`` batches): at batch 0 that is the end of the epoch before.
+
+    Example:
+        >>> saved_at(3, 0), saved_at(1, 16), saved_at(0, 0)
+        ('the end of epoch 3', 'epoch 2, batch 16', 'the start')
+    """
+    if step_in_epoch == 0:
+        return f"the end of epoch {epoch}" if epoch > 0 else "the start"
+    return f"epoch {epoch + 1}, batch {step_in_epoch}"
+
+
+def resumes_at(epoch: int, step_in_epoch: int) -> str:
+    """Where a fit resumed from that checkpoint continues (Keras's numbering, from 1).
+
+    Example:
+        >>> resumes_at(3, 0)
+        'continues at epoch 4, batch 1'
+    """
+    return f"continues at epoch {epoch + 1}, batch {step_in_epoch + 1}"
+
+
+def _checkpoint_dirs_below(directory: str, max_depth: int = 3) -> List[str]:
+    """Sub-directories of a local ``directory`` holding a ChiefCheckpoint's files (TensorFlow's ``checkpoint``
+    state file or a ``ckpt-N.index``), nearest first: ``ls`` was probably given their parent (``runs/s1``)."""
+    if not os.path.isdir(directory):
+        return []
+    found: List[str] = []
+    base_depth = directory.rstrip(os.sep).count(os.sep)
+    for root, dirs, files in os.walk(directory):
+        dirs[:] = sorted(d for d in dirs if d not in ("plugins", _BEST_DIR))
+        if root.rstrip(os.sep).count(os.sep) - base_depth >= max_depth:
+            dirs[:] = []
+        if root != directory and ("checkpoint" in files or any(
+                f.startswith(_NAME + "-") and f.endswith(".index") for f in files)):
+            found.append(root)
+            dirs[:] = []
+    return sorted(found, key=lambda p: (p.count(os.sep), p))
+
+
 def cli(args: Any) -> int:
     """The work of ``keras-scale checkpoint ls|export`` (arguments parsed by :func:`keras_scale.cli.checkpoint_cli`)."""
     from keras_scale.output import say
@@ -215,11 +256,16 @@ def cli(args: Any) -> int:
             print(json.dumps(info, indent=2, default=str))  # machine-readable: as it is
             return 0
         say(f"{args.directory}: {len(info['checkpoints'])} checkpoint(s)")
+        if not info["checkpoints"]:
+            below = _checkpoint_dirs_below(args.directory)
+            if below:
+                say(f"  the checkpoints are in {' and '.join(below[:3])}: keras-scale checkpoint ls {below[0]}")
         for row in info["checkpoints"]:
-            where = (f"epoch {row['epoch'] + 1}, batch {row['step_in_epoch']}" if "epoch" in row
-                     else "position unknown")
-            mark = "  <- a resumed fit starts here" if row["prefix"] == info["resumes"] else ""
-            say(f"  {_NAME}-{row['number']:<10} {where:<24} {_human(row['bytes']):>10}{mark}")
+            where = saved_at(row["epoch"], row["step_in_epoch"]) if "epoch" in row else "position unknown"
+            mark = ("  <- a resumed fit starts here" + (f" ({resumes_at(row['epoch'], row['step_in_epoch'])})"
+                                                          if "epoch" in row else "")
+                    if row["prefix"] == info["resumes"] else "")
+            say(f"  {_NAME}-{row['number']:<10} {'saved at ' + where:<33} {_human(row['bytes']):>10}{mark}")
         for e in info["best"]:
             say(f"  best: {os.path.basename(e['prefix'])} {e.get('monitor')}={e.get('value'):.6g} "
                   f"(epoch {int(e.get('epoch', 0)) + 1})")

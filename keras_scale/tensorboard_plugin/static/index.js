@@ -62,9 +62,34 @@ function svg(tag, attrs = {}, ...children) {
 function tip(node, text) { node.append(svg('title', {}, text)); return node; }
 
 function fmt(x, digits = 3) {
-  if (x === null || x === undefined) return 'n/a';
-  if (Math.abs(x) >= 1000) return Math.round(x).toLocaleString('en-US');
-  return Number(x).toPrecision(digits).replace(/\.?0+$/, '');
+  // integers as they are (290, 1,024), others to `digits` significant digits without trailing zeros
+  if (x === null || x === undefined || typeof x !== 'number' || !Number.isFinite(x)) return 'n/a';
+  if (Number.isInteger(x) || Math.abs(x) >= 1000) return Math.round(x).toLocaleString('en-US');
+  const s = x.toPrecision(digits);
+  const [mantissa, exponent] = s.split('e');
+  const trimmed = mantissa.includes('.') ? mantissa.replace(/0+$/, '').replace(/\.$/, '') : mantissa;
+  return exponent === undefined ? trimmed : trimmed + 'e' + exponent;
+}
+// Round ("nice") tick values covering [lo, hi]: steps of 1, 2, 2.5 or 5 times a power of ten (integers only with
+// `integer`); returns {lo, hi, ticks} with lo and hi widened to the outer ticks.
+function niceTicks(lo, hi, count = 5, integer = false) {
+  if (!Number.isFinite(lo) || !Number.isFinite(hi)) return {lo: 0, hi: 1, ticks: [0, 1]};
+  if (hi < lo) [lo, hi] = [hi, lo];
+  if (hi - lo < 1e-12) { const d = Math.abs(lo) > 0 ? Math.abs(lo) * 0.1 : 1; lo -= d; hi += d; }
+  const raw = (hi - lo) / Math.max(1, count - 1);
+  const mag = Math.pow(10, Math.floor(Math.log10(raw)));
+  let step = [1, 2, 2.5, 5, 10].map((m) => m * mag).find((v) => v >= raw * (1 - 1e-9));
+  if (integer) step = Math.max(1, Math.round(step));
+  const first = Math.floor(lo / step + 1e-9), last = Math.ceil(hi / step - 1e-9);
+  const ticks = [];
+  for (let k = first; k <= last; k++) ticks.push(Number((k * step).toPrecision(12)));
+  return {lo: ticks[0], hi: ticks[ticks.length - 1], ticks};
+}
+// Where a checkpoint was taken: Keras's epochs 1-based; a save at batch 0 of epoch e+1 is the end of epoch e.
+function savedAt(epoch, stepInEpoch) {
+  if (epoch === null || epoch === undefined) return '';
+  if (!stepInEpoch) return epoch > 0 ? `end of epoch ${epoch}` : 'before the first step';
+  return `epoch ${epoch + 1}, batch ${stepInEpoch}`;
 }
 function secs(s) {
   if (s === null || s === undefined) return 'n/a';
@@ -126,11 +151,12 @@ function epochBars(epochs, categories) {
   const width = 1000, height = 190, left = 50, bottom = 24, top = 8;
   const chart = svg('svg', {width: '100%', viewBox: `0 0 ${width} ${height}`});
   if (!epochs.length) return el('div', {class: 'muted'}, 'no epoch finished yet');
-  const maxWall = Math.max(...epochs.map((e) => e.wall_s || 0), 1e-9);
+  const axis = niceTicks(0, Math.max(...epochs.map((e) => e.wall_s || 0), 1e-9));
+  const maxWall = axis.hi;
   const slot = (width - left - 10) / epochs.length, barW = Math.max(2, Math.min(60, slot * 0.7));
   const yScale = (s) => (height - bottom - top) * s / maxWall;
-  for (let k = 0; k <= 4; k++) {
-    const v = maxWall * k / 4, y = height - bottom - yScale(v);
+  for (const v of axis.ticks) {
+    const y = height - bottom - yScale(v);
     chart.append(svg('line', {x1: left, x2: width - 10, y1: y, y2: y, stroke: '#eee'}));
     chart.append(svg('text', {x: left - 6, y: y + 4, 'text-anchor': 'end'}, secs(v)));
   }
@@ -167,14 +193,15 @@ function describe(e) {
     case 'oom_resplit': return `out of memory: accum ${e.old_accum} -> ${e.new_accum}, micro-batch ` +
       `${e.old_micro_batch} -> ${e.new_micro_batch}`;
     case 'preemption': return `preemption signal ${e.signal || ''}: state saved, run stops`;
-    case 'resume': return `resumed from ${base(e.path)} (epoch ${(e.epoch || 0) + 1}, batch ${e.step_in_epoch})` +
+    case 'resume': return `resumed from ${base(e.path)} (saved at ${savedAt(e.epoch || 0, e.step_in_epoch)}; ` +
+      `continues at epoch ${(e.epoch || 0) + 1}, batch ${(e.step_in_epoch || 0) + 1})` +
       (e.redone_steps !== undefined ? `; ${e.redone_steps} step(s) redone` : '');
     case 'worker_restart': return `worker ${e.task || ''} restarted` + (e.reason ? `: ${e.reason}` : '');
     default: return e.kind;
   }
 }
 
-function lossChart(loss, incidents, saves) {
+function lossChart(loss, incidents, saves, epochs = [], notes = {}) {
   const width = 1000, height = 280, left = 56, right = 16, top = 22, bottom = 28;
   const names = Object.keys(loss);
   const xs = [];
@@ -183,22 +210,27 @@ function lossChart(loss, incidents, saves) {
   for (const s of saves) if (s.step !== null && s.step !== undefined) xs.push(s.step);
   const chart = svg('svg', {width: '100%', viewBox: `0 0 ${width} ${height}`});
   if (!xs.length) return el('div', {class: 'muted'}, 'no loss recorded yet');
-  const x0 = Math.min(0, ...xs), x1 = Math.max(...xs, x0 + 1);
+  const xAxis = niceTicks(Math.min(0, ...xs), Math.max(...xs, 1), 6, true);
+  const x0 = xAxis.lo, x1 = xAxis.hi;
   const ys = [];
   for (const n of names) for (const p of loss[n]) ys.push(p[1]);
-  let y0 = ys.length ? Math.min(...ys) : 0, y1 = ys.length ? Math.max(...ys) : 1;
-  if (y1 - y0 < 1e-12) { y0 -= 0.5; y1 += 0.5; }
-  const pad = (y1 - y0) * 0.05; y0 -= pad; y1 += pad;
+  const yAxis = niceTicks(ys.length ? Math.min(...ys) : 0, ys.length ? Math.max(...ys) : 1, 6);
+  const y0 = yAxis.lo, y1 = yAxis.hi;
   const X = (v) => left + (width - left - right) * (v - x0) / (x1 - x0);
   const Y = (v) => top + (height - top - bottom) * (1 - (v - y0) / (y1 - y0));
-  for (let k = 0; k <= 4; k++) {
-    const v = y0 + (y1 - y0) * k / 4;
+  for (const v of yAxis.ticks) {
     chart.append(svg('line', {x1: left, x2: width - right, y1: Y(v), y2: Y(v), stroke: '#eee'}));
-    chart.append(svg('text', {x: left - 6, y: Y(v) + 4, 'text-anchor': 'end'}, fmt(v)));
-    const s = x0 + (x1 - x0) * k / 4;
-    chart.append(svg('text', {x: X(s), y: height - 8, 'text-anchor': 'middle'}, fmt(s)));
+    chart.append(svg('text', {x: left - 6, y: Y(v) + 4, 'text-anchor': 'end', class: 'ytick'}, fmt(v)));
+  }
+  for (const s of xAxis.ticks) {
+    chart.append(svg('text', {x: X(s), y: height - 8, 'text-anchor': 'middle', class: 'xtick'}, fmt(s)));
   }
   chart.append(svg('text', {x: left - 6, y: height - 8, 'text-anchor': 'end'}, 'step'));
+  for (const e of epochs.slice(0, -1)) {  // epoch boundaries: Keras's running loss mean restarts there
+    if (e.step === null || e.step === undefined) continue;
+    chart.append(tip(svg('line', {x1: X(e.step), x2: X(e.step), y1: top, y2: height - bottom, stroke: '#bdbdbd',
+      'stroke-dasharray': '1 3'}), `end of epoch ${e.epoch + 1} (step ${e.step})`));
+  }
   for (const s of saves) {
     if (s.step === null || s.step === undefined) continue;
     chart.append(tip(svg('path', {d: `M${X(s.step)},${height - bottom} l-4,7 h8 z`,
@@ -235,7 +267,8 @@ function lossChart(loss, incidents, saves) {
     ...kinds.map((k) => el('span', {}, el('span', {class: 'sw', style: 'background:' + (INCIDENT[k] || ['#424242'])[0]}),
       `${(INCIDENT[k] || [0, k])[1]} (${incidents.filter((e) => e.kind === k).length})`)),
     saves.length ? el('span', {}, el('span', {class: 'sw', style: 'background:#1565c0'}), 'checkpoint save') : null);
-  return el('div', {}, chart, keys);
+  const said = names.filter((n) => notes[n]).map((n) => el('div', {class: 'muted note'}, `${n}: ${notes[n]}`));
+  return el('div', {}, chart, keys, ...said);
 }
 
 function incidentTable(incidents) {
@@ -260,7 +293,7 @@ function lane(points, label, x0, x1) {
   const width = 1000, height = 54, left = 130, right = 10;
   const chart = svg('svg', {width: '100%', viewBox: `0 0 ${width} ${height}`});
   const ys = points.map((p) => p[1]);
-  const y0 = Math.min(0, ...ys), y1 = Math.max(...ys, y0 + 1e-9);
+  const y0 = Math.min(0, ...ys), y1 = Math.max(...ys) > y0 ? niceTicks(y0, Math.max(...ys), 3).hi : y0 + 1;
   const X = (v) => left + (width - left - right) * (v - x0) / Math.max(1e-9, x1 - x0);
   const Y = (v) => 4 + (height - 12) * (1 - (v - y0) / (y1 - y0));
   chart.append(svg('text', {x: 0, y: height / 2 + 4}, label));
@@ -297,7 +330,7 @@ function gpuSection(gpu) {
 function checkpointSection(ck) {
   if (!ck.saves.length) return [el('div', {class: 'muted'}, 'no checkpoint saved (ChiefCheckpoint records its saves)')];
   const rows = ck.saves.slice(-200).reverse().map((s) => el('tr', {},
-    el('td', {}, String(s.step)), el('td', {}, s.epoch === null ? '' : `${s.epoch + 1} / ${s.step_in_epoch}`),
+    el('td', {}, String(s.step)), el('td', {class: 'saved-at'}, savedAt(s.epoch, s.step_in_epoch)),
     el('td', {}, secs(s.blocked_s)), el('td', {}, s.bytes === null ? '' : fmt(s.bytes / 1e6) + ' MB'),
     el('td', {}, s.async_save ? 'async' : 'sync'), el('td', {}, s.preemption ? 'preemption' : ''),
     el('td', {}, s.best ? `best ${s.best.monitor}=${fmt(s.best.value, 4)}` : ''),
@@ -305,7 +338,7 @@ function checkpointSection(ck) {
     el('td', {class: 'muted'}, base(s.path))));
   return [el('div', {class: 'totals'}, `${ck.saves.length} saves, training blocked ${secs(ck.blocked_s_total)} in all; ` +
     'newest usable: ', el('b', {}, ck.newest_usable || 'none')),
-  el('table', {}, el('tr', {}, ...['step', 'epoch / batch', 'blocked', 'size', 'mode', '', 'best-k', 'state', 'files']
+  el('table', {}, el('tr', {}, ...['step', 'saved at', 'blocked', 'size', 'mode', '', 'best-k', 'state', 'files']
     .map((h) => el('th', {}, h))), ...rows)];
 }
 
@@ -321,6 +354,63 @@ function profileSection(profiles) {
       'open in the Profile tab'))));
 }
 
+// ---------------------------------------------------------------------------------------------- sweep: runs overlaid
+const RUN_COLORS = ['#1565c0', '#ef6c00', '#2e7d32', '#6a1b9a', '#c62828', '#00838f', '#5d4037', '#ad1457'];
+
+// The runs' loss curves on one chart (each run one colour; training loss solid, val_loss dashed), each run's
+// incidents as markers of its colour above the curves, and a legend naming the runs.
+function compareLoss(details) {
+  const width = 1000, height = 260, left = 56, right = 16, top = 26, bottom = 28;
+  const curves = [];
+  details.forEach((d, i) => {
+    const color = RUN_COLORS[i % RUN_COLORS.length], label = d.summary.label || d.run;
+    const train = d.loss.batch_loss ? 'batch_loss' : (d.loss['loss (epoch mean)'] ? 'loss (epoch mean)' : null);
+    if (train) curves.push({run: label, name: train, pts: d.loss[train], color, dash: null});
+    if (d.loss.val_loss) curves.push({run: label, name: 'val_loss', pts: d.loss.val_loss, color, dash: '5 4'});
+  });
+  const xs = [], ys = [];
+  for (const c of curves) for (const p of c.pts) { xs.push(p[0]); ys.push(p[1]); }
+  for (const d of details) for (const e of d.incidents) if (e.step !== null && e.step !== undefined) xs.push(e.step);
+  if (!ys.length) return el('div', {class: 'muted'}, 'no loss recorded in these runs yet');
+  const xAxis = niceTicks(Math.min(0, ...xs), Math.max(...xs, 1), 6, true);
+  const yAxis = niceTicks(Math.min(...ys), Math.max(...ys), 6);
+  const X = (v) => left + (width - left - right) * (v - xAxis.lo) / (xAxis.hi - xAxis.lo);
+  const Y = (v) => top + (height - top - bottom) * (1 - (v - yAxis.lo) / (yAxis.hi - yAxis.lo));
+  const chart = svg('svg', {width: '100%', viewBox: `0 0 ${width} ${height}`, class: 'sweep-loss'});
+  for (const v of yAxis.ticks) {
+    chart.append(svg('line', {x1: left, x2: width - right, y1: Y(v), y2: Y(v), stroke: '#eee'}));
+    chart.append(svg('text', {x: left - 6, y: Y(v) + 4, 'text-anchor': 'end'}, fmt(v)));
+  }
+  for (const v of xAxis.ticks) chart.append(svg('text', {x: X(v), y: height - 8, 'text-anchor': 'middle'}, fmt(v)));
+  chart.append(svg('text', {x: left - 6, y: height - 8, 'text-anchor': 'end'}, 'step'));
+  for (const c of curves) {
+    const attrs = {points: c.pts.map((p) => `${X(p[0]).toFixed(1)},${Y(p[1]).toFixed(1)}`).join(' '), fill: 'none',
+      stroke: c.color, 'stroke-width': 1.6};
+    if (c.dash) attrs['stroke-dasharray'] = c.dash;
+    chart.append(tip(svg('polyline', attrs), `${c.run}: ${c.name}`));
+    if (c.pts.length === 1) chart.append(svg('circle', {cx: X(c.pts[0][0]), cy: Y(c.pts[0][1]), r: 3, fill: c.color}));
+  }
+  details.forEach((d, i) => {
+    const color = RUN_COLORS[i % RUN_COLORS.length];
+    for (const e of d.incidents) {
+      if (e.step === null || e.step === undefined) continue;
+      const label = (INCIDENT[e.kind] || [0, e.kind])[1], x = X(e.step);
+      chart.append(svg('line', {x1: x, x2: x, y1: top, y2: height - bottom, stroke: color, 'stroke-width': 1,
+        'stroke-dasharray': '2 3', opacity: 0.6}));
+      chart.append(tip(svg('path', {d: `M${x},${top - 2} l-5,-9 h10 z`, fill: color}),
+        `${d.summary.label || d.run}: ${label} at step ${e.step}: ${describe(e)}`));
+    }
+  });
+  const keys = el('div', {class: 'legend sweep-legend'}, ...details.map((d, i) => {
+    const n = d.incidents.length;
+    return el('span', {class: 'sweep-run'}, el('span', {class: 'sw', style: 'background:' + RUN_COLORS[i % RUN_COLORS.length]}),
+      `${d.summary.label || d.run}` + (n ? ` (${n} incident${n === 1 ? '' : 's'} \u25bc)` : ''));
+  }), el('span', {class: 'muted'}, 'solid: training loss · dashed: val_loss'));
+  const trains = [...new Set(curves.filter((c) => !c.dash).map((c) => c.name))];
+  const notes = trains.map((n) => el('div', {class: 'muted note'}, `${n}: ${(details.find((d) => d.loss_notes && d.loss_notes[n]) || {loss_notes: {}}).loss_notes[n] || ''}`));
+  return el('div', {}, chart, keys, ...notes);
+}
+
 // ---------------------------------------------------------------------------------------------- page
 function card(title, ...children) { return el('div', {class: 'card'}, el('h2', {}, title), ...children); }
 
@@ -328,7 +418,8 @@ function runPage(d) {
   const t = d.summary.totals;
   return [
     card(`Goodput per epoch: ${d.summary.label || d.run}`, totalsLine(t), epochBars(d.epochs, d.categories), legend(d.categories)),
-    card('Loss and incidents', lossChart(d.loss, d.incidents, d.checkpoints.saves), incidentTable(d.incidents)),
+    card('Loss and incidents', lossChart(d.loss, d.incidents, d.checkpoints.saves, d.epochs, d.loss_notes || {}),
+      incidentTable(d.incidents)),
     card('GPU', ...gpuSection(d.gpu)),
     card('Checkpoints', ...checkpointSection(d.checkpoints)),
     card('Profiler verdicts', ...profileSection(d.profiles)),
@@ -371,6 +462,17 @@ export async function render() {
     }
   }
   root.append(card(runs.length > 1 ? `Goodput of ${runs.length} runs side by side` : 'Goodput',
-    compare, legend(categories)), picker, page);
+    compare, legend(categories)));
+  if (runs.length > 1) {
+    const overlay = el('div', {class: 'muted'}, 'loading the runs\' loss curves ...');
+    root.append(card(`Loss of ${runs.length} runs overlaid, with their incidents`, overlay));
+    Promise.all(runs.map((r) => getJSON('./run?run=' + encodeURIComponent(r.run))))
+      .then((details) => { overlay.replaceWith(compareLoss(details)); root.dataset.compared = String(details.length); })
+      .catch((err) => overlay.replaceWith(el('div', {}, 'could not load the runs: ' + err)));
+  }
+  root.append(picker, page);
   await show(selected);
 }
+
+// for tests (node): the formatting helpers
+export { fmt, niceTicks, savedAt };

@@ -1,0 +1,37 @@
+"""``keras-scale checkpoint ls`` says where each checkpoint was taken as Keras counts epochs (the end of epoch 3 of a
+3-epoch run, not "epoch 4, batch 0"), where a resumed fit continues, and, given the parent of the checkpoint
+directory, which sub-directory holds them."""
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import keras_scale as ks
+from keras_scale.cli import main
+
+
+@pytest.fixture(scope="module")
+def three_epoch_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("runs") / "s1"
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.ones((32, 4), "float32")
+    model.fit(x, x[:, :1], batch_size=8, epochs=3, verbose=0,
+              callbacks=[ks.ChiefCheckpoint(str(run / "ckpt"), verbose=0)])
+    return run
+
+
+def test_ls_says_the_end_of_the_last_epoch_and_where_a_resume_continues(three_epoch_run, capsys):
+    assert main(["checkpoint", "ls", str(three_epoch_run / "ckpt")]) == 0
+    out = capsys.readouterr().out
+    newest = next(line for line in out.splitlines() if "a resumed fit starts here" in line)
+    assert "saved at the end of epoch 3" in newest and "continues at epoch 4, batch 1" in newest, out
+    assert "epoch 4" not in newest.split("<-")[0], out
+
+
+def test_ls_on_the_parent_points_to_the_checkpoint_directory(three_epoch_run, capsys):
+    assert main(["checkpoint", "ls", str(three_epoch_run)]) == 0
+    out = capsys.readouterr().out
+    assert "0 checkpoint(s)" in out
+    assert f"keras-scale checkpoint ls {os.path.join(str(three_epoch_run), 'ckpt')}" in out, out
