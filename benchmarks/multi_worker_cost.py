@@ -149,11 +149,56 @@ def worker_cost(base, rounds, steps, skip, out):
         random.Random(r).shuffle(order)  # the same order on every worker
         for arm in order:
             clock = StepClock()
-            model.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0,
-                      callbacks=[*_arm_callbacks(arm, os.path.join(base, f"r{r}"), nvml, task), clock])
+            callbacks = _arm_callbacks(arm, os.path.join(base, f"r{r}"), nvml, task)
+            own = _time_own_code(callbacks[0]) if arm.startswith("ChiefCheckpoint") else None
+            model.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[*callbacks, clock])
             medians[arm].append(statistics.median(clock.durations_s))
+            if own is not None:
+                medians.setdefault(arm + " own", []).append(statistics.median(own[skip:]))
     with open(out + f".{task}", "w") as f:
         json.dump(medians, f)
+
+
+def _time_own_code(ckpt):
+    """Per-step seconds spent in ChiefCheckpoint's own code: its batch hooks and its train-function wrapper minus
+    the wrapped step (a figure the machine's noise barely moves, unlike a ratio of step times)."""
+    per_step = []
+    pending = [0.0]
+
+    def timed(name):
+        original = getattr(ckpt, name)
+
+        def call(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                pending[0] += time.perf_counter() - started
+                if name == "on_train_batch_end":
+                    per_step.append(pending[0])
+                    pending[0] = 0.0
+        setattr(ckpt, name, call)
+
+    timed("on_train_batch_begin")
+    timed("on_train_batch_end")
+    original_call = ckpt._train_call
+
+    def train_call(inner, iterator):
+        inside = [0.0]
+
+        def timed_inner(it):
+            started = time.perf_counter()
+            try:
+                return inner(it)
+            finally:
+                inside[0] += time.perf_counter() - started
+        started = time.perf_counter()
+        try:
+            return original_call(timed_inner, iterator)
+        finally:
+            pending[0] += time.perf_counter() - started - inside[0]
+    ckpt._train_call = train_call
+    return per_step
 
 
 def worker_latency(base, out):
@@ -249,6 +294,7 @@ def measure_latency(num_workers):
         "to_stop_ms": (max(s["stop"] for s in stamps) - sent) * 1e3,
         "to_saved_ms": (stamps[0]["saved"] - sent) * 1e3,
         "to_exit_ms": (max(gone) - sent) * 1e3,
+        "gone_ms": [round((g - sent) * 1e3) for g in gone], "saved_ms": [round((s["saved"] - sent) * 1e3) for s in stamps],
     }
 
 
@@ -275,6 +321,10 @@ def main(argv=None):
         print("| bare step (ms) | " + " | ".join(f"{table[n]['bare'] * 1e3:.2f}" for n in counts) + " |")
         for arm in ARMS[1:]:
             print(f"| {arm} | " + " | ".join(f"{table[n][arm] / table[n]['bare']:.3f}" for n in counts) + " |")
+        for arm in ("ChiefCheckpoint", "ChiefCheckpoint, all-reduce agreement"):
+            print(f"| {arm}: its own code per step, us (1 + own / bare) | " + " | ".join(
+                f"{table[n][arm + ' own'] * 1e6:.0f} ({1 + table[n][arm + ' own'] / table[n]['bare']:.3f})"
+                for n in counts) + " |")
     if not args.no_latency:
         print("\nSIGTERM to the last worker only -> (ms after the signal) every worker decided to stop / the chief's "
               "save done / every worker process gone")
