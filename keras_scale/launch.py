@@ -26,8 +26,10 @@ and one record in ``restarts.jsonl`` that ``keras_scale.Goodput`` counts (docs/f
 Its exit status:
 
 - ``0``: every worker exited 0;
-- ``128 + signal`` (143 for SIGTERM, 130 for SIGINT): the launcher was signalled (and forwarded the signal),
-  whatever the workers then returned;
+- ``42``: the launcher was signalled (and forwarded the signal) and every worker then exited 42, i.e. saved its
+  state after the signal (``ChiefCheckpoint``'s preemption status: a scheduler that requeues on 42 sees 42);
+- ``128 + signal`` (143 for SIGTERM, 130 for SIGINT): the launcher was signalled (and forwarded the signal) and
+  not every worker exited 42;
 - ``124``: ``--timeout-s`` ran out;
 - otherwise the exit status of the first worker that failed (``128 + N`` for a worker killed by signal N); with
   restarts, that of the last failure once the restarts are used up.
@@ -457,6 +459,8 @@ def exit_status(results: Sequence[WorkerResult]) -> int:
     """
     for r in results:
         if r.signal_forwarded is not None:
+            if results and all(w.returncode == PREEMPTED_EXIT_CODE for w in results):
+                return PREEMPTED_EXIT_CODE  # every worker saved after the forwarded signal: requeue, not a failure
             return 128 + r.signal_forwarded
     if any(r.timed_out for r in results):
         return EXIT_TIMEOUT
@@ -589,7 +593,8 @@ def launch_with_restarts(
 
     Returns:
         A :class:`LaunchOutcome`: its ``status`` is 0 when the last attempt succeeded, else the exit status of the
-        last failure (``128 + signal`` when the launcher itself was signalled, 124 on the timeout).
+        last failure (when the launcher itself was signalled: 42 if every worker then exited 42, else
+        ``128 + signal``; 124 on the timeout).
 
     Example::
 
@@ -739,8 +744,9 @@ def cli(argv: Sequence[str]) -> int:
         description="Run CMD as N local MultiWorkerMirroredStrategy workers on 127.0.0.1 (TF_CONFIG set for "
                     "each), streaming their output with a [worker i] prefix. SIGTERM/SIGINT are forwarded to the "
                     "workers. With --max-restarts, a failed or hung worker restarts all workers (they resume from "
-                    "their checkpoint). Exit status: 0 all workers ok; 128+signal when signalled; 124 on "
-                    "--timeout-s; else the status of the (last) failing worker.")
+                    "their checkpoint). Exit status: 0 all workers ok; 42 when signalled and every worker saved "
+                    "(exited 42); else 128+signal when signalled; 124 on --timeout-s; else the status of the "
+                    "(last) failing worker.")
     parser.add_argument("--workers", type=int, default=2, help="number of worker processes (default 2)")
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="restart all workers this many times at most when one fails (default 0)")
@@ -785,10 +791,24 @@ def cli(argv: Sequence[str]) -> int:
             command[0], os.X_OK):
         parser.error(f"cannot run {command[0]!r}: not found or not executable (give the command to run on each "
                      "worker, e.g. `-- python train.py`)")
-    outcome = launch_with_restarts(command, num_workers=args.workers, max_restarts=args.max_restarts,
-                                   min_workers=args.min_workers, heartbeat_timeout_s=args.heartbeat_timeout_s,
-                                   backoff_s=args.backoff_s, run_dir=args.run_dir, timeout_s=args.timeout_s,
-                                   grace_s=args.grace_s, stream=True, reraise_signal=False)
+    # A SIGTERM after launch_with_restarts gave its handlers back (the launcher is ending) lands here: once every
+    # worker saved after a forwarded signal (status 42) it is ignored, so a repeated signal never turns 42 into 143.
+    late: List[int] = []
+    in_main = threading.current_thread() is threading.main_thread()
+    previous_term = signal.signal(signal.SIGTERM, lambda signum, frame: late.append(signum)) if in_main else None
+    try:
+        outcome = launch_with_restarts(command, num_workers=args.workers, max_restarts=args.max_restarts,
+                                       min_workers=args.min_workers, heartbeat_timeout_s=args.heartbeat_timeout_s,
+                                       backoff_s=args.backoff_s, run_dir=args.run_dir, timeout_s=args.timeout_s,
+                                       grace_s=args.grace_s, stream=True, reraise_signal=False)
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous_term)
+    if in_main and outcome.status == PREEMPTED_EXIT_CODE and outcome.results and \
+            outcome.results[0].signal_forwarded is not None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # exiting with 42: also through the interpreter's teardown
+    elif late:
+        signal.raise_signal(late[0])  # a SIGTERM while the launcher was ending otherwise: as it would have
     summary = ", ".join(f"worker {r.index}: exit {r.returncode}{' (timed out)' if r.timed_out else ''}"
                         f"{' (hung)' if r.hung else ''}" for r in outcome.results)
     restarts = f"{len(outcome.restarts)} restart{'s' if len(outcome.restarts) != 1 else ''}; " \

@@ -129,6 +129,7 @@ def test_sigterm_to_the_launcher_and_its_workers_at_once(tmp_path):
     lines += rest.splitlines()
     text = "\n".join(lines)
     assert "worker 0: exit 42, worker 1: exit 42" in text, text[-4000:]
+    assert launcher.returncode == 42  # signalled, and every worker saved
     (step, _), = list_checkpoints(d)[:1]
     assert 6 <= step < 48
     rerun = _launch(script, d)

@@ -109,8 +109,10 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         mode: ``"min"``, ``"max"`` or ``"auto"`` (``max`` for accuracy/AUC-like names, else ``min``).
         preemption_exit_code: exit status after a SIGTERM/SIGUSR1 save (``None``: ``fit`` returns normally and
             :attr:`preempted` says why it stopped).
-        signal_check_every_n_steps: multi-worker only: how often the workers agree on whether a signal arrived
-            (one tiny all-reduce each time).
+        signal_check_every_n_steps: multi-worker without TensorFlow's coordination service only: how often the
+            workers agree on whether a signal arrived (one tiny all-reduce each time). With the coordination service
+            (every ``MultiWorkerMirroredStrategy`` cluster from ``TF_CONFIG``, Slurm or ``keras-scale launch``) the
+            workers agree through it with no per-step cost, and this is unused.
         verbose: 0 quiet (saves, restores and resumes go to the ``keras_scale.checkpoint`` logger at INFO); 1 one
             line on stdout per save, restore and resume (chief only). Preemption and incidents always warn (stderr).
 
@@ -193,6 +195,7 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         self._start_state_wanted = False
         self._handlers: Dict[int, Any] = {}  # signal -> the handler installed for this fit (holds the previous one)
         self._exit_window_until = 0.0  # monotonic time until which repeated signals are ignored while exiting
+        self._channel: Any = None  # multi-worker: the workers' agreement on a preemption step (preemption.py)
         self._lock_path: Optional[str] = None
         self._lock_ino: Optional[tuple] = None  # (st_dev, st_ino) of the lock this process created
         self._scratch_dir: Optional[str] = None  # a non-chief worker's private folder, made by this process
@@ -352,6 +355,7 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
                 f"ChiefCheckpoint: the chief could not start in {self.directory!r} (see its error); this worker "
                 "stops too.")
         self._install_signal_handlers()
+        self._open_signal_channel()
         self._checkpoint = self._manager = None
         self._report_directory_problems()
         self._best = self._read_best() if self.keep_best_k else []
@@ -488,6 +492,7 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
             self._consider_best(int(epoch), logs)
 
     def on_train_end(self, logs=None):
+        self._agree_at_train_end()  # multi-worker: a signal after the last step boundary ends every worker with 42
         # The final state is always saved, so a finished, stopped or preempted run resumes with nothing lost.
         try:
             self._final_save()
