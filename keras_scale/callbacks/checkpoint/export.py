@@ -165,20 +165,42 @@ def describe_directory(directory: str) -> Dict[str, Any]:
     """What ``keras-scale checkpoint ls`` prints: the committed checkpoints (number, position, bytes), which one a
     resumed ``fit`` starts from, the kept best ones, problems and orphan files.
 
+    The resume point is found as ``fit`` finds it: newest first, each checkpoint read whole (every tensor against its
+    CRC32C, :func:`keras_scale.callbacks.checkpoint.format.verify_checkpoint`) until one loads; the ones it skips are
+    problems. Complete checkpoints no resume uses (not in the state file: ``keep_every_n_hours``, an earlier run)
+    are listed under ``unlisted``. A damaged ``best/best.json`` is a problem, never a crash.
+
     Example:
         describe_directory("ckpt")["resumes"]   # 'ckpt/ckpt-300'
     """
+    from keras_scale.callbacks.checkpoint.best import BEST_JSON, read_best_json
+    from keras_scale.callbacks.checkpoint.directory import _verified, unlisted_checkpoints
+
     found, problems, _ = _scan(directory)
+    problems = list(problems)
     rows = [{"number": n, "prefix": p, "bytes": _size(p), **_position(p)} for n, p in found]
-    best: List[Dict[str, Any]] = []
-    try:
-        with tf.io.gfile.GFile(os.path.join(directory, _BEST_DIR, "best.json")) as f:
-            best = json.load(f)
-    except Exception:  # noqa: BLE001 - none kept
-        best = []
+    resumes = None
+    for row in rows:
+        why = _verified(row["prefix"])
+        if why is None:
+            resumes = row["prefix"]
+            break
+        row["damaged"] = why
+        problems.append(f"{row['prefix']!r} fails its check ({why}): a resumed fit skips it")
+    best_dir = os.path.join(directory, _BEST_DIR)
+    best, problem = read_best_json(best_dir)
+    best = best or []
+    if problem:
+        problems.append(problem + "; the next ChiefCheckpoint(keep_best_k=...) start rebuilds it from the checkpoints")
     for e in best:
-        e["prefix"] = os.path.join(directory, _BEST_DIR, f"{_NAME}-{e.get('number')}")
-    return {"directory": directory, "checkpoints": rows, "resumes": rows[0]["prefix"] if rows else None,
+        e["prefix"] = os.path.join(best_dir, f"{_NAME}-{e.get('number')}")
+    ranked = {e["number"] for e in best}
+    for number, prefix in (list_checkpoints(best_dir) if tf.io.gfile.isdir(best_dir) else []):
+        if number not in ranked:
+            problems.append(f"{prefix!r} is in best/ but not ranked in {BEST_JSON} (the next ChiefCheckpoint"
+                            "(keep_best_k=...) start ranks it by the value it records; it is never deleted unranked)")
+    unlisted = [{"number": n, "prefix": p, "bytes": _size(p), **_position(p)} for n, p in unlisted_checkpoints(directory)]
+    return {"directory": directory, "checkpoints": rows, "resumes": resumes, "unlisted": unlisted,
             "best": best, "problems": problems, "orphans": orphans(directory)}
 
 
@@ -218,11 +240,18 @@ def cli(args: Any) -> int:
         for row in info["checkpoints"]:
             where = (f"epoch {row['epoch'] + 1}, batch {row['step_in_epoch']}" if "epoch" in row
                      else "position unknown")
-            mark = "  <- a resumed fit starts here" if row["prefix"] == info["resumes"] else ""
+            mark = ("  <- a resumed fit starts here" if row["prefix"] == info["resumes"] else
+                    "  DAMAGED: a resumed fit skips it" if "damaged" in row else "")
             say(f"  {_NAME}-{row['number']:<10} {where:<24} {_human(row['bytes']):>10}{mark}")
+        for row in info["unlisted"]:
+            where = (f"epoch {row['epoch'] + 1}, batch {row['step_in_epoch']}" if "epoch" in row
+                     else "position unknown")
+            say(f"  {_NAME}-{row['number']:<10} {where:<24} {_human(row['bytes']):>10}  (not in the state file: "
+                "kept, a resume never uses it)")
         for e in info["best"]:
-            say(f"  best: {os.path.basename(e['prefix'])} {e.get('monitor')}={e.get('value'):.6g} "
-                  f"(epoch {int(e.get('epoch', 0)) + 1})")
+            epoch = e.get("epoch")
+            say(f"  best: {os.path.basename(e['prefix'])} {e.get('monitor')}={e['value']:.6g}"
+                + (f" (epoch {epoch + 1})" if isinstance(epoch, int) else ""))
         for problem in info["problems"]:
             say(f"  problem: {problem}")
         if info["orphans"]:
