@@ -519,6 +519,39 @@ def _failure(results: Sequence[WorkerResult], watch: _HeartbeatWatch, heartbeat_
     return [first.index], why, status, at_start
 
 
+def exception_text(output: str) -> Optional[str]:
+    """The exception line of the last Python traceback in a worker's output (``"ValueError: bad shape"``);
+    ``None`` when it shows no traceback (a plain ``sys.exit(3)``, a signal).
+
+    Example:
+        >>> exception_text("Traceback (most recent call last):\\n  File \\"t.py\\", line 1\\nValueError: bad shape\\n")
+        'ValueError: bad shape'
+    """
+    start = output.rfind("Traceback (most recent call last):")
+    if start < 0:
+        return None
+    for line in output[start:].splitlines()[1:]:
+        if line.strip() and not line.startswith((" ", "\t")):  # (frames and their code lines are indented)
+            return line.strip()
+    return None
+
+
+def _deterministic(results: Sequence[WorkerResult], workers: List[int], watch: _HeartbeatWatch,
+                   previous: Optional[Tuple[str, bool]]) -> Tuple[Optional[str], bool]:
+    """``(this attempt's exception text, the same as the previous attempt's before any step)``.
+
+    A worker that raises the same exception (same text) at two starts in a row, with no step made in either
+    attempt (no worker wrote a step heartbeat), fails the same way every time: a bug in the script or its input,
+    not a lost machine. Exit statuses of a signal or of a preemption (42) never count."""
+    first = next((r for r in results if r.index == workers[0]), None)
+    if first is None or first.returncode is None or first.returncode <= 0 or first.returncode == PREEMPTED_EXIT_CODE:
+        return None, False
+    text = exception_text(first.stderr or "") or exception_text(first.stdout or "")
+    no_step = not any(watch.progressed)
+    same = text is not None and previous is not None and previous == (text, True) and no_step
+    return (text if no_step else None), same
+
+
 def launch_with_restarts(
     argv: Sequence[str],
     num_workers: int = 2,
@@ -544,7 +577,9 @@ def launch_with_restarts(
     get ``grace_s`` to stop, then SIGKILL; after ``backoff_s * 2**(i-1)`` seconds (at most 30) all workers start
     again with fresh ports and resume from their checkpoint. A worker index that fails before its first step
     :data:`START_FAILURES_TO_DROP` attempts in a row is a lost machine: the run continues with one worker fewer,
-    down to ``min_workers`` (default ``num_workers``: never fewer).
+    down to ``min_workers`` (default ``num_workers``: never fewer). A worker that raises the *same* exception (same
+    text) at two starts in a row with no training step made in either is a bug, not a lost machine: the launcher
+    stops at once with that error and its exit status (no more restarts, no worker dropped).
 
     Each restart prints one line (``say``, default stderr) and appends a record to ``run_dir/restarts.jsonl``
     (``KERAS_SCALE_RESTART_LOG`` in the workers; :class:`keras_scale.Goodput` counts it). A signal to the launcher
@@ -596,6 +631,7 @@ def launch_with_restarts(
     start_failures: Dict[int, int] = {}
     current = num_workers
     beats_seen = False
+    last_error: Optional[Tuple[str, bool]] = None  # the previous attempt's exception text, if it failed before a step
 
     def record(entry: Dict[str, Any]) -> None:
         with open(record_path, "a") as f:
@@ -658,6 +694,17 @@ def launch_with_restarts(
             if any(r.timed_out for r in results):
                 return LaunchOutcome(results, restarts, status)
             workers, why, status, at_start = _failure(results, watch, heartbeat_timeout_s, beats_seen)
+            text, same = _deterministic(results, workers, watch, last_error)
+            last_error = (text, True) if text is not None else None
+            if same:  # the same error at every start: restarting (or dropping a worker) cannot help
+                say(f"keras-scale launch: worker {workers[0]} raised the same error at {len(restarts) + 1} starts "
+                    f"in a row, before any training step: {text}\n"
+                    f"keras-scale launch: a failure that repeats identically is a bug in the script or its input, "
+                    f"not a lost machine: not restarting (exit {status}). Fix the error above (the worker's "
+                    f"traceback is above it) and run again.")
+                record({"event": "gave_up", "reason": "deterministic failure", "workers": workers, "error": text,
+                        "returncode": status, "attempts": len(restarts) + 1})
+                return LaunchOutcome(results, restarts, status)
             if len(restarts) >= max_restarts:
                 if max_restarts:
                     say(f"keras-scale launch: worker{'s' if len(workers) > 1 else ''} "
