@@ -270,3 +270,28 @@ def test_ls_marks_where_a_resume_starts_as_fit_finds_it(tmp_path):
     with pytest.warns(RuntimeWarning, match="could not be loaded"):
         fit(make_model(), [ckpt, StopAfter(11)])
     assert ckpt.restored_from == os.path.join(directory, "ckpt-5")
+
+
+# ------------------------------------------------------------------------------------------------ TensorFlow's reader
+def test_the_documented_tf_train_checkpoint_structure_reads_everything_and_the_keras_graph_fails_loudly(tmp_path):
+    """docs/checkpoint.md: tf.train.Checkpoint(model_variables=..., optimizer_variables=...).read restores every
+    weight and the optimizer (TensorFlow's own reader and assertion); the Keras object graph matches nothing and
+    assert_existing_objects_matched says so."""
+    import tensorflow as tf
+
+    directory = str(tmp_path / "ckpt")
+    trained = make_model()
+    fit(trained, [ks.ChiefCheckpoint(directory, save_freq=5), StopAfter(15)], epochs=2)
+    fresh = make_model(width=8)
+    fresh.optimizer.build(fresh.trainable_variables)
+    status = tf.train.Checkpoint(model_variables=[v.value for v in fresh.variables],
+                                 optimizer_variables=[v.value for v in fresh.optimizer.variables],
+                                 ).read(tf.train.latest_checkpoint(directory))
+    status.expect_partial().assert_existing_objects_matched()
+    assert_same(weights(fresh), weights(trained))
+    assert int(fresh.optimizer.iterations.numpy()) == 15
+    other = make_model()
+    other.optimizer.build(other.trainable_variables)
+    with pytest.raises(AssertionError):
+        tf.train.Checkpoint(model=other, optimizer=other.optimizer).read(
+            tf.train.latest_checkpoint(directory)).assert_existing_objects_matched()
