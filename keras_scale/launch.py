@@ -536,20 +536,28 @@ def exception_text(output: str) -> Optional[str]:
     return None
 
 
-def _deterministic(results: Sequence[WorkerResult], workers: List[int], watch: _HeartbeatWatch,
-                   previous: Optional[Tuple[str, bool]]) -> Tuple[Optional[str], bool]:
-    """``(this attempt's exception text, the same as the previous attempt's before any step)``.
+def _deterministic(results: Sequence[WorkerResult], watch: _HeartbeatWatch,
+                   previous: Optional[frozenset]) -> Tuple[Optional[frozenset], Optional[str]]:
+    """``(this attempt's exception texts, the text it shares with the previous attempt)``.
 
     A worker that raises the same exception (same text) at two starts in a row, with no step made in either
     attempt (no worker wrote a step heartbeat), fails the same way every time: a bug in the script or its input,
-    not a lost machine. Exit statuses of a signal or of a preemption (42) never count."""
-    first = next((r for r in results if r.index == workers[0]), None)
-    if first is None or first.returncode is None or first.returncode <= 0 or first.returncode == PREEMPTED_EXIT_CODE:
-        return None, False
-    text = exception_text(first.stderr or "") or exception_text(first.stdout or "")
-    no_step = not any(watch.progressed)
-    same = text is not None and previous is not None and previous == (text, True) and no_step
-    return (text if no_step else None), same
+    not a lost machine. The texts are those of the workers that failed by themselves with an exit status of an
+    error (a signal's, a preemption's 42 and workers the launcher stopped never count); ``None`` when a step was
+    made or no such worker printed a traceback."""
+    if any(watch.progressed):
+        return None, None
+    texts = set()
+    for r in results:
+        if r.returncode is None or r.returncode <= 0 or r.returncode == PREEMPTED_EXIT_CODE or r.stopped_by_launcher:
+            continue
+        text = exception_text(r.stderr or "") or exception_text(r.stdout or "")
+        if text is not None:
+            texts.add(text)
+    if not texts:
+        return None, None
+    common = sorted(texts & previous) if previous else []
+    return frozenset(texts), (common[0] if common else None)
 
 
 def launch_with_restarts(
@@ -631,7 +639,7 @@ def launch_with_restarts(
     start_failures: Dict[int, int] = {}
     current = num_workers
     beats_seen = False
-    last_error: Optional[Tuple[str, bool]] = None  # the previous attempt's exception text, if it failed before a step
+    last_errors: Optional[frozenset] = None  # the previous attempt's exception texts, if it failed before a step
 
     def record(entry: Dict[str, Any]) -> None:
         with open(record_path, "a") as f:
@@ -694,15 +702,17 @@ def launch_with_restarts(
             if any(r.timed_out for r in results):
                 return LaunchOutcome(results, restarts, status)
             workers, why, status, at_start = _failure(results, watch, heartbeat_timeout_s, beats_seen)
-            text, same = _deterministic(results, workers, watch, last_error)
-            last_error = (text, True) if text is not None else None
-            if same:  # the same error at every start: restarting (or dropping a worker) cannot help
-                say(f"keras-scale launch: worker {workers[0]} raised the same error at {len(restarts) + 1} starts "
-                    f"in a row, before any training step: {text}\n"
+            texts, text = _deterministic(results, watch, last_errors)
+            last_errors = texts
+            if text is not None:  # the same error at every start: restarting (or dropping a worker) cannot help
+                who = [r.index for r in results if text in (exception_text(r.stderr or "") or "",
+                                                             exception_text(r.stdout or "") or "")]
+                say(f"keras-scale launch: worker{'s' if len(who) > 1 else ''} {', '.join(map(str, who))} raised "
+                    f"the same error at {len(restarts) + 1} starts in a row, before any training step: {text}\n"
                     f"keras-scale launch: a failure that repeats identically is a bug in the script or its input, "
                     f"not a lost machine: not restarting (exit {status}). Fix the error above (the worker's "
                     f"traceback is above it) and run again.")
-                record({"event": "gave_up", "reason": "deterministic failure", "workers": workers, "error": text,
+                record({"event": "gave_up", "reason": "deterministic failure", "workers": who, "error": text,
                         "returncode": status, "attempts": len(restarts) + 1})
                 return LaunchOutcome(results, restarts, status)
             if len(restarts) >= max_restarts:

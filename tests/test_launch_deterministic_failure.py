@@ -46,7 +46,7 @@ def test_the_same_error_at_every_start_stops_the_launcher_at_once_with_that_erro
     proc, records = _launch(tmp_path, "same", "--max-restarts", "5", "--min-workers", "1")
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert int((tmp_path / "attempts_0").read_text()) == 2  # the first failure is restarted; the identical second ends it
-    assert "raised the same error at 2 starts in a row" in proc.stderr
+    assert "raised the same error at 2 starts in a row" in proc.stderr, proc.stderr[-3000:]
     assert "ValueError: learning_rate must be > 0, got -0.1" in proc.stderr
     assert "kept failing at start" not in proc.stderr  # no worker dropped as a lost machine
     restarts = [r for r in records if r["event"] == "restart"]
@@ -74,14 +74,16 @@ def _result(code, text, index=0):
 
 def test_what_counts_as_the_same_failure_before_a_step():
     bug = "ValueError: bad shape (3, 4)"
-    text, same = _deterministic([_result(1, bug)], [0], _Watch([False]), None)
-    assert text == bug and not same  # one failure proves nothing
-    assert _deterministic([_result(1, bug)], [0], _Watch([False]), (bug, True)) == (bug, True)
-    assert not _deterministic([_result(1, bug)], [0], _Watch([True]), (bug, True))[1]  # a step was made: not "at start"
-    assert not _deterministic([_result(1, "ValueError: other")], [0], _Watch([False]), (bug, True))[1]
-    assert not _deterministic([_result(-9, None)], [0], _Watch([False]), (bug, True))[1]  # SIGKILL: a lost machine
-    assert not _deterministic([_result(42, bug)], [0], _Watch([False]), (bug, True))[1]  # preempted
-    assert not _deterministic([_result(3, None)], [0], _Watch([False]), (None, True))[1]  # no traceback: unknown
+    texts, same = _deterministic([_result(1, bug)], _Watch([False]), None)
+    assert texts == {bug} and same is None  # one failure proves nothing
+    assert _deterministic([_result(1, bug)], _Watch([False]), frozenset([bug]))[1] == bug
+    # the same bug, first seen on worker 1, now on worker 0 (which of them fails first varies)
+    assert _deterministic([_result(1, bug, 0), _result(-9, None, 1)], _Watch([False, False]), frozenset([bug]))[1] == bug
+    assert _deterministic([_result(1, bug)], _Watch([True]), frozenset([bug])) == (None, None)  # a step was made
+    assert _deterministic([_result(1, "ValueError: other")], _Watch([False]), frozenset([bug]))[1] is None
+    assert _deterministic([_result(-9, None)], _Watch([False]), frozenset([bug]))[1] is None  # SIGKILL: lost machine
+    assert _deterministic([_result(42, bug)], _Watch([False]), frozenset([bug]))[1] is None  # preempted
+    assert _deterministic([_result(3, None)], _Watch([False]), frozenset([bug])) == (None, None)  # no traceback
     assert exception_text("Traceback (most recent call last):\n  File \"a\", line 1\n    x\nKeyError: 'k'\n"
                           "\nDuring handling of the above exception, another exception occurred:\n\n"
                           "Traceback (most recent call last):\n  File \"a\", line 2\n    y\nRuntimeError: wrapped\n"

@@ -86,6 +86,9 @@ def epoch_end_value(prefix: str, monitor: str) -> Optional[Tuple[float, int]]:
 
 
 def _numbers_in(directory: str) -> Dict[int, str]:
+    """``{number: prefix}`` of the checkpoints in ``directory`` whose files all live in it (no link out)."""
+    from keras_scale.callbacks.checkpoint.directory import _files_inside
+
     try:
         names = tf.io.gfile.listdir(directory)
     except (tf.errors.OpError, OSError):
@@ -94,7 +97,9 @@ def _numbers_in(directory: str) -> Dict[int, str]:
     for name in names:
         m = _INDEX_RE.match(name.rstrip("/"))
         if m:
-            out[int(m.group(1))] = os.path.join(directory, name.rstrip("/")[: -len(".index")])
+            prefix = os.path.join(directory, name.rstrip("/")[: -len(".index")])
+            if _files_inside(directory, prefix):
+                out[int(m.group(1))] = prefix
     return out
 
 
@@ -172,8 +177,10 @@ def link_into(src_prefix: str, best_dir: str) -> None:
     """Hard-link (or copy, across file systems and on object stores) checkpoint ``src_prefix``'s files into
     ``best_dir``; a link already at a destination name is removed, never written through."""
     directory, src_name = os.path.split(src_prefix)
-    for name in tf.io.gfile.listdir(directory):
-        name = name.rstrip("/")
+    names = [n.rstrip("/") for n in tf.io.gfile.listdir(directory)]
+    # the data first, the index last: an index in best/ means its data is there (a kill in between leaves data
+    # without an index, an orphan)
+    for name in sorted(names, key=lambda n: n.endswith(".index")):
         if name == src_name + ".index" or name.startswith(src_name + ".data-"):
             src, dst = os.path.join(directory, name), os.path.join(best_dir, name)
             try:
@@ -243,16 +250,21 @@ class BestMixin:
             return
         plan = self._reconcile_best()
         if plan["problems"]:
-            warnings.warn(f"ChiefCheckpoint: keep_best_k: " + "; ".join(plan["problems"]) + ".", RuntimeWarning,
+            warnings.warn("ChiefCheckpoint: keep_best_k: " + "; ".join(plan["problems"]) + ".", RuntimeWarning,
                           stacklevel=3)
-        if plan["link"]:
-            tf.io.gfile.makedirs(best_dir)
-            for prefix in plan["link"].values():
-                link_into(prefix, best_dir)
-        if plan["changed"] and (plan["best"] or tf.io.gfile.exists(os.path.join(best_dir, BEST_JSON))):
-            write_atomic(os.path.join(best_dir, BEST_JSON), json.dumps(plan["best"]))
-        for number in plan["drop"]:
-            _remove_number(best_dir, number)
+        try:
+            if plan["link"]:
+                tf.io.gfile.makedirs(best_dir)
+                for prefix in plan["link"].values():
+                    link_into(prefix, best_dir)
+            if plan["changed"] and (plan["best"] or tf.io.gfile.exists(os.path.join(best_dir, BEST_JSON))):
+                write_atomic(os.path.join(best_dir, BEST_JSON), json.dumps(plan["best"]))
+            for number in plan["drop"]:
+                _remove_number(best_dir, number)
+        except (OSError, tf.errors.OpError) as e:  # e.g. best/ or best.json is not what it should be
+            warnings.warn(f"ChiefCheckpoint: keep_best_k could not bring {best_dir!r} up to date ({e}); training "
+                          "goes on, the best checkpoints are ranked again at the next start.", RuntimeWarning,
+                          stacklevel=3)
 
     def _keep_best(self, value: float, epoch: int) -> None:
         """Copy (hard-link where possible) the checkpoint just saved for this epoch's end into ``best/``."""
@@ -271,13 +283,20 @@ class BestMixin:
             warnings.warn(f"ChiefCheckpoint: {best_dir!r} is a symbolic link; keep_best_k does not write through it. "
                           "Remove the link.", RuntimeWarning, stacklevel=2)
             return
-        tf.io.gfile.makedirs(best_dir)
         src_name = os.path.basename(self._last_saved_prefix)
-        link_into(self._last_saved_prefix, best_dir)
-        # the ranking first, then the ranked-out files: a kill in between leaves files best.json does not list,
-        # which the next start ranks from their own logs (never a listed entry without its files)
-        write_atomic(os.path.join(best_dir, BEST_JSON), json.dumps(self._best))
-        for e in drop:
-            _remove_number(best_dir, e["number"])
+        try:
+            tf.io.gfile.makedirs(best_dir)
+            link_into(self._last_saved_prefix, best_dir)
+            # the ranking first, then the ranked-out files: a kill in between leaves files best.json does not list,
+            # which the next start ranks from their own logs (never a listed entry without its files)
+            write_atomic(os.path.join(best_dir, BEST_JSON), json.dumps(self._best))
+            for e in drop:
+                _remove_number(best_dir, e["number"])
+        except (OSError, tf.errors.OpError) as e:  # the checkpoint itself is saved: training goes on
+            warnings.warn(f"ChiefCheckpoint: keep_best_k could not keep {self._last_saved_prefix!r} in {best_dir!r} "
+                          f"({type(e).__name__}: {e}); the checkpoint itself is saved and training goes on. Fix "
+                          f"{best_dir!r} (it must be a directory this process can write; best.json a file); the next "
+                          "start ranks the best checkpoints again.", RuntimeWarning, stacklevel=2)
+            return
         self._say(f"ChiefCheckpoint: {self.monitor}={value:.6g} at epoch {epoch + 1}: kept as "
                   f"{os.path.join(best_dir, src_name)!r}")

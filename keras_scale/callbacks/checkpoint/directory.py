@@ -98,16 +98,9 @@ def _scan(directory: str) -> Tuple[List[Tuple[int, str]], List[str], bool]:
     from_state = bool(found)
     if found:
         newest = max(found)
-        newer, torn = {}, []
-        for n, p in _indexed(directory).items():
-            if n > newest and _io.is_complete(p):
-                why = _verified(p)
-                if why is None:
-                    newer[n] = p
-                else:
-                    torn.append(f"{p!r} is newer than the newest checkpoint the state file records but fails its "
-                                f"check ({why}): a write cut short, removed at the next start")
-        problems.extend(torn)
+        newer, torn = _newer_than(directory, newest)
+        problems.extend(f"{p!r} is newer than the newest checkpoint the state file records but fails its check "
+                        f"({why}): a write cut short, removed at the next start" for p, why in torn)
         if newer:
             found.update(newer)
             problems.append(
@@ -130,6 +123,21 @@ def _scan(directory: str) -> Tuple[List[Tuple[int, str]], List[str], bool]:
                             "scanning the directory (the next ChiefCheckpoint start writes a new state file listing "
                             f"the newest of them)")
     return sorted(found.items(), reverse=True), problems, from_state
+
+
+def _newer_than(directory: str, newest: int) -> Tuple[Dict[int, str], List[Tuple[str, str]]]:
+    """``({number: prefix} of complete checkpoints newer than ``newest`` that load, [(prefix, why)] of those that
+    do not)``: what a state file naming ``newest`` last has not recorded."""
+    newer: Dict[int, str] = {}
+    torn: List[Tuple[str, str]] = []
+    for n, p in sorted(_indexed(directory).items()):
+        if n > newest and _io.is_complete(p):
+            why = _verified(p)
+            if why is None:
+                newer[n] = p
+            else:
+                torn.append((p, why))
+    return newer, torn
 
 
 _VERIFIED: Dict[str, Tuple[tuple, Optional[str]]] = {}  # prefix -> (files' identity, failure or None)
@@ -172,6 +180,8 @@ def unlisted_checkpoints(directory: str) -> List[Tuple[int, str]]:
 def _retiring(directory: str) -> Tuple[List[str], bool]:
     """``(names in checkpoint.retiring, the file exists)``: what a rotation was deleting when it was cut short."""
     path = os.path.join(directory, _io.RETIRING_NAME)
+    if _is_local(path) and os.path.islink(path):  # never read through a link: removed, nothing it names deleted
+        return [], True
     try:
         with tf.io.gfile.GFile(path) as f:
             names = json.load(f)
@@ -291,6 +301,15 @@ def orphans(directory: str) -> List[str]:
     newest = max((n for n, _ in listed), default=None) if from_state else None
     indexes = {n for n in names if _INDEX_RE.match(n)}
     out = []
+    torn = set()
+    if from_state:  # unrecorded checkpoints that fail their check (adopted ones are candidates, never orphans)
+        recorded = [n for n, _ in listed]
+        listed_names, _ = _listed_names(directory)
+        in_file = {int(m.group(1)) for m in (_PREFIX_RE.match(os.path.basename(p.rstrip("/"))) for p in listed_names)
+                   if m}
+        recorded = [n for n in recorded if n in in_file]
+        if recorded:
+            torn = {os.path.basename(p) for p, _ in _newer_than(directory, max(recorded))[1]}
     retiring, journal = _retiring(directory)
     if journal:  # a rotation cut short after the state file stopped naming them: finish it
         still = {os.path.basename(p) for _, p in listed}
@@ -317,7 +336,7 @@ def orphans(directory: str) -> List[str]:
         if not m:
             continue
         number, kind, temp = int(m.group(1)), m.group(2), m.group(3)
-        if temp:
+        if temp or f"{_NAME}-{number}" in torn:
             out.append(path)
         elif newest is not None and number > newest:
             out.append(path)
@@ -390,8 +409,9 @@ class DirectoryMixin:
         out = []
         for name in names:
             m = _ORPHAN_RE.match(name)
-            if (m and (m.group(3) or (m.group(2) != ".index" and f"{_NAME}-{m.group(1)}.index" not in names))
-                    or name.startswith("best.json.tmp")):
+            if (m and (m.group(3) or (m.group(2) != ".index" and f"{_NAME}-{m.group(1)}.index" not in names)
+                       or (m.group(2) == ".index" and not _io.is_complete(os.path.join(best_dir, name[:-6])))
+                       ) or name.startswith("best.json.tmp")):
                 out.append(os.path.join(best_dir, name))
         return out
 
@@ -417,9 +437,11 @@ class DirectoryMixin:
             candidates = candidates[: self.max_to_keep]
         kept = sorted(candidates)
         names = [os.path.basename(p) for _, p in kept]
-        if exists:
-            tf.io.gfile.rename(state_file, state_file + ".invalid", overwrite=True)
+        if exists:  # (kept as a copy: the state file is then replaced in one rename, never missing in between)
+            with tf.io.gfile.GFile(state_file, "rb") as f:
+                write_atomic(state_file + ".invalid", f.read())
         if not names:
+            remove_entry(state_file)
             return
         # with timestamps (newer than last_preserved_timestamp), the manager rotates them as its own again
         stamps = [tf.io.gfile.stat(p + ".index").mtime_nsec / 1e9 for _, p in kept]
