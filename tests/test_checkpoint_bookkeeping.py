@@ -263,9 +263,9 @@ def test_ls_marks_where_a_resume_starts_as_fit_finds_it(tmp_path):
     out = _ls(directory)
     line_10 = next(l for l in out.splitlines() if l.strip().startswith("ckpt-10 "))
     line_5 = next(l for l in out.splitlines() if l.strip().startswith("ckpt-5 "))
-    assert "resumed fit starts here" not in line_10 and "DAMAGED" in line_10, out
+    assert "resumed fit starts here" not in line_10, out
     assert "resumed fit starts here" in line_5, out
-    assert "problem" in out and "ckpt-10" in out
+    assert any("ckpt-10" in l and "a resumed fit skips it" in l for l in out.splitlines() if "problem:" in l), out
     ckpt = ks.ChiefCheckpoint(directory, save_freq=5, max_to_keep=2)
     with pytest.warns(RuntimeWarning, match="could not be loaded"):
         fit(make_model(), [ckpt, StopAfter(11)])

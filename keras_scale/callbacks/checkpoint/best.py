@@ -50,7 +50,10 @@ def read_best_json(best_dir: str) -> Tuple[Optional[List[Dict[str, Any]]], Optio
         number = e.get("number") if isinstance(e, dict) else None
         if (isinstance(number, int) and not isinstance(number, bool) and isinstance(value, (int, float))
                 and not isinstance(value, bool) and math.isfinite(value)):
-            good.append({**e, "value": float(value)})
+            entry = {**e, "value": float(value)}
+            if not isinstance(entry.get("epoch", 0), int) or isinstance(entry.get("epoch"), bool):
+                entry.pop("epoch")  # (not needed to rank; shown when it is a number)
+            good.append(entry)
         else:
             bad += 1
     return good, (f"{path!r} is damaged ({bad} of {len(entries)} entries lack a number or a finite value)"

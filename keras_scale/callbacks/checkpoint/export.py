@@ -297,18 +297,14 @@ def cli(args: Any) -> int:
         for row in info["checkpoints"]:
             where = (f"epoch {row['epoch'] + 1}, batch {row['step_in_epoch']}" if "epoch" in row
                      else "position unknown")
-            mark = ("  <- a resumed fit starts here" if row["prefix"] == info["resumes"] else
-                    "  DAMAGED: a resumed fit skips it" if "damaged" in row else "")
+            mark = "  <- a resumed fit starts here" if row["prefix"] == info["resumes"] else ""
             say(f"  {_NAME}-{row['number']:<10} {where:<24} {_human(row['bytes']):>10}{mark}")
-        for row in info["unlisted"]:
-            where = (f"epoch {row['epoch'] + 1}, batch {row['step_in_epoch']}" if "epoch" in row
-                     else "position unknown")
-            say(f"  {_NAME}-{row['number']:<10} {where:<24} {_human(row['bytes']):>10}  (not in the state file: "
-                "kept, a resume never uses it)")
         for e in info["best"]:
-            epoch = e.get("epoch")
-            say(f"  best: {os.path.basename(e['prefix'])} {e.get('monitor')}={e['value']:.6g}"
-                + (f" (epoch {epoch + 1})" if isinstance(epoch, int) else ""))
+            say(f"  best: {os.path.basename(e['prefix'])} {e.get('monitor')}={e.get('value'):.6g} "
+                  f"(epoch {int(e.get('epoch', 0)) + 1})")
+        for row in info["unlisted"]:  # (what a damaged newest one is: a problem line below)
+            say(f"  {_NAME}-{row['number']:<10} not in the state file: kept (keep_every_n_hours, an earlier run); "
+                "a resume never uses it")
         for problem in info["problems"]:
             say(f"  problem: {problem}")
         if info["orphans"]:
