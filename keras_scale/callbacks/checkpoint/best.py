@@ -172,7 +172,11 @@ def reconcile_best(directory: str, monitor: str, mode: str, keep_best_k: int,
         problems.append(f"the epoch-end {', '.join(f'{_NAME}-{n}' for n in sorted(link))} {'ranks' if len(link) == 1 else 'rank'} "
                         f"among the {keep_best_k} best by {monitor!r} but {'is' if len(link) == 1 else 'are'} not in "
                         "best/ (a kill between its save and keep_best_k's copy): kept there now")
-    return {"best": keep, "link": link, "drop": [e["number"] for e in out if e["number"] in in_best],
+    drop = [e["number"] for e in out if e["number"] in in_best]
+    if drop:  # keep_best_k lowered, mode changed, or a kill after a better one was kept: said, never silent
+        problems.append(f"{', '.join(f'{_NAME}-{n}' for n in drop)} in best/ {'ranks' if len(drop) == 1 else 'rank'} "
+                        f"below the {keep_best_k} best by {monitor!r} ({mode}): removed from best/")
+    return {"best": keep, "link": link, "drop": drop,
             "unranked": unranked, "problems": problems, "changed": bool(problem) or (entries or []) != keep}
 
 
