@@ -708,7 +708,8 @@ def launch_with_restarts(
                 who = [r.index for r in results if text in (exception_text(r.stderr or "") or "",
                                                              exception_text(r.stdout or "") or "")]
                 say(f"keras-scale launch: worker{'s' if len(who) > 1 else ''} {', '.join(map(str, who))} raised "
-                    f"the same error at {len(restarts) + 1} starts in a row, before any training step: {text}\n"
+                    f"the same error at {len(restarts) + 1} starts in a row, "
+                    f"{'before any training step' if beats_seen else 'with no step heartbeat seen'}: {text}\n"
                     f"keras-scale launch: a failure that repeats identically is a bug in the script or its input, "
                     f"not a lost machine: not restarting (exit {status}). Fix the error above (the worker's "
                     f"traceback is above it) and run again.")
