@@ -556,6 +556,47 @@ def _failure(results: Sequence[WorkerResult], watch: _HeartbeatWatch, heartbeat_
     return [first.index], why, status, at_start
 
 
+def exception_text(output: str) -> Optional[str]:
+    """The exception line of the last Python traceback in a worker's output (``"ValueError: bad shape"``);
+    ``None`` when it shows no traceback (a plain ``sys.exit(3)``, a signal).
+
+    Example:
+        >>> exception_text("Traceback (most recent call last):\\n  File \\"t.py\\", line 1\\nValueError: bad shape\\n")
+        'ValueError: bad shape'
+    """
+    start = output.rfind("Traceback (most recent call last):")
+    if start < 0:
+        return None
+    for line in output[start:].splitlines()[1:]:
+        if line.strip() and not line.startswith((" ", "\t")):  # (frames and their code lines are indented)
+            return line.strip()
+    return None
+
+
+def _deterministic(results: Sequence[WorkerResult], watch: _HeartbeatWatch,
+                   previous: Optional[frozenset]) -> Tuple[Optional[frozenset], Optional[str]]:
+    """``(this attempt's exception texts, the text it shares with the previous attempt)``.
+
+    A worker that raises the same exception (same text) at two starts in a row, with no step made in either
+    attempt (no worker wrote a step heartbeat), fails the same way every time: a bug in the script or its input,
+    not a lost machine. The texts are those of the workers that failed by themselves with an exit status of an
+    error (a signal's, a preemption's 42 and workers the launcher stopped never count); ``None`` when a step was
+    made or no such worker printed a traceback."""
+    if any(watch.progressed):
+        return None, None
+    texts = set()
+    for r in results:
+        if r.returncode is None or r.returncode <= 0 or r.returncode == PREEMPTED_EXIT_CODE or r.stopped_by_launcher:
+            continue
+        text = exception_text(r.stderr or "") or exception_text(r.stdout or "")
+        if text is not None:
+            texts.add(text)
+    if not texts:
+        return None, None
+    common = sorted(texts & previous) if previous else []
+    return frozenset(texts), (common[0] if common else None)
+
+
 def launch_with_restarts(
     argv: Sequence[str],
     num_workers: int = 2,
@@ -581,7 +622,9 @@ def launch_with_restarts(
     get ``grace_s`` to stop, then SIGKILL; after ``backoff_s * 2**(i-1)`` seconds (at most 30) all workers start
     again with fresh ports and resume from their checkpoint. A worker index that fails before its first step
     :data:`START_FAILURES_TO_DROP` attempts in a row is a lost machine: the run continues with one worker fewer,
-    down to ``min_workers`` (default ``num_workers``: never fewer).
+    down to ``min_workers`` (default ``num_workers``: never fewer). A worker that raises the *same* exception (same
+    text) at two starts in a row with no training step made in either is a bug, not a lost machine: the launcher
+    stops at once with that error and its exit status (no more restarts, no worker dropped).
 
     Each restart prints one line (``say``, default stderr) and appends a record to ``run_dir/restarts.jsonl``
     (``KERAS_SCALE_RESTART_LOG`` in the workers; :class:`keras_scale.Goodput` counts it). A signal to the launcher
@@ -634,6 +677,7 @@ def launch_with_restarts(
     start_failures: Dict[int, int] = {}
     current = num_workers
     beats_seen = False
+    last_errors: Optional[frozenset] = None  # the previous attempt's exception texts, if it failed before a step
 
     def record(entry: Dict[str, Any]) -> None:
         with open(record_path, "a") as f:
@@ -696,6 +740,20 @@ def launch_with_restarts(
             if any(r.timed_out for r in results):
                 return LaunchOutcome(results, restarts, status)
             workers, why, status, at_start = _failure(results, watch, heartbeat_timeout_s, beats_seen)
+            texts, text = _deterministic(results, watch, last_errors)
+            last_errors = texts
+            if text is not None:  # the same error at every start: restarting (or dropping a worker) cannot help
+                who = [r.index for r in results if text in (exception_text(r.stderr or "") or "",
+                                                             exception_text(r.stdout or "") or "")]
+                say(f"keras-scale launch: worker{'s' if len(who) > 1 else ''} {', '.join(map(str, who))} raised "
+                    f"the same error at {len(restarts) + 1} starts in a row, "
+                    f"{'before any training step' if beats_seen else 'with no step heartbeat seen'}: {text}\n"
+                    f"keras-scale launch: a failure that repeats identically is a bug in the script or its input, "
+                    f"not a lost machine: not restarting (exit {status}). Fix the error above (the worker's "
+                    f"traceback is above it) and run again.")
+                record({"event": "gave_up", "reason": "deterministic failure", "workers": who, "error": text,
+                        "returncode": status, "attempts": len(restarts) + 1})
+                return LaunchOutcome(results, restarts, status)
             if len(restarts) >= max_restarts:
                 if max_restarts:
                     say(f"keras-scale launch: worker{'s' if len(workers) > 1 else ''} "

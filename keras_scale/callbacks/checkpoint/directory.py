@@ -10,12 +10,13 @@ import time
 import shutil
 import tempfile
 import warnings
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import tensorflow as tf
 
 from keras_scale.callbacks.checkpoint.names import _BEST_DIR, _INDEX_RE, _NAME, _PREFIX_RE
 from keras_scale.storage import _is_local
+from keras_scale.callbacks.checkpoint import format as _io
 from keras_scale.callbacks.checkpoint.format import remove_entry
 from keras_scale.callbacks.checkpoint.lock import _LOCK_NAME, holder_gone, process_identity
 from keras_scale.storage import write_atomic
@@ -38,24 +39,47 @@ def _files_inside(directory: str, prefix: str) -> bool:
     return all(_inside(directory, p) for p in [index] + data)
 
 
-def _scan(directory: str) -> Tuple[List[Tuple[int, str]], List[str], bool]:
-    """``(candidates newest first, problems, from_state_file)``.
-
-    The ``checkpoint`` state file (updated by TensorFlow only after a write completed) decides which checkpoints
-    count. Entries naming files outside ``directory``, or links out of it, are ignored; entries whose ``.index``
-    is gone are reported. When the state file is missing, unreadable, or names no existing checkpoint, every
-    ``ckpt-N.index`` in the directory is a candidate.
-    """
-    if not tf.io.gfile.isdir(directory):
-        return [], [], False
-    problems: List[str] = []
-    found: Dict[int, str] = {}
+def _listed_names(directory: str) -> Tuple[List[str], bool]:
+    """``(entries of the state file, the file exists but cannot be parsed)``."""
     try:
         state = tf.train.get_checkpoint_state(directory)
     except Exception:  # noqa: BLE001 - a torn/garbled state file: fall back to scanning
         state = None
     listed = list(state.all_model_checkpoint_paths) if state is not None else []
     garbled = state is None and tf.io.gfile.exists(os.path.join(directory, "checkpoint"))
+    return listed, garbled
+
+
+def _indexed(directory: str) -> Dict[int, str]:
+    """``{number: prefix}`` of every ``ckpt-N.index`` in ``directory`` whose files all live inside it."""
+    found: Dict[int, str] = {}
+    for name in tf.io.gfile.listdir(directory):
+        m = _INDEX_RE.match(name.rstrip("/"))
+        if not m:
+            continue
+        prefix = os.path.join(directory, name.rstrip("/")[: -len(".index")])
+        if _files_inside(directory, prefix):
+            found[int(m.group(1))] = prefix
+    return found
+
+
+def _scan(directory: str) -> Tuple[List[Tuple[int, str]], List[str], bool]:
+    """``(candidates newest first, problems, from_state_file)``.
+
+    The ``checkpoint`` state file (updated by TensorFlow only after a write completed) decides which checkpoints
+    count. Entries naming files outside ``directory``, or links out of it, are ignored; entries whose ``.index``
+    is gone are reported. A complete checkpoint (its index and every data shard, every tensor passing its CRC check)
+    newer than the newest one the state file names -- written, then killed before it was recorded, or a state file
+    put back from an older copy -- is a candidate too (adopted, reported: never deleted); one that fails the check is
+    a torn write (reported; :func:`orphans`). When the state file is missing, unreadable, or names no
+    existing checkpoint, every ``ckpt-N.index`` in the directory is a candidate (reported).
+    """
+    if not tf.io.gfile.isdir(directory):
+        return [], [], False
+    problems: List[str] = []
+    found: Dict[int, str] = {}
+    listed, garbled = _listed_names(directory)
+    state_file = os.path.join(directory, "checkpoint")
     for p in listed:
         name = os.path.basename(p.rstrip("/"))
         m = _PREFIX_RE.match(name)
@@ -72,22 +96,102 @@ def _scan(directory: str) -> Tuple[List[Tuple[int, str]], List[str], bool]:
             continue
         found[int(m.group(1))] = prefix
     from_state = bool(found)
-    if not found:
-        for name in tf.io.gfile.listdir(directory):
-            m = _INDEX_RE.match(name.rstrip("/"))
-            if not m:
-                continue
-            prefix = os.path.join(directory, name[: -len(".index")])
-            if _files_inside(directory, prefix):
-                found[int(m.group(1))] = prefix
+    if found:
+        newest = max(found)
+        newer, torn = _newer_than(directory, newest)
+        problems.extend(f"{p!r} is newer than the newest checkpoint the state file records but fails its check "
+                        f"({why}): a write cut short, removed at the next start" for p, why in torn)
+        if newer:
+            found.update(newer)
+            problems.append(
+                f"the state file {state_file!r} names {_NAME}-{newest} as the newest checkpoint, but the complete "
+                f"{', '.join(f'{_NAME}-{n}' for n in sorted(newer))} {'is' if len(newer) == 1 else 'are'} newer "
+                "(written, then killed before being recorded, or an older copy of the state file): adopted -- a "
+                "resume starts from the newest that loads, and the next start records them. To resume from an older "
+                "checkpoint, move the newer ones out of the directory")
+    else:
+        found = _indexed(directory)
         if listed and found:
             problems.append(f"the state file names no usable checkpoint; found {len(found)} by scanning the "
                             "directory")
         elif garbled:  # TensorFlow logs a parse error and ignores the file: its checkpoints would never rotate
-            problems.append(f"the state file {os.path.join(directory, 'checkpoint')!r} cannot be parsed (the "
+            problems.append(f"the state file {state_file!r} cannot be parsed (the "
                             "next ChiefCheckpoint start moves it aside to 'checkpoint.invalid'); found "
                             f"{len(found)} checkpoint(s) by scanning the directory")
+        elif found and not listed:
+            problems.append(f"the state file {state_file!r} is missing; found {len(found)} checkpoint(s) by "
+                            "scanning the directory (the next ChiefCheckpoint start writes a new state file listing "
+                            f"the newest of them)")
     return sorted(found.items(), reverse=True), problems, from_state
+
+
+def _newer_than(directory: str, newest: int) -> Tuple[Dict[int, str], List[Tuple[str, str]]]:
+    """``({number: prefix} of complete checkpoints newer than ``newest`` that load, [(prefix, why)] of those that
+    do not)``: what a state file naming ``newest`` last has not recorded."""
+    newer: Dict[int, str] = {}
+    torn: List[Tuple[str, str]] = []
+    for n, p in sorted(_indexed(directory).items()):
+        if n > newest and _io.is_complete(p):
+            why = _verified(p)
+            if why is None:
+                newer[n] = p
+            else:
+                torn.append((p, why))
+    return newer, torn
+
+
+_VERIFIED: Dict[str, Tuple[tuple, Optional[str]]] = {}  # prefix -> (files' identity, failure or None)
+
+
+def _verified(prefix: str) -> Optional[str]:
+    """``None`` when checkpoint ``prefix`` loads (:func:`format.verify_checkpoint`), else why not; remembered
+    while its files stay the same (inode, size, mtime)."""
+    identity = _io.files_identity(prefix)
+    cached = _VERIFIED.get(prefix)
+    if identity is not None and cached is not None and cached[0] == identity:
+        return cached[1]
+    try:
+        _io.verify_checkpoint(prefix)
+        why = None
+    except Exception as e:  # noqa: BLE001 - torn, truncated or bit-flipped
+        why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+    if identity is not None:
+        _VERIFIED[prefix] = (identity, why)
+    return why
+
+
+def unlisted_checkpoints(directory: str) -> List[Tuple[int, str]]:
+    """``(number, prefix)`` of complete checkpoints older than the newest candidate that no resume uses: not in the
+    state file (kept forever by ``keep_every_n_hours``, left by an earlier run, or retired by a rotation a kill cut
+    short -- those are also in :func:`orphans`, removed at the next start). Newest first.
+
+    Example:
+        unlisted_checkpoints("ckpt")   # [(100, 'ckpt/ckpt-100')]
+    """
+    if not tf.io.gfile.isdir(directory):
+        return []
+    candidates = {n for n, _ in _scan(directory)[0]}
+    if not candidates:
+        return []
+    return sorted(((n, p) for n, p in _indexed(directory).items()
+                   if n not in candidates and n < max(candidates) and _io.is_complete(p)), reverse=True)
+
+
+def _retiring(directory: str) -> Tuple[List[str], bool]:
+    """``(names in checkpoint.retiring, the file exists)``: what a rotation was deleting when it was cut short."""
+    path = os.path.join(directory, _io.RETIRING_NAME)
+    if _is_local(path) and os.path.islink(path):  # never read through a link: removed, nothing it names deleted
+        return [], True
+    try:
+        with tf.io.gfile.GFile(path) as f:
+            names = json.load(f)
+    except (tf.errors.NotFoundError, FileNotFoundError):
+        return [], False
+    except Exception:  # noqa: BLE001 - torn or garbled: nothing it names is trusted
+        return [], True
+    if not isinstance(names, list):
+        return [], True
+    return [n for n in names if isinstance(n, str) and _PREFIX_RE.match(n)], True
 
 
 def list_checkpoints(directory: str) -> List[Tuple[int, str]]:
@@ -109,7 +213,7 @@ _SCRATCH_MARKER = ".keras_scale_scratch"  # inside a non-chief worker's scratch 
 _ORPHAN_RE = re.compile(r"^" + _NAME + r"-(\d+)(\.index|\.data-\d{5}-of-\d{5})(\.tempstate\d+|\.ks_tmp)?$")
 _SPARE_PREFIX = ".ks_spare_"  # retired data files an earlier version kept for reuse
 # temporary files of a state-file or probe write cut short: write_atomic's, TensorFlow's atomic_write_string_to_file's
-_TEMP_RE = re.compile(r"^(checkpoint|\.ks_write_probe_\d+)\.tmp(-\d+-[0-9a-f]{12}|[0-9a-f]{32})$")
+_TEMP_RE = re.compile(r"^(checkpoint|checkpoint\.retiring|\.ks_write_probe_\d+)\.tmp(-\d+-[0-9a-f]{12}|[0-9a-f]{32})$")
 
 
 def _older_than(path: str, age_s: float) -> bool:
@@ -181,8 +285,10 @@ def listed_but_missing(directory: str) -> List[str]:
 def orphans(directory: str) -> List[str]:
     """Files of this directory's naming scheme that belong to no checkpoint: temporary files of killed writes
     (``*.tempstate<N>``, ``*.ks_tmp``, ``ckpt-N_temp/``, the state file's and the lock's), data files whose ``.index`` is gone (a write or a
-    deletion cut short), spares of earlier versions, and complete checkpoints newer than the newest one the state
-    file records (written, then killed before they were recorded). Nothing else.
+    deletion cut short), spares of earlier versions, the files of checkpoints a rotation was deleting when it was
+    killed (named in ``checkpoint.retiring``, no longer in the state file) and that record itself, and the index of
+    a torn write newer than the newest checkpoint (one with a data shard missing; a complete one is adopted, see
+    :func:`list_checkpoints`). Nothing else.
 
     Example:
         orphans("ckpt")   # ['ckpt/ckpt-12.data-00000-of-00001.tempstate8812...']
@@ -195,7 +301,27 @@ def orphans(directory: str) -> List[str]:
     newest = max((n for n, _ in listed), default=None) if from_state else None
     indexes = {n for n in names if _INDEX_RE.match(n)}
     out = []
+    torn = set()
+    if from_state:  # unrecorded checkpoints that fail their check (adopted ones are candidates, never orphans)
+        recorded = [n for n, _ in listed]
+        listed_names, _ = _listed_names(directory)
+        in_file = {int(m.group(1)) for m in (_PREFIX_RE.match(os.path.basename(p.rstrip("/"))) for p in listed_names)
+                   if m}
+        recorded = [n for n in recorded if n in in_file]
+        if recorded:
+            torn = {os.path.basename(p) for p, _ in _newer_than(directory, max(recorded))[1]}
+    retiring, journal = _retiring(directory)
+    if journal:  # a rotation cut short after the state file stopped naming them: finish it
+        still = {os.path.basename(p) for _, p in listed}
+        gone = [n for n in retiring if n not in still]
+        for name in names:
+            m = _ORPHAN_RE.match(name)
+            if m and not m.group(3) and f"{_NAME}-{m.group(1)}" in gone:
+                out.append(os.path.join(directory, name))
+        out.append(os.path.join(directory, _io.RETIRING_NAME))
     for name in names:
+        if os.path.join(directory, name) in out:
+            continue
         path = os.path.join(directory, name)
         if name.startswith(_SPARE_PREFIX) or _TEMP_RE.match(name):
             out.append(path)
@@ -210,7 +336,7 @@ def orphans(directory: str) -> List[str]:
         if not m:
             continue
         number, kind, temp = int(m.group(1)), m.group(2), m.group(3)
-        if temp:
+        if temp or f"{_NAME}-{number}" in torn:
             out.append(path)
         elif newest is not None and number > newest:
             out.append(path)
@@ -271,20 +397,21 @@ class DirectoryMixin:
                     remove_entry(path)
             except (tf.errors.OpError, OSError):
                 pass
+        self._repair_best()
 
     def _best_orphans(self) -> List[str]:
+        """Temporary files of killed writes in ``best/``, and data files whose index is gone. (Checkpoints there
+        are ranked, kept or dropped by keep_best_k's own start-up repair, never deleted as orphans.)"""
         best_dir = os.path.join(self.directory, _BEST_DIR)
         if not _is_local(best_dir) or os.path.islink(best_dir) or not os.path.isdir(best_dir):
             return []
-        try:
-            with open(os.path.join(best_dir, "best.json")) as f:
-                kept = {int(e["number"]) for e in json.load(f)}
-        except (OSError, ValueError, TypeError, KeyError):
-            return []
+        names = os.listdir(best_dir)
         out = []
-        for name in os.listdir(best_dir):
+        for name in names:
             m = _ORPHAN_RE.match(name)
-            if (m and (m.group(3) or int(m.group(1)) not in kept)) or name.startswith("best.json.tmp"):
+            if (m and (m.group(3) or (m.group(2) != ".index" and f"{_NAME}-{m.group(1)}.index" not in names)
+                       or (m.group(2) == ".index" and not _io.is_complete(os.path.join(best_dir, name[:-6])))
+                       ) or name.startswith("best.json.tmp")):
                 out.append(os.path.join(best_dir, name))
         return out
 
@@ -299,19 +426,22 @@ class DirectoryMixin:
     def _sanitize_state_file(self) -> None:
         """The CheckpointManager deletes what the state file lists: make it list only this directory's real
         checkpoints (a state file naming other places, or only missing files, is rewritten; the original is kept
-        as ``checkpoint.invalid``)."""
+        as ``checkpoint.invalid``), the complete ones newer than it names included (adopted), and write one when it
+        is missing but checkpoints are there (the newest ``max_to_keep`` become its list, rotated as usual)."""
         state_file = os.path.join(self.directory, "checkpoint")
-        if not tf.io.gfile.exists(state_file):
-            return
+        exists = tf.io.gfile.exists(state_file)
         candidates, problems, from_state = _scan(self.directory)
-        if not problems:
+        if not problems or (not exists and not candidates):
             return
         if not from_state:  # nothing listed is usable: the scanned ones, newest max_to_keep, become the list
             candidates = candidates[: self.max_to_keep]
         kept = sorted(candidates)
         names = [os.path.basename(p) for _, p in kept]
-        tf.io.gfile.rename(state_file, state_file + ".invalid", overwrite=True)
+        if exists:  # (kept as a copy: the state file is then replaced in one rename, never missing in between)
+            with tf.io.gfile.GFile(state_file, "rb") as f:
+                write_atomic(state_file + ".invalid", f.read())
         if not names:
+            remove_entry(state_file)
             return
         # with timestamps (newer than last_preserved_timestamp), the manager rotates them as its own again
         stamps = [tf.io.gfile.stat(p + ".index").mtime_nsec / 1e9 for _, p in kept]

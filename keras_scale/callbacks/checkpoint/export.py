@@ -20,7 +20,7 @@ from keras_scale.callbacks.checkpoint.directory import _scan, list_checkpoints, 
 from keras_scale.callbacks.checkpoint.format import _assign, read_checkpoint
 from keras_scale.callbacks.checkpoint.names import _BEST_DIR, _NAME, _POSITION, _SIGNATURE_KEY, CheckpointMismatchError
 
-__all__ = ["load_checkpoint", "resolve_checkpoint", "describe_directory"]
+__all__ = ["load_checkpoint", "load_optimizer_state", "resolve_checkpoint", "describe_directory"]
 
 _MODEL_KEY = "model_variables/{}/.ATTRIBUTES/VARIABLE_VALUE"
 
@@ -143,6 +143,60 @@ def load_checkpoint(model: keras.Model, path: Union[str, os.PathLike], step: Opt
     return prefix
 
 
+_OPTIMIZER_KEY = "optimizer_variables/{}/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+def load_optimizer_state(model: keras.Model, path: Union[str, os.PathLike], step: Optional[int] = None) -> str:
+    """Load the state of ``model.optimizer`` (``iterations``, moments, a float learning rate, a loss scale) from a
+    :class:`~keras_scale.ChiefCheckpoint` checkpoint, so that a ``model.save("x.keras")`` afterwards carries the
+    optimizer as training left it, not a fresh one. The optimizer must be the one the checkpoint was written with
+    (same class, same variables and shapes, in order: the model compiled as the training script compiled it); it is
+    built first if needed. Everything is read (CRC-checked) before the first assignment; a mismatch is a
+    :class:`CheckpointMismatchError` naming both. Returns the prefix used.
+
+    Example:
+        model = make_model()               # compiled with the training script's optimizer
+        ks.load_checkpoint(model, "ckpt")
+        load_optimizer_state(model, "ckpt")
+        model.save("exp1.keras")            # model.optimizer.iterations as in the checkpoint
+    """
+    from keras_scale.state import _class_name
+
+    prefix = resolve_checkpoint(path, step)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        raise ValueError(f"load_optimizer_state: the model has no optimizer (not compiled); compile it as the "
+                         f"training script did to load the optimizer state of {prefix!r}.")
+    reader = read_checkpoint(prefix)
+    if not reader.has_tensor(_SIGNATURE_KEY):
+        raise CheckpointMismatchError(f"{prefix!r} records no signature (not written by ChiefCheckpoint).")
+    raw = reader.get_tensor(_SIGNATURE_KEY)
+    saved = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+    theirs_class = ((saved.get("optimizers") or {}).get("optimizer") or {}).get("class")
+    if theirs_class is not None and theirs_class != _class_name(optimizer):
+        raise CheckpointMismatchError(f"{prefix!r} holds the state of a {theirs_class} optimizer; this model is "
+                                      f"compiled with {_class_name(optimizer)}. Compile it as the training script did.")
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    ours = list(optimizer.variables)
+    shapes = [list(shape) for _, shape in saved.get("optimizer", [])]
+    if shapes != [[int(d) for d in v.shape] for v in ours]:
+        raise CheckpointMismatchError(
+            f"{prefix!r} holds {len(shapes)} optimizer variables of shapes {shapes[:6]}...; this model's "
+            f"{_class_name(optimizer)} has {len(ours)} of shapes {[list(v.shape) for v in ours][:6]}.... Compile it "
+            "as the training script did (same optimizer and options).")
+    dtypes = reader.get_variable_to_dtype_map()
+    for i, var in enumerate(ours):
+        key = _OPTIMIZER_KEY.format(i)
+        if key not in dtypes or dtypes[key].base_dtype != tf.as_dtype(var.dtype).base_dtype:
+            raise CheckpointMismatchError(f"{prefix!r}: optimizer variable {i} ({var.name!r}) is missing or has "
+                                          "another dtype there; nothing was loaded.")
+    values = [(var, reader.get_tensor(_OPTIMIZER_KEY.format(i))) for i, var in enumerate(ours)]
+    for var, value in values:
+        _assign(getattr(var, "value", var) if isinstance(var, keras.Variable) else var, value)
+    return prefix
+
+
 def _size(prefix: str) -> int:
     directory, base = os.path.split(prefix)
     total = 0
@@ -165,20 +219,42 @@ def describe_directory(directory: str) -> Dict[str, Any]:
     """What ``keras-scale checkpoint ls`` prints: the committed checkpoints (number, position, bytes), which one a
     resumed ``fit`` starts from, the kept best ones, problems and orphan files.
 
+    The resume point is found as ``fit`` finds it: newest first, each checkpoint read whole (every tensor against its
+    CRC32C, :func:`keras_scale.callbacks.checkpoint.format.verify_checkpoint`) until one loads; the ones it skips are
+    problems. Complete checkpoints no resume uses (not in the state file: ``keep_every_n_hours``, an earlier run)
+    are listed under ``unlisted``. A damaged ``best/best.json`` is a problem, never a crash.
+
     Example:
         describe_directory("ckpt")["resumes"]   # 'ckpt/ckpt-300'
     """
+    from keras_scale.callbacks.checkpoint.best import BEST_JSON, read_best_json
+    from keras_scale.callbacks.checkpoint.directory import _verified, unlisted_checkpoints
+
     found, problems, _ = _scan(directory)
+    problems = list(problems)
     rows = [{"number": n, "prefix": p, "bytes": _size(p), **_position(p)} for n, p in found]
-    best: List[Dict[str, Any]] = []
-    try:
-        with tf.io.gfile.GFile(os.path.join(directory, _BEST_DIR, "best.json")) as f:
-            best = json.load(f)
-    except Exception:  # noqa: BLE001 - none kept
-        best = []
+    resumes = None
+    for row in rows:
+        why = _verified(row["prefix"])
+        if why is None:
+            resumes = row["prefix"]
+            break
+        row["damaged"] = why
+        problems.append(f"{row['prefix']!r} fails its check ({why}): a resumed fit skips it")
+    best_dir = os.path.join(directory, _BEST_DIR)
+    best, problem = read_best_json(best_dir)
+    best = best or []
+    if problem:
+        problems.append(problem + "; the next ChiefCheckpoint(keep_best_k=...) start rebuilds it from the checkpoints")
     for e in best:
-        e["prefix"] = os.path.join(directory, _BEST_DIR, f"{_NAME}-{e.get('number')}")
-    return {"directory": directory, "checkpoints": rows, "resumes": rows[0]["prefix"] if rows else None,
+        e["prefix"] = os.path.join(best_dir, f"{_NAME}-{e.get('number')}")
+    ranked = {e["number"] for e in best}
+    for number, prefix in (list_checkpoints(best_dir) if tf.io.gfile.isdir(best_dir) else []):
+        if number not in ranked:
+            problems.append(f"{prefix!r} is in best/ but not ranked in {BEST_JSON} (the next ChiefCheckpoint"
+                            "(keep_best_k=...) start ranks it by the value it records; it is never deleted unranked)")
+    unlisted = [{"number": n, "prefix": p, "bytes": _size(p), **_position(p)} for n, p in unlisted_checkpoints(directory)]
+    return {"directory": directory, "checkpoints": rows, "resumes": resumes, "unlisted": unlisted,
             "best": best, "problems": problems, "orphans": orphans(directory)}
 
 
@@ -192,7 +268,10 @@ def _human(num_bytes: int) -> str:
 
 def _build_model(spec: str) -> keras.Model:
     if spec.endswith(".keras"):
-        return keras.saving.load_model(spec, compile=False)
+        try:  # compiled as saved: its optimizer then takes the checkpoint's state
+            return keras.saving.load_model(spec)
+        except Exception:  # noqa: BLE001 - e.g. a custom loss not importable here: the model alone
+            return keras.saving.load_model(spec, compile=False)
     import importlib
     import sys
 
@@ -269,6 +348,9 @@ def cli(args: Any) -> int:
         for e in info["best"]:
             say(f"  best: {os.path.basename(e['prefix'])} {e.get('monitor')}={e.get('value'):.6g} "
                   f"(epoch {int(e.get('epoch', 0)) + 1})")
+        for row in info["unlisted"]:  # (what a damaged newest one is: a problem line below)
+            say(f"  {_NAME}-{row['number']:<10} not in the state file: kept (keep_every_n_hours, an earlier run); "
+                "a resume never uses it")
         for problem in info["problems"]:
             say(f"  problem: {problem}")
         if info["orphans"]:
@@ -279,7 +361,16 @@ def cli(args: Any) -> int:
     prefix = load_checkpoint(model, args.directory, step=args.step)
     if args.to.endswith(".weights.h5"):
         model.save_weights(args.to)
+        say(f"wrote {args.to} from {prefix}")
+        return 0
+    note = ""
+    if getattr(model, "optimizer", None) is None:
+        note = (" (model weights only: the model from --model is not compiled, so the .keras file holds no "
+                "optimizer; compile it in --model as the training script did to export the optimizer state too)")
     else:
-        model.save(args.to)
-    say(f"wrote {args.to} from {prefix}")
+        load_optimizer_state(model, prefix)
+        note = (f" (with the optimizer state: {type(model.optimizer).__name__}, iterations "
+                f"{int(model.optimizer.iterations.numpy())})")
+    model.save(args.to)
+    say(f"wrote {args.to} from {prefix}{note}")
     return 0

@@ -31,6 +31,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import zlib
 from typing import Any, Dict, Iterable, List, Optional
 
@@ -43,6 +44,7 @@ __all__ = ["CorruptCheckpointError", "BundleCheckpoint", "CheckpointManager", "f
            "load_checkpoint", "read_into", "write_checkpoint", "DATA_SUFFIX", "OBJECT_GRAPH_KEY"]
 
 DATA_SUFFIX = ".data-00000-of-00001"
+RETIRING_NAME = "checkpoint.retiring"  # the checkpoints a rotation is deleting (removed once they are gone)
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 LEGACY_FORMAT = "keras_scale.raw/1"  # synchronous saves of earlier versions (read only)
 _ATTR = ".ATTRIBUTES/VARIABLE_VALUE"
@@ -180,7 +182,9 @@ class BundleCheckpoint:
 
 class CheckpointManager(tf.train.CheckpointManager):
     """``tf.train.CheckpointManager`` that records the state file *before* it deletes retired checkpoints (a kill
-    during rotation never leaves the state file naming a deleted checkpoint), deletes an index before its data
+    during rotation never leaves the state file naming a deleted checkpoint), first writing their names to
+    ``checkpoint.retiring`` (a kill between the state file and the deletion leaves that record, and the next start
+    finishes the deletion: :func:`keras_scale.callbacks.checkpoint.directory.orphans`), deletes an index before its data
     (a torn deletion leaves only an orphan data file, removed at the next start), and clears a checkpoint's file
     names before each write (no link is followed out of the directory).
 
@@ -208,18 +212,81 @@ class CheckpointManager(tf.train.CheckpointManager):
             self._retired = (self._retired or []) + [filename]
 
     def _record_state(self) -> None:
-        super()._record_state()
         retired, self._retired = self._retired or [], None
+        journal = os.path.join(self.directory, RETIRING_NAME)
+        if retired:  # first say what is about to go: a kill after the state file stops naming them leaves a record
+            from keras_scale.storage import write_atomic
+
+            write_atomic(journal, json.dumps([os.path.basename(p) for p in retired]))
+        super()._record_state()
         for prefix in retired:
             delete_checkpoint(prefix)
+        if retired:
+            remove_entry(journal)
 
 
 def delete_checkpoint(prefix: str) -> None:
     """Delete checkpoint ``prefix``'s files, the index first (what is left of a torn deletion is an orphan data
-    file, never an index without its data)."""
+    file, never an index without its data). The files are found by listing the directory, never by a pattern: a
+    ``[`` or ``*`` in the path is a character like any other.
+
+    Example:
+        delete_checkpoint("runs/exp[1]/ckpt/ckpt-300")
+    """
     remove_entry(prefix + ".index")
-    for path in tf.io.gfile.glob(prefix + ".data-?????-of-?????"):
+    for path in data_files(prefix):
         remove_entry(path)
+
+
+_DATA_RE = re.compile(r"\.data-(\d{5})-of-(\d{5})$")
+
+
+def data_files(prefix: str) -> List[str]:
+    """The data shards ``<prefix>.data-NNNNN-of-MMMMM`` that exist, sorted; found by listing the directory and
+    comparing names (no glob: the path may hold ``[``, ``*`` or ``?``).
+
+    Example:
+        data_files("ckpt/ckpt-300")   # ['ckpt/ckpt-300.data-00000-of-00001']
+    """
+    directory, base = os.path.split(prefix)
+    try:
+        names = os.listdir(directory or ".") if is_local(prefix) else tf.io.gfile.listdir(directory)
+    except (OSError, tf.errors.OpError):
+        return []
+    head = base + ".data-"
+    return sorted(os.path.join(directory, n.rstrip("/")) for n in names
+                  if n.startswith(head) and _DATA_RE.fullmatch(n.rstrip("/")[len(base):]))
+
+
+def is_complete(prefix: str) -> bool:
+    """Checkpoint ``prefix`` has its ``.index`` and every data shard its names promise (``-of-MMMMM``): what a
+    write that finished leaves (TensorFlow renames the index into place last). Its bytes are not read.
+
+    Example:
+        is_complete("ckpt/ckpt-300")   # True
+    """
+    if not tf.io.gfile.exists(prefix + ".index"):
+        return False
+    shards = [_DATA_RE.search(p) for p in data_files(prefix)]
+    counts = {int(m.group(2)) for m in shards if m}
+    if len(counts) != 1:
+        return False
+    (count,) = counts
+    return {int(m.group(1)) for m in shards if m} == set(range(count))
+
+
+def verify_checkpoint(prefix: str) -> None:
+    """Read every tensor of checkpoint ``prefix`` (each checked against its CRC32C) and its position: what a
+    resuming ``fit`` checks before it uses a checkpoint, and what ``keras-scale checkpoint ls`` checks. Raises
+    :class:`CorruptCheckpointError` (or TensorFlow's error) naming the damage; returns quietly when it loads.
+
+    Example:
+        verify_checkpoint("ckpt/ckpt-300")   # raises for a truncated or bit-flipped checkpoint
+    """
+    reader = read_checkpoint(prefix)
+    dtypes = reader.get_variable_to_dtype_map()
+    shapes = reader.get_variable_to_shape_map()
+    _read_all(reader, prefix, sorted(dtypes), dtypes, shapes)
 
 
 # ------------------------------------------------------------------------------------------------ reading
@@ -303,11 +370,7 @@ class LegacyReader:
 def files_identity(prefix: str) -> Optional[tuple]:
     """What tells two writes of checkpoint ``prefix`` apart: the (inode, size, mtime) of its index and every data
     shard (a save writes new files and renames them over the old names); ``None`` when they cannot be stat'ed."""
-    try:
-        paths = [prefix + ".index"] + sorted(tf.io.gfile.glob(tf.io.gfile.join(
-            os.path.dirname(prefix) or ".", os.path.basename(prefix) + ".data-?????-of-?????")))
-    except tf.errors.OpError:
-        return None
+    paths = [prefix + ".index"] + data_files(prefix)
     out = []
     for path in paths:
         try:
@@ -322,6 +385,27 @@ def files_identity(prefix: str) -> Optional[tuple]:
     return tuple(out) if len(out) > 1 else None
 
 
+_GLOB_CHARS = "*?[\\"  # what TensorFlow's GetMatchingPaths treats as a pattern (its readers glob the prefix)
+
+
+class _PatternFreePrefix:
+    """A name for checkpoint ``prefix`` that TensorFlow's readers take literally. ``tf.train.load_checkpoint`` and
+    ``RestoreV2`` look the prefix up as a glob pattern, so a directory named ``exp[1]`` reads as "no matching
+    files"; on Linux the directory is opened and named through ``/proc/self/fd/N`` (held open as long as this
+    object lives), so nothing is renamed, copied or left behind."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        directory, base = os.path.split(prefix)
+        if (is_local(prefix) and any(c in directory for c in _GLOB_CHARS) and not any(c in base for c in _GLOB_CHARS)
+                and os.path.isdir("/proc/self/fd")):
+            import weakref
+
+            fd = os.open(directory or ".", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+            self.prefix = f"/proc/self/fd/{fd}/{base}"
+            weakref.finalize(self, os.close, fd)
+
+
 class BundleReader:
     """``tf.train.load_checkpoint``'s reader whose failures to read a tensor (TensorFlow's CRC32C check: "Checksum
     does not match", a truncated file) are :class:`CorruptCheckpointError`, naming the checkpoint and the key.
@@ -333,7 +417,9 @@ class BundleReader:
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
         self.identity = files_identity(prefix)  # (before opening: a rewrite after this shows as a change)
-        self._reader = tf.train.load_checkpoint(prefix)
+        self._literal = _PatternFreePrefix(prefix)  # (TensorFlow's reader globs the prefix)
+        self.read_prefix = self._literal.prefix
+        self._reader = tf.train.load_checkpoint(self.read_prefix)
         # TensorFlow opens the data file at the first read: open it now (read the smallest tensor), so a reader
         # keeps this checkpoint's bytes even if training deletes the files before it reads the rest
         shapes = self._reader.get_variable_to_shape_map()
@@ -420,7 +506,7 @@ def _read_all(reader: Any, prefix: str, keys: List[str], dtypes: Dict[str, Any],
     since ``reader`` opened them, its per-key reads return the checkpoint it opened (never a mix of two)."""
     if isinstance(reader, BundleReader) and keys and reader.identity is not None:
         try:
-            values = _restore_v2(prefix, keys, dtypes, shapes)
+            values = _restore_v2(reader.read_prefix, keys, dtypes, shapes)
             # RestoreV2 opens the files by name: a save at the same prefix since the reader opened them (another
             # process reading while training writes) would give another checkpoint's tensors, or a mix of two
             if files_identity(prefix) == reader.identity:

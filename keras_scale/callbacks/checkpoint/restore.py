@@ -79,9 +79,7 @@ class RestoreMixin:
         failures: List[str] = []
         for _, prefix in list_checkpoints(self.directory):
             try:
-                reader = _io.read_checkpoint(prefix)
-                for key in reader.get_variable_to_shape_map():
-                    reader.get_tensor(key)
+                _io.verify_checkpoint(prefix)  # (what `keras-scale checkpoint ls` checks too)
                 self._read_position(prefix)
             except Exception as e:  # noqa: BLE001 - torn, truncated or bit-flipped files
                 failures.append(f"{prefix}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
