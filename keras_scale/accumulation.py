@@ -398,7 +398,10 @@ def wrap(model: keras.Model, accum: Union[int, str, None] = None, micro_batch_si
 
     Args:
         model: any Keras model (create it inside the strategy scope for multi-device training) whose class does not
-            define its own ``train_step`` or ``compute_loss`` (refused here: the wrapper would replace them). A
+            define its own ``train_step`` or ``compute_loss`` (refused here: the wrapper would replace them). Its
+            other overrides are kept: ``evaluate``/``predict`` run its ``test_step``/``predict_step``, training
+            calls its ``compute_metrics`` (once per micro-batch) and ``call(..., training=True)``, and the logs are
+            its ``metrics`` (its own trackers included), as for the unwrapped model compiled like the wrapper. A
             model compiled before ``wrap`` passes its compilation on (the same optimizer object, loss,
             ``loss_weights``, metrics); compiling the wrapper afterwards replaces it.
         accum: split each batch into this many micro-batches; ``"auto"``: start unsplit and split finer
@@ -410,8 +413,8 @@ def wrap(model: keras.Model, accum: Union[int, str, None] = None, micro_batch_si
         micro_batch_size: or: micro-batches of (at most) this many samples; ``accum`` follows per step.
         unroll: how the micro-batches are looped. ``None`` (default): a ``tf.while_loop`` (lowest memory), or a
             Python-unrolled loop chained by control dependencies when the model has synchronized BatchNorm or is
-            compiled with ``jit_compile`` (both need it). ``True`` forces the unrolled loop, e.g. to profile with
-            ``ProfileWindow`` (xprof ignores step markers when the step contains a ``tf.while_loop``).
+            compiled with ``jit_compile`` (both need it), or during a fit with a ``ProfileWindow`` still to come (xprof
+            ignores step markers when the step contains a ``tf.while_loop``). ``True`` forces the unrolled loop.
         max_micro_batch_size: ``accum="auto"`` only: never hand the device more than this many samples per
             micro-batch (e.g. from :func:`keras_scale.find_micro_batch`); OOMs still split finer.
         log_dir: ``accum="auto"`` only: write each change of accum to TensorBoard here (chief only); a

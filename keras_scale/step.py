@@ -357,8 +357,9 @@ def check_supported(model: keras.Model) -> None:
         raise ValueError(
             f"the optimizer uses Keras's own gradient_accumulation_steps={steps}, which keras_scale's step cannot "
             f"combine with (and which crashes under MirroredStrategy). Remove it and use keras_scale.wrap(model, "
-            f"accum={steps}) instead: one update per batch, "
-            f"exact.")
+            f"accum={steps}) with a {steps}x larger batch size instead: Keras's option applies one update per {steps} "
+            f"batches, wrap splits each batch into {steps} micro-batches and applies one update per batch, so the "
+            f"same update needs batch_size={steps} x your batch size (exact: the big-batch gradient).")
 
 
 @dataclasses.dataclass(frozen=True)
