@@ -621,6 +621,12 @@ class ComposedStep:
             check_wrappable(inner)
             if self.splits:
                 self._warn_non_mean_losses()
+                if overrides(inner, "compute_metrics"):
+                    self._warn_once("compute_metrics", (
+                        f"keras_scale.wrap: {type(inner).__name__}.compute_metrics runs once per micro-batch, with "
+                        f"that micro-batch's predictions: metrics that average over samples log what plain Keras "
+                        f"logs; a statistic of the whole batch (its max, a mean of a per-batch value) is taken per "
+                        f"micro-batch."))
 
     # ---------------------------------------------------------------- the step (replica threads)
     def train_step(self, data: Any) -> Dict[str, Any]:

@@ -376,6 +376,11 @@ def _override_run(model, kind, x, y, callbacks):
 _OVERRIDE_REFERENCES = {}
 
 
+def _scoped(strategy, build, *args):
+    with strategy.scope():
+        return build(*args)
+
+
 def _override_reference(kind, without_bad):
     key = (kind, without_bad)
     if key not in _OVERRIDE_REFERENCES:
@@ -397,10 +402,23 @@ def _assert_same(got, want):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("piece", OVERRIDE_PIECES)
-@pytest.mark.parametrize("kind", OVERRIDES)
-def test_a_models_overrides_are_kept_as_plain_keras_keeps_them(kind, piece, tmp_path):
-    model = _override_model(kind)
+def _override_cells():
+    cells = [(kind, piece, "default") for kind in OVERRIDES for piece in OVERRIDE_PIECES]
+    # under MirroredStrategy (the overrides run in one thread per replica): slow, with make test-slow
+    return cells + [pytest.param(kind, piece, "mirrored", marks=pytest.mark.slow) for kind, piece in (
+        ("test_step", "wrap"), ("compute_metrics", "nan_guard"), ("own_train_step_trackers", "nan_guard"))]
+
+
+@pytest.mark.parametrize("kind,piece,strategy_name", _override_cells())
+def test_a_models_overrides_are_kept_as_plain_keras_keeps_them(kind, piece, strategy_name, tmp_path, mirrored):
+    if strategy_name == "mirrored":
+        with mirrored.scope():
+            model = _override_model(kind)
+        want = _override_run(_scoped(mirrored, _override_model, kind), kind, *_override_data(kind, piece == "nan_guard"),
+                             [])
+    else:
+        model = _override_model(kind)
+        want = _override_reference(kind, without_bad=piece == "nan_guard")
     wraps = piece in ("wrap", "checkpoint", "profile_window")
     if wraps and kind == "own_train_step_trackers":
         with pytest.raises(ValueError, match="_VaeLike, which defines its own train_step"):
@@ -418,7 +436,7 @@ def test_a_models_overrides_are_kept_as_plain_keras_keeps_them(kind, piece, tmp_
         x = x.copy()
         x[_O_BAD] = np.nan
     got = _override_run(model, kind, x, y, callbacks)
-    _assert_same(got, _override_reference(kind, without_bad=piece == "nan_guard"))
+    _assert_same(got, want)
     if piece == "nan_guard":
         assert callbacks[0].skipped_steps == 2  # one per epoch
     if piece == "profile_window":
