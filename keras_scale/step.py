@@ -575,7 +575,7 @@ class ComposedStep:
         cached = self._cache.get(key)
         for optimizer in training_state.optimizers(model).values():  # a GAN's own train_step may use several
             _install_optimizer_switches(model, self, optimizer)  # (also for a cached function: it may retrace)
-        if has_own_train_step(model):  # its trackers: updated only when the step's updates were applied
+        if self.guard and has_own_train_step(model):  # its trackers: updated only when its updates were applied
             for metric in _unique(list(model.metrics)):
                 _install_metric_switch(model, self, metric)
         quiet_progress_bar(model, self)  # the progress bar shows nan_skipped only when a step was skipped
