@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from typing import Any, Dict, Optional, Union
 
@@ -27,6 +28,9 @@ from keras_scale import lifecycle
 from keras_scale.step import check_wrappable, get_step
 
 __all__ = ["AccumulatingModel", "wrap", "unwrap"]
+
+
+_LEND_LOCK = threading.RLock()
 
 
 def _check_positive_int(name: str, value: Any) -> int:
@@ -146,6 +150,78 @@ class AccumulatingModel(keras.Model):
 
     def train_step(self, data: Any) -> Dict[str, Any]:
         return get_step(self).train_step(data)
+
+    # ---- everything else Keras calls runs the inner model's own methods (its overrides included), with the inner
+    # model compiled as this one while they run: evaluate/predict/the logs are the unwrapped model's
+    def test_step(self, data: Any) -> Any:
+        with self.as_inner():
+            return self.inner.test_step(data)
+
+    def predict_step(self, data: Any) -> Any:
+        with self.as_inner():
+            return self.inner.predict_step(data)
+
+    def compute_metrics(self, x: Any, y: Any, y_pred: Any, sample_weight: Any = None) -> Any:
+        with self.as_inner():
+            return self.inner.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    @property
+    def metrics(self) -> Any:
+        """The inner model's metrics (its own trackers included) as when compiled like this model."""
+        inner = vars(self).get("inner")
+        if inner is None:  # (during __init__)
+            return super().metrics
+        with self.as_inner():
+            return list(inner.metrics)
+
+    def reset_metrics(self) -> None:
+        with self.as_inner():
+            self.inner.reset_metrics()
+
+    def get_metrics_result(self) -> Any:
+        with self.as_inner():
+            return self.inner.get_metrics_result()
+
+    _LENT = ("compiled", "_compile_loss", "_compile_metrics", "_loss_tracker", "loss")
+
+    def as_inner(self) -> Any:
+        """Context: the inner model holds this model's compilation (loss, metrics, loss tracker; not the optimizer)
+        while its own ``test_step``/``predict_step``/``compute_metrics``/``metrics`` run for this model.
+
+        Re-entrant and shared by the replica threads of one trace: the first entry lends, the last exit gives back.
+
+        Example:
+            with wrapped.as_inner():
+                logs = unwrap(wrapped).test_step(batch)   # what wrapped.test_step does
+        """
+        import contextlib
+
+        @contextlib.contextmanager
+        def lend() -> Any:
+            with _LEND_LOCK:
+                depth = vars(self).get("_keras_scale_lent", 0)
+                if not depth:
+                    missing = object()
+                    own = {name: vars(self.inner).get(name, missing) for name in self._LENT}
+                    object.__setattr__(self, "_keras_scale_inner_own", (own, missing))
+                    for name in self._LENT:
+                        object.__setattr__(self.inner, name, getattr(self, name, None))
+                object.__setattr__(self, "_keras_scale_lent", depth + 1)
+            try:
+                yield
+            finally:
+                with _LEND_LOCK:
+                    depth = vars(self)["_keras_scale_lent"] - 1
+                    object.__setattr__(self, "_keras_scale_lent", depth)
+                    if not depth:
+                        own, missing = vars(self)["_keras_scale_inner_own"]
+                        for name, value in own.items():
+                            if value is missing:
+                                vars(self.inner).pop(name, None)
+                            else:
+                                object.__setattr__(self.inner, name, value)
+
+        return lend()
 
     def make_train_function(self, force: bool = False) -> Any:
         # a fit starts: undo what a died fit left, then the composed function for this fit's parts (cached)
@@ -322,7 +398,10 @@ def wrap(model: keras.Model, accum: Union[int, str, None] = None, micro_batch_si
 
     Args:
         model: any Keras model (create it inside the strategy scope for multi-device training) whose class does not
-            define its own ``train_step`` or ``compute_loss`` (refused here: the wrapper would replace them). A
+            define its own ``train_step`` or ``compute_loss`` (refused here: the wrapper would replace them). Its
+            other overrides are kept: ``evaluate``/``predict`` run its ``test_step``/``predict_step``, training
+            calls its ``compute_metrics`` (once per micro-batch) and ``call(..., training=True)``, and the logs are
+            its ``metrics`` (its own trackers included), as for the unwrapped model compiled like the wrapper. A
             model compiled before ``wrap`` passes its compilation on (the same optimizer object, loss,
             ``loss_weights``, metrics); compiling the wrapper afterwards replaces it.
         accum: split each batch into this many micro-batches; ``"auto"``: start unsplit and split finer
@@ -334,8 +413,8 @@ def wrap(model: keras.Model, accum: Union[int, str, None] = None, micro_batch_si
         micro_batch_size: or: micro-batches of (at most) this many samples; ``accum`` follows per step.
         unroll: how the micro-batches are looped. ``None`` (default): a ``tf.while_loop`` (lowest memory), or a
             Python-unrolled loop chained by control dependencies when the model has synchronized BatchNorm or is
-            compiled with ``jit_compile`` (both need it). ``True`` forces the unrolled loop, e.g. to profile with
-            ``ProfileWindow`` (xprof ignores step markers when the step contains a ``tf.while_loop``).
+            compiled with ``jit_compile`` (both need it), or during a fit with a ``ProfileWindow`` still to come (xprof
+            ignores step markers when the step contains a ``tf.while_loop``). ``True`` forces the unrolled loop.
         max_micro_batch_size: ``accum="auto"`` only: never hand the device more than this many samples per
             micro-batch (e.g. from :func:`keras_scale.find_micro_batch`); OOMs still split finer.
         log_dir: ``accum="auto"`` only: write each change of accum to TensorBoard here (chief only); a

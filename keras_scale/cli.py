@@ -171,6 +171,7 @@ def checkpoint_cli(argv: Sequence[str]) -> int:
         if not (a.model.endswith(".keras") or ":" in a.model):
             p.error(f"--model {a.model!r}: give a .keras file or module:function")
     from keras_scale.callbacks.checkpoint import export
+    importlib.import_module("keras_scale.serializables")  # a .keras file keras_scale wrote names its classes
 
     try:
         return export.cli(a)

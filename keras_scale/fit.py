@@ -191,9 +191,16 @@ def _is_batched(ds: tf.data.Dataset) -> bool:
                     f"the dataset zips batched and unbatched datasets ({sum(flags)} of {len(flags)} components "
                     "batched): each element pairs a batch with single samples. Batch every component, or zip first "
                     "and batch the zipped dataset (keras_scale.fit then rebatches it to the global batch).")
-            return False
+            return _leading_dims_unknown(ds)
         node = getattr(node, "_input_dataset", None)
-    return False
+    return _leading_dims_unknown(ds)
+
+
+def _leading_dims_unknown(ds: tf.data.Dataset) -> bool:
+    """No batch operation in sight (e.g. ``from_generator``): the elements are batches when every component's
+    leading dimension is unknown (``(None, 3)``), as a batch's is; a sample's shape is known (``(3,)``)."""
+    shapes = [spec.shape for spec in tf.nest.flatten(ds.element_spec) if getattr(spec, "shape", None) is not None]
+    return bool(shapes) and all(shape.rank is not None and shape.rank >= 1 and shape[0] is None for shape in shapes)
 
 
 def _samples_of(ds: tf.data.Dataset) -> Optional[int]:

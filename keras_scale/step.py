@@ -58,7 +58,7 @@ from keras_scale.progress_bar import quiet_progress_bar
 from keras_scale.schedules import inner_optimizer
 from keras_scale.sync_bn import batchnorm_layers
 
-__all__ = ["ComposedStep", "get_step", "make_train_function", "rebuild", "state_variables",
+__all__ = ["ComposedStep", "get_step", "make_train_function", "rebuild", "state_variables", "overrides",
            "is_loss_scaled", "DiagnosisSlot", "DIAG_CAPACITY", "SKIPPED_LOG_KEY"]
 
 _STEP_ATTR = "_keras_scale_step"
@@ -190,6 +190,34 @@ def _install_optimizer_switches(model: keras.Model, owner: Any, optimizer: Any) 
             lifecycle.patch(model, owner, optimizer, "_keras_scale_guarded_apply", True)
 
 
+def _install_metric_switch(model: keras.Model, owner: Any, metric: Any) -> None:
+    """A guarded foreign step updates ``metric`` only when none of the step's optimizer updates so far was skipped.
+
+    A model's own ``train_step`` (keras-io's VAE, a GAN) updates its ``Mean`` trackers after ``apply``: a skipped
+    step must not add its NaN loss to them, or every later log of the epoch is NaN; the step then logs the trackers
+    as they were, as plain Keras logs them without that batch. Forwards to Keras's own method unless the tracing
+    thread runs a guarded foreign step (installed through :func:`keras_scale.lifecycle.patch`, like the optimizer
+    switches).
+    """
+    from keras_scale import lifecycle
+
+    if "_keras_scale_metric_switch" in vars(metric) or not getattr(metric, "built", True):
+        return
+    keras_update = metric.update_state
+
+    def update_state(*args: Any, **kwargs: Any) -> Any:
+        verdicts = getattr(_LOCAL, "foreign_verdicts", None)
+        if getattr(_LOCAL, "guarding", None) is None or not verdicts:
+            return keras_update(*args, **kwargs)
+        skipped = tf.reduce_any(tf.stack(verdicts))
+        return tf.cond(skipped, lambda: tf.constant(False),
+                       lambda: (keras_update(*args, **kwargs), tf.constant(True))[1])
+
+    with _INSTALL_LOCK:
+        lifecycle.patch(model, owner, metric, "update_state", update_state)
+        lifecycle.patch(model, owner, metric, "_keras_scale_metric_switch", True)
+
+
 # inner optimizers (by id) whose gradients are reduced already while their update is traced: seen by every thread of
 # that trace, also the replica threads a LossScaleOptimizer's own merge_call starts (which miss a thread-local flag)
 _REDUCED_NOW: Dict[int, int] = {}
@@ -244,6 +272,16 @@ def has_own_train_step(model: keras.Model) -> bool:
     if getattr(type(model), "_keras_scale_composed", False):  # keras_scale.wrap's model: the composed step
         return False
     return getattr(type(model), "train_step", None) is not TensorFlowTrainer.train_step
+
+
+def overrides(model: Any, name: str) -> bool:
+    """True when ``model``'s class overrides Keras's ``keras.Model`` method or property ``name``.
+
+    Example:
+        >>> overrides(keras.Sequential([keras.layers.Dense(1)]), "test_step")
+        False
+    """
+    return getattr(type(model), name, None) is not getattr(keras.Model, name, None)
 
 
 def check_wrappable(model: keras.Model) -> None:
@@ -319,8 +357,9 @@ def check_supported(model: keras.Model) -> None:
         raise ValueError(
             f"the optimizer uses Keras's own gradient_accumulation_steps={steps}, which keras_scale's step cannot "
             f"combine with (and which crashes under MirroredStrategy). Remove it and use keras_scale.wrap(model, "
-            f"accum={steps}) instead: one update per batch, "
-            f"exact.")
+            f"accum={steps}) with a {steps}x larger batch size instead: Keras's option applies one update per {steps} "
+            f"batches, wrap splits each batch into {steps} micro-batches and applies one update per batch, so the "
+            f"same update needs batch_size={steps} x your batch size (exact: the big-batch gradient).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -536,6 +575,9 @@ class ComposedStep:
         cached = self._cache.get(key)
         for optimizer in training_state.optimizers(model).values():  # a GAN's own train_step may use several
             _install_optimizer_switches(model, self, optimizer)  # (also for a cached function: it may retrace)
+        if self.guard and has_own_train_step(model):  # its trackers: updated only when its updates were applied
+            for metric in _unique(list(model.metrics)):
+                _install_metric_switch(model, self, metric)
         quiet_progress_bar(model, self)  # the progress bar shows nan_skipped only when a step was skipped
         # the epoch logs the metrics' results, as plain Keras (also on replicas)
         epoch_logs_as_keras(model, self, nan_when_no_step=not has_own_train_step(model))
@@ -579,6 +621,12 @@ class ComposedStep:
             check_wrappable(inner)
             if self.splits:
                 self._warn_non_mean_losses()
+                if overrides(inner, "compute_metrics"):
+                    self._warn_once("compute_metrics", (
+                        f"keras_scale.wrap: {type(inner).__name__}.compute_metrics runs once per micro-batch, with "
+                        f"that micro-batch's predictions: metrics that average over samples log what plain Keras "
+                        f"logs; a statistic of the whole batch (its max, a mean of a per-batch value) is taken per "
+                        f"micro-batch."))
 
     # ---------------------------------------------------------------- the step (replica threads)
     def train_step(self, data: Any) -> Dict[str, Any]:
@@ -823,6 +871,9 @@ class ComposedStep:
         if not self.guard:
             return self.model.train_step(data)
         snapshot = [(v, tf.identity(v)) for v in self.model.non_trainable_variables]
+        # (metric variables: a tracker updated before the apply is put back after a skipped step; those updated
+        # after it were not touched, see _install_metric_switch)
+        metric_snapshot = [(v, tf.identity(v)) for v in _unique(list(self.model.metrics_variables))]
         verdicts: List[tf.Tensor] = []  # one per optimizer update of this step (a GAN applies two)
         with _ThreadFlag("guarding", self), _ThreadFlag("foreign_data", (x, y, sample_weight, snapshot)), \
                 _ThreadFlag("foreign_verdicts", verdicts):
@@ -830,7 +881,15 @@ class ComposedStep:
         if verdicts:  # the step is bad when ANY of its updates was skipped: counted once per step
             step_bad = tf.reduce_any(tf.stack(verdicts))
             self._count(step_bad)
-            tf.cond(step_bad, lambda: (self._count_bad(), tf.constant(True))[1], lambda: tf.constant(False))
+
+            def on_bad() -> tf.Tensor:
+                self._count_bad()
+                for var, value in metric_snapshot:
+                    var.assign(value)
+                return tf.constant(True)
+
+            with tf.control_dependencies([t for t in tf.nest.flatten(logs) if tf.is_tensor(t)]):
+                tf.cond(step_bad, on_bad, lambda: tf.constant(False))
         return self._logs(logs)
 
     def _guarded_foreign_apply(self, apply: Callable[[Any], Any], optimizer: Any, grads: Any,

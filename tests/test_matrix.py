@@ -250,3 +250,194 @@ def test_then_plain_keras_fit_behaves_as_on_an_untouched_model(model_kind, piece
     for a, b in zip(training_state.variables(model).values(), training_state.variables(twin).values()):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
     assert lifecycle.pending(model) == 0
+
+
+# ---------------------------------------------------------------- the override axis
+# A model's own test_step / predict_step / compute_metrics (and call(training=...)), or its own train_step with Mean
+# trackers (keras-io's VAE), x wrap / NanGuard / ChiefCheckpoint / ProfileWindow, against plain Keras on the same
+# data (for NanGuard: plain Keras without the non-finite batch): the logs (training and validation), evaluate,
+# predict and the weights. Small models, two epochs of four batches; the plain Keras references are shared.
+OVERRIDES = ("test_step", "predict_step", "compute_metrics", "own_train_step_trackers")
+OVERRIDE_PIECES = ("wrap", "nan_guard", "checkpoint", "profile_window")
+_O_X = np.random.default_rng(11).normal(size=(80, 3)).astype("float32")
+_O_Y = (_O_X @ np.array([[1.0], [-2.0], [0.5]], "float32") + 0.1).astype("float32")
+_O_TRAIN, _O_VAL = slice(0, 64), slice(64, 80)
+_O_BAD = slice(16, 32)  # the second batch of each epoch: non-finite for the NanGuard cells
+
+
+class _Overrides(keras.Model):
+    """call(training=...) differs between training and inference, so a lost ``training=`` shows in every number."""
+
+    def __init__(self, kind):
+        super().__init__(name=f"overrides_{kind}")
+        self.kind = kind
+        self.hidden = keras.layers.Dense(4, activation="tanh")
+        self.out = keras.layers.Dense(1)
+        self.max_err = keras.metrics.Mean(name="max_err")
+        self.pred_mean = keras.metrics.Mean(name="pred_mean")
+
+    def call(self, x, training=False):
+        y = self.out(self.hidden(x))
+        return y + 0.25 if training else y
+
+    def test_step(self, data):
+        if self.kind != "test_step":
+            return super().test_step(data)
+        x, y = data[0], data[1]
+        y_pred = self(x, training=False)
+        loss = self.compute_loss(x=x, y=y, y_pred=y_pred, training=False)
+        self.max_err.update_state(tf.reduce_max(tf.abs(y_pred - y)))
+        return {"eval_loss": loss, "max_err": self.max_err.result()}
+
+    def predict_step(self, data):
+        if self.kind != "predict_step":
+            return super().predict_step(data)
+        x = data[0] if isinstance(data, tuple) else data
+        y_pred = self(x, training=False)
+        return {"out": y_pred, "twice": 2.0 * y_pred}
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        result = super().compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        if self.kind != "compute_metrics":
+            return result
+        self.pred_mean.update_state(y_pred)  # (a per-sample mean: the same over micro-batches as over the batch)
+        return self.get_metrics_result()
+
+
+class _VaeLike(keras.Model):
+    """keras-io's VAE, shrunk: its own train_step, a seeded sampling, Mean trackers behind a ``metrics`` property."""
+
+    def __init__(self):
+        super().__init__(name="vae_like")
+        self.encoder = keras.layers.Dense(2)
+        self.decoder = keras.layers.Dense(3)
+        self.seed = keras.random.SeedGenerator(5)
+        self.total_loss_tracker = keras.metrics.Mean(name="total_loss")
+        self.reconstruction_loss_tracker = keras.metrics.Mean(name="reconstruction_loss")
+        self.kl_loss_tracker = keras.metrics.Mean(name="kl_loss")
+
+    @property
+    def metrics(self):
+        return [self.total_loss_tracker, self.reconstruction_loss_tracker, self.kl_loss_tracker]
+
+    def call(self, x):
+        return self.decoder(self.encoder(x))
+
+    def train_step(self, data):
+        x = data[0] if isinstance(data, tuple) else data
+        with tf.GradientTape() as tape:
+            z_mean = self.encoder(x)
+            z = z_mean + 0.1 * keras.random.normal(tf.shape(z_mean), seed=self.seed)
+            reconstruction_loss = tf.reduce_mean(tf.square(self.decoder(z) - x))
+            kl_loss = 0.01 * tf.reduce_mean(tf.square(z_mean))
+            total_loss = reconstruction_loss + kl_loss
+        grads = tape.gradient(total_loss, self.trainable_weights)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
+        self.total_loss_tracker.update_state(total_loss)
+        self.reconstruction_loss_tracker.update_state(reconstruction_loss)
+        self.kl_loss_tracker.update_state(kl_loss)
+        return {"loss": self.total_loss_tracker.result(),
+                "reconstruction_loss": self.reconstruction_loss_tracker.result(),
+                "kl_loss": self.kl_loss_tracker.result()}
+
+
+def _override_model(kind):
+    keras.utils.set_random_seed(7)
+    if kind == "own_train_step_trackers":
+        model = _VaeLike()
+        model(_O_X[:1])
+        model.compile(optimizer=keras.optimizers.Adam(1e-2))
+        return model
+    model = _Overrides(kind)
+    model(_O_X[:1])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+    return model
+
+
+def _override_data(kind, without_bad):
+    keep = np.ones(64, bool)
+    if without_bad:
+        keep[_O_BAD] = False
+    x, y = _O_X[_O_TRAIN][keep], _O_Y[_O_TRAIN][keep]
+    return (x, None) if kind == "own_train_step_trackers" else (x, y)
+
+
+def _override_run(model, kind, x, y, callbacks):
+    vae = kind == "own_train_step_trackers"  # (keras-io's VAE has no loss to evaluate, with or without keras_scale)
+    val = (_O_X[_O_VAL], _O_Y[_O_VAL])
+    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False, callbacks=callbacks,
+                        validation_data=None if vae else val)
+    return {"history": {k: v for k, v in history.history.items() if k != "nan_skipped"},
+            "evaluate": {} if vae else model.evaluate(*val, batch_size=8, verbose=0, return_dict=True),
+            "predict": model.predict(_O_X[_O_VAL], batch_size=8, verbose=0),
+            "weights": [w.numpy() for w in ks.unwrap(model).weights]}
+
+
+_OVERRIDE_REFERENCES = {}
+
+
+def _scoped(strategy, build, *args):
+    with strategy.scope():
+        return build(*args)
+
+
+def _override_reference(kind, without_bad):
+    key = (kind, without_bad)
+    if key not in _OVERRIDE_REFERENCES:
+        _OVERRIDE_REFERENCES[key] = _override_run(_override_model(kind), kind, *_override_data(kind, without_bad), [])
+    return _OVERRIDE_REFERENCES[key]
+
+
+def _assert_same(got, want):
+    assert sorted(got["history"]) == sorted(want["history"])
+    for key in want["history"]:
+        np.testing.assert_allclose(got["history"][key], want["history"][key], rtol=2e-5, atol=1e-6, err_msg=key)
+    assert sorted(got["evaluate"]) == sorted(want["evaluate"])
+    for key in want["evaluate"]:
+        np.testing.assert_allclose(got["evaluate"][key], want["evaluate"][key], rtol=2e-5, atol=1e-6, err_msg=key)
+    assert tf.nest.map_structure(lambda _: 0, got["predict"]) == tf.nest.map_structure(lambda _: 0, want["predict"])
+    for a, b in zip(tf.nest.flatten(got["predict"]), tf.nest.flatten(want["predict"])):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
+    for a, b in zip(got["weights"], want["weights"]):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
+
+
+def _override_cells():
+    cells = [(kind, piece, "default") for kind in OVERRIDES for piece in OVERRIDE_PIECES]
+    # under MirroredStrategy (the overrides run in one thread per replica): slow, with make test-slow
+    return cells + [pytest.param(kind, piece, "mirrored", marks=pytest.mark.slow) for kind, piece in (
+        ("test_step", "wrap"), ("compute_metrics", "nan_guard"), ("own_train_step_trackers", "nan_guard"))]
+
+
+@pytest.mark.parametrize("kind,piece,strategy_name", _override_cells())
+def test_a_models_overrides_are_kept_as_plain_keras_keeps_them(kind, piece, strategy_name, tmp_path, mirrored):
+    if strategy_name == "mirrored":
+        with mirrored.scope():
+            model = _override_model(kind)
+        want = _override_run(_scoped(mirrored, _override_model, kind), kind, *_override_data(kind, piece == "nan_guard"),
+                             [])
+    else:
+        model = _override_model(kind)
+        want = _override_reference(kind, without_bad=piece == "nan_guard")
+    wraps = piece in ("wrap", "checkpoint", "profile_window")
+    if wraps and kind == "own_train_step_trackers":
+        with pytest.raises(ValueError, match="_VaeLike, which defines its own train_step"):
+            ks.wrap(model, accum=2)  # refused, naming the method (NanGuard guards it unwrapped: the nan_guard cell)
+        if piece == "wrap":
+            return
+    elif wraps:
+        model = ks.wrap(model, accum=2)  # compiled first: the compilation carries over
+    callbacks = {"wrap": [], "nan_guard": [ks.NanGuard(verbose=0)],
+                 "checkpoint": [ks.ChiefCheckpoint(str(tmp_path / "ckpt"), save_freq=2, verbose=0)],
+                 "profile_window": [ks.ProfileWindow(str(tmp_path / "prof"), start_step=2, num_steps=1,
+                                                     print_summary=False)]}[piece]
+    x, y = _override_data(kind, without_bad=False)
+    if piece == "nan_guard":
+        x = x.copy()
+        x[_O_BAD] = np.nan
+    got = _override_run(model, kind, x, y, callbacks)
+    _assert_same(got, want)
+    if piece == "nan_guard":
+        assert callbacks[0].skipped_steps == 2  # one per epoch
+    if piece == "profile_window":
+        assert callbacks[0].profiled_steps == [2]

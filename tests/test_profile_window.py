@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 import keras_scale as ks
+from keras_scale import step as ks_step
 
 xprof_convert = pytest.importorskip("xprof.convert.raw_to_tool_data")
 
@@ -258,18 +259,28 @@ def test_fit_that_raises_inside_the_window_is_closed_by_the_next_fit(tmp_path):
     assert window.profiled_steps == [3, 4] and len(_xplanes(tmp_path)) == 1
 
 
-def test_with_gradient_accumulation_the_window_gives_steps_or_says_why_not(tmp_path, capsys):
-    # ks.wrap(accum > 1) accumulates in a tf.while_loop; xprof ignores step markers when such a loop runs. The
-    # user must get either real step times or the explanation plus the host-measured step times, never silence.
+def test_with_gradient_accumulation_the_window_has_a_step_marker_per_update(tmp_path, capsys):
+    # ks.wrap(accum > 1) accumulates in a tf.while_loop, and xprof ignores step markers when such a loop runs; the
+    # README's first snippet combines the two: while a window is to come, the fit loops unrolled (same update), so
+    # the capture has one step per update with its time, and the model gets its while_loop back after the fit.
     inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
     model = ks.wrap(inner, accum=4)
     model.compile(optimizer="sgd", loss="mse")
     window = ks.ProfileWindow(tmp_path, start_step=2, num_steps=3, verbose=1)
     model.fit(_dataset(6), epochs=1, callbacks=[window], verbose=0)
     assert window.profiled_steps == [2, 3, 4] and len(_xplanes(tmp_path)) == 1
-    out = capsys.readouterr().out
-    if window.summary.step_numbers:
-        assert window.summary.step_numbers == [2, 3, 4]
-    else:
-        assert window.summary.verdict == "unknown" and "tf.while_loop" in window.summary.fix
-        assert "ProfileWindow measured steps 2..4 on the host" in out
+    assert window.summary.step_numbers == [2, 3, 4] and window.summary.verdict != "unknown"
+    rows, messages = _overview(_xplanes(tmp_path))
+    assert [r["stepnum"] for r in rows] == ["train 2", "train 3", "train 4"] and all(r["stepTimeMs"] > 0 for r in rows)
+    assert ks_step.get_step(model).unrolled is None  # given back
+
+
+def test_with_accumulation_that_cannot_unroll_the_window_warns_at_fit_start(tmp_path, capsys):
+    inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+    model = ks.wrap(inner, micro_batch_size=2)  # (a dynamic batch size: the loop cannot be unrolled)
+    model.compile(optimizer="sgd", loss="mse")
+    window = ks.ProfileWindow(tmp_path, start_step=2, num_steps=3, verbose=1)
+    with pytest.warns(UserWarning, match="micro_batch_size=2.*tf.while_loop.*no step time"):
+        model.fit(_dataset(6), epochs=1, callbacks=[window], verbose=0)
+    assert window.profiled_steps == [2, 3, 4]
+    assert "ProfileWindow measured steps 2..4 on the host" in capsys.readouterr().out

@@ -359,13 +359,14 @@ class NanGuard(keras.callbacks.Callback):
 
     def _rollback(self) -> None:
         self._poison_reported = False
-        self.rollbacks += 1
-        if self.rollbacks > self.max_rollbacks:
+        if self.rollbacks >= self.max_rollbacks:  # (self.rollbacks: the rollbacks done, as the message says)
             self.model.stop_training = True
             raise NanGuardGaveUp(
-                f"NanGuard gave up after {self.max_rollbacks} rollbacks: training keeps producing non-finite "
+                f"NanGuard gave up after {self.rollbacks} rollback{'' if self.rollbacks == 1 else 's'} "
+                f"(max_rollbacks={self.max_rollbacks}): training keeps producing non-finite "
                 f"steps even at {self.lr_factor ** self.max_rollbacks:g} x the learning rate. Last report:\n"
                 f"{self.reports[-1]}")
+        self.rollbacks += 1
         step = self._step
         skipped = int(step.skipped_steps.numpy())  # a restore must not rewind the incident count
         updates_before = training_state.iterations(self.model)

@@ -121,6 +121,24 @@ class ProfileWindow(keras.callbacks.Callback):
         self._runs_before: Dict[str, float] = {}
 
     # ------------------------------------------------------------------ hooks (little work, delegate)
+    def set_model(self, model):
+        super().set_model(model)
+        # Keras calls set_model while building the fit's callback list, before make_train_function. A wrapped model
+        # accumulates in a tf.while_loop, and xprof ignores step markers when such a loop runs: while a window is
+        # still to come, this fit loops over the micro-batches unrolled (same update, one marker per update),
+        # given back however the fit ends (keras_scale.lifecycle)
+        self._unrolled_for_window = False
+        if self._done or not getattr(model, "_keras_scale_composed", False):
+            return
+        from keras_scale import lifecycle
+        from keras_scale.step import get_step
+
+        step = get_step(model)
+        if step.splits and step.unrolled is None and step.accum is not None and not getattr(model, "auto_accum", False):
+            lifecycle.join(model, self, undo=lambda: None)
+            lifecycle.patch(model, self, step, "unrolled", True)
+            self._unrolled_for_window = True
+
     def on_train_begin(self, logs=None):
         if self._active:  # a previous fit raised inside the window: close that capture first
             self._drop_unfinished_step()
@@ -133,6 +151,18 @@ class ProfileWindow(keras.callbacks.Callback):
                 "tf.while_loop, and xprof ignores step markers when a loop runs inside the step: the capture "
                 "will show ops but no step time (ProfileWindow still measures it: step_times_ms). Profile a run "
                 "compiled with steps_per_execution=1 for the step-time breakdown.",
+                stacklevel=2,
+            )
+        step = getattr(self.model, "_keras_scale_step", None)
+        if (self._enabled and not self._done and getattr(self.model, "_keras_scale_composed", False)
+                and step is not None and not step.unrolled and (step.splits or getattr(self.model, "auto_accum", False))):
+            how = ("accum='auto'" if getattr(self.model, "auto_accum", False) else
+                   f"micro_batch_size={step.micro_batch_size}" if step.accum is None else "unroll=False")
+            warnings.warn(
+                f"ProfileWindow: the wrapped model ({how}) accumulates in a tf.while_loop, and xprof ignores step "
+                "markers when a loop runs inside the step: the capture will show ops but no step time (ProfileWindow "
+                "still measures it: step_times_ms). For the step-time breakdown, profile a run with "
+                "keras_scale.wrap(model, accum=N) (unrolled while a window is open) or wrap(..., unroll=True).",
                 stacklevel=2,
             )
 

@@ -1,0 +1,40 @@
+"""What keras_scale says when it refuses or gives up is true: the fix it names gives the same training, the counts
+it names are the counts."""
+import keras
+import numpy as np
+import pytest
+
+import keras_scale as ks
+from keras_scale.callbacks.nan_guard import NanGuardGaveUp
+
+X = np.random.default_rng(4).normal(size=(64, 3)).astype("float32")
+Y = (X @ np.array([[1.0], [-2.0], [0.5]], "float32")).astype("float32")
+
+
+def _model(optimizer):
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer=optimizer, loss="mse")
+    return model
+
+
+def test_native_gradient_accumulation_refusal_names_the_equivalent_wrap_and_batch_size():
+    native = _model(keras.optimizers.SGD(0.1, gradient_accumulation_steps=4))
+    with pytest.raises(ValueError, match=r"accum=4\) with a 4x larger batch size.*batch_size=4 x your batch size"):
+        native.fit(X, Y, batch_size=8, epochs=1, verbose=0, callbacks=[ks.NanGuard(verbose=0)])
+    # what the message says is the same training: Keras's option at batch 8 == wrap(accum=4) at batch 32
+    native = _model(keras.optimizers.SGD(0.1, gradient_accumulation_steps=4))
+    native.fit(X, Y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+    wrapped = ks.wrap(_model(keras.optimizers.SGD(0.1)), accum=4)
+    wrapped.fit(X, Y, batch_size=32, epochs=1, verbose=0, shuffle=False, callbacks=[ks.NanGuard(verbose=0)])
+    for a, b in zip(native.get_weights(), ks.unwrap(wrapped).get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_nan_guard_gives_up_naming_the_rollbacks_it_did():
+    x = X.copy()
+    x[:] = np.nan  # every step is bad
+    guard = ks.NanGuard(policy="rollback", max_consecutive=1, max_rollbacks=1, verbose=0)
+    with pytest.raises(NanGuardGaveUp, match=r"gave up after 1 rollback \(max_rollbacks=1\)"):
+        _model(keras.optimizers.SGD(0.01)).fit(x, Y, batch_size=16, epochs=2, verbose=0, callbacks=[guard])
+    assert guard.rollbacks == 1
