@@ -39,7 +39,7 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 __all__ = ["join", "leave", "joined", "patch", "add_undo", "end", "fit_starts", "pending", "called_by_keras_fit",
            "fit_running", "fit_callbacks", "innermost_fit_callbacks", "fit_with_callbacks_running"]
@@ -48,6 +48,18 @@ _ATTR = "_keras_scale_lifecycle"
 
 
 _HOOKED = ("make_train_function", "make_test_function", "make_predict_function")
+# keras_scale.step's make_train_function, registered when that module is imported (no step exists before that)
+_MAKE_TRAIN_FUNCTION: Optional[Callable[[Any, bool], Any]] = None
+
+
+def set_train_function_maker(make: Callable[[Any, bool], Any]) -> None:
+    """What the hooked ``model.make_train_function`` calls (``keras_scale.step`` registers its own).
+
+    Example:
+        set_train_function_maker(step.make_train_function)   # done by keras_scale.step at import
+    """
+    global _MAKE_TRAIN_FUNCTION
+    _MAKE_TRAIN_FUNCTION = make
 
 
 class _Session:
@@ -271,8 +283,6 @@ class _HookedMake:
         self.model, self.name = model, name
 
     def __call__(self, force: bool = False) -> Any:
-        from keras_scale import step as step_lib  # the step module imports this one
-
         model = self.model
         if self.name == "make_train_function" and called_by_keras_fit():
             fit_starts(model)  # a fit starts: what pieces not taking part left is undone
@@ -281,8 +291,8 @@ class _HookedMake:
         session = _session(model)
         if session is not None:
             _maybe_unhook(model, session)
-        if self.name == "make_train_function":
-            return step_lib.make_train_function(model, force)
+        if self.name == "make_train_function" and _MAKE_TRAIN_FUNCTION is not None:
+            return _MAKE_TRAIN_FUNCTION(model, force)
         return getattr(type(model), self.name)(model, force)
 
 

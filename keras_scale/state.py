@@ -29,7 +29,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["optimizers", "optimizer_variables", "model_variables", "metric_variables", "step_variables",
+__all__ = ["optimizers", "optimizer_variables", "model_variables", "metric_variables", "lr_multiplier_variables",
            "variables", "float_variables", "iterations", "primary_optimizer", "signature", "build",
            "is_built", "TrainingState"]
 
@@ -194,19 +194,18 @@ def metric_variables(model: keras.Model) -> List[Any]:
         return []
 
 
-def step_variables(model: keras.Model) -> Dict[str, Any]:
-    """keras_scale's own persistent state of ``model`` (skipped-step count, learned micro-batch size, each
-    optimizer's LR multiplier): what a checkpoint must hold to resume keras_scale exactly.
+def lr_multiplier_variables(model: keras.Model) -> Dict[str, Any]:
+    """Each optimizer's LR multiplier variable (``lr_multiplier`` for ``model.optimizer``, ``lr_multiplier/<path>``
+    for another), for those that have one: keras_scale's per-optimizer state a checkpoint must hold.
 
     Example:
         >>> import keras
-        >>> sorted(step_variables(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])))
-        ['skipped_steps']
+        >>> lr_multiplier_variables(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]))
+        {}
     """
-    from keras_scale import step as step_lib
     from keras_scale.schedules import lr_multiplier
 
-    out: Dict[str, Any] = dict(step_lib.get_step(model).variables())
+    out: Dict[str, Any] = {}
     for path, opt in optimizers(model).items():
         mult = lr_multiplier(opt)
         if mult is not None:
@@ -216,7 +215,8 @@ def step_variables(model: keras.Model) -> Dict[str, Any]:
 
 def variables(model: keras.Model, include_metrics: bool = True) -> Dict[str, Any]:
     """The whole training state, by stable key: ``model/<path>``, ``optimizers/<opt path>/<name>``,
-    ``metrics/<i>`` (with ``include_metrics``). keras_scale's counters are :func:`step_variables`.
+    ``metrics/<i>`` (with ``include_metrics``). keras_scale's counters are :func:`keras_scale.step.state_variables`
+    and :func:`lr_multiplier_variables`.
 
     Example:
         >>> import keras
@@ -321,7 +321,7 @@ def _trains(model: keras.Model, path: str) -> bool:
     ``model.optimizer`` only (another one held by the model is state, not a trainer); a model with its own
     ``train_step`` applies the others, and ``model.optimizer`` only when it holds no other (else it is the unused
     default of a bare ``compile()``)."""
-    from keras_scale.step import has_own_train_step
+    from keras_scale.model_kind import has_own_train_step
 
     if not has_own_train_step(model):
         return path == "optimizer"
@@ -344,7 +344,7 @@ def build(model: keras.Model, data: Any = None) -> bool:
         >>> build(model), model.optimizer.built
         (True, True)
     """
-    from keras_scale.step import has_own_train_step
+    from keras_scale.model_kind import has_own_train_step
 
     if is_built(model):
         return True

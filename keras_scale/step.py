@@ -51,7 +51,8 @@ import tensorflow as tf
 from keras.src.losses import loss as keras_loss
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from keras_scale import deferred_update
+from keras_scale import deferred_update, lifecycle
+from keras_scale.model_kind import has_own_compute_loss, has_own_train_step, overrides  # (callers use step.*)
 from keras_scale.epoch_logs import epoch_logs_as_keras
 from keras_scale import state as training_state
 from keras_scale.progress_bar import quiet_progress_bar
@@ -161,8 +162,6 @@ def _install_optimizer_switches(model: keras.Model, owner: Any, optimizer: Any) 
     ends; both forward to Keras's own methods unless the composed step switched them on in the current thread while
     tracing.
     """
-    from keras_scale import lifecycle
-
     inner = inner_optimizer(optimizer)
     with _INSTALL_LOCK:
         if "_keras_scale_switches" not in vars(inner):
@@ -260,30 +259,6 @@ def _has_synchronized_batchnorm(model: keras.Model) -> bool:
     return any(getattr(layer, "synchronized", False) for layer in batchnorm_layers(model))
 
 
-def has_own_train_step(model: keras.Model) -> bool:
-    """True when ``model``'s class overrides ``train_step`` (GANs, most "customizing fit" examples).
-
-    Example:
-        >>> has_own_train_step(keras.Sequential([keras.layers.Dense(1)]))
-        False
-    """
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-    if getattr(type(model), "_keras_scale_composed", False):  # keras_scale.wrap's model: the composed step
-        return False
-    return getattr(type(model), "train_step", None) is not TensorFlowTrainer.train_step
-
-
-def overrides(model: Any, name: str) -> bool:
-    """True when ``model``'s class overrides Keras's ``keras.Model`` method or property ``name``.
-
-    Example:
-        >>> overrides(keras.Sequential([keras.layers.Dense(1)]), "test_step")
-        False
-    """
-    return getattr(type(model), name, None) is not getattr(keras.Model, name, None)
-
-
 def check_wrappable(model: keras.Model) -> None:
     """Refuse, with the fix, a model ``keras_scale.wrap`` cannot train (its own ``train_step`` or ``compute_loss``).
 
@@ -300,18 +275,6 @@ def check_wrappable(model: keras.Model) -> None:
             f"keras_scale.wrap would drop {type(model).__name__}.compute_loss (the wrapper computes the "
             f"compiled loss). Train the model unwrapped, or move the extra loss terms into a layer's "
             f"add_loss / the compiled loss.")
-
-
-def has_own_compute_loss(model: keras.Model) -> bool:
-    """True when ``model``'s class overrides ``compute_loss``.
-
-    Example:
-        >>> has_own_compute_loss(keras.Sequential([keras.layers.Dense(1)]))
-        False
-    """
-    from keras.src.trainers.trainer import Trainer
-
-    return getattr(type(model), "compute_loss", None) is not Trainer.compute_loss
 
 
 def _split_bounds(batch_size: tf.Tensor, num_micro: tf.Tensor, k: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
@@ -488,8 +451,6 @@ class ComposedStep:
         self.reset_transient()
         if not self.active:
             self.give_back_plain()
-            from keras_scale import lifecycle
-
             lifecycle.leave(self.model, self)  # the optimizer switches go
 
     def reset_transient(self) -> None:
@@ -1468,6 +1429,9 @@ def make_train_function(model: keras.Model, force: bool = False) -> Any:
     if step is not None:
         step.give_back_plain()
     return type(model).make_train_function(model, force)
+
+
+lifecycle.set_train_function_maker(make_train_function)  # the hooked model.make_train_function calls it
 
 
 def rebuild(model: keras.Model) -> None:

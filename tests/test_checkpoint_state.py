@@ -107,7 +107,7 @@ def test_gan_in_a_dict_rolls_back_from_the_checkpoint_with_both_optimizers(tmp_p
     with pytest.raises(ks.NanGuardGaveUp):
         gan.fit(GAN_X, batch_size=8, epochs=1, verbose=0, shuffle=False,
                 callbacks=[ks.ChiefCheckpoint(str(tmp_path), save_freq=1), guard])
-    assert guard.rollbacks == 2  # the second one gave up
+    assert guard.rollbacks == 1  # one rollback done; the second incident gave up (max_rollbacks=1)
     for a, b in zip(start[-2:], gan_weights(gan)[-2:]):  # NaN never reached the generator
         np.testing.assert_array_equal(a, b)
     disc, gen = gan.optimizers["disc"], gan.optimizers["gen"]

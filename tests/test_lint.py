@@ -118,20 +118,8 @@ def _describe(component: Set[str], graph: Dict[str, Set[str]]) -> str:
     return "{" + ", ".join(sorted(component)) + "}: " + "; ".join(edges)
 
 
-# The circles of today. THIS LIST MUST SHRINK TO EMPTY: each is broken by moving one or two imports out of files
-# other work was changing when the test was written (the plan for each is in its comment). A circle not listed here
-# -- a new one, or one of these grown by another module -- fails the test.
-ALLOWED_CIRCLES = {
-    # lifecycle._HookedMake calls step.make_train_function (step should register it with lifecycle instead);
-    # state.step_variables calls step.get_step and state._trains/build call step.has_own_train_step (move
-    # has_own_train_step/has_own_compute_loss to a module importing only keras; state.step_variables' only caller,
-    # callbacks/checkpoint/state.py, uses just its lr_multiplier keys: give state that part alone)
-    "step_and_its_fit_lifecycle": frozenset({"keras_scale.step", "keras_scale.lifecycle", "keras_scale.state",
-                                             "keras_scale.epoch_logs", "keras_scale.progress_bar"}),
-    # resume.py imports ChiefCheckpoint under TYPE_CHECKING, for one annotation (_ResumeEpoch's owner)
-    "checkpoint_callback_and_resume": frozenset({"keras_scale.callbacks.checkpoint.callback",
-                                                 "keras_scale.callbacks.checkpoint.resume"}),
-}
+# No circle is allowed: a new one fails the test (it names the modules and edges).
+ALLOWED_CIRCLES: Dict[str, frozenset] = {}
 
 
 def test_import_graph_sees_imports_inside_functions_relative_and_from_package(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import keras
 import tensorflow as tf
@@ -14,8 +14,6 @@ from keras_scale import events
 from keras_scale.callbacks.checkpoint.names import _EPOCH_LOGS_KEY, log
 from keras_scale.callbacks.checkpoint import format as _io
 from keras_scale.callbacks.checkpoint.state import _state_size
-if TYPE_CHECKING:
-    from keras_scale.callbacks.checkpoint.callback import ChiefCheckpoint
 
 
 def _describe(epoch: int, step_in_epoch: int) -> str:
@@ -106,7 +104,7 @@ class _ResumeEpoch(int):
     """The epoch a resumed ``fit`` starts at, for ``model._initial_epoch``: truthy only while the fit that set it
     is starting, so a ``fit`` that raised before clearing it never makes a later plain ``fit`` skip epochs."""
 
-    def __new__(cls, value: int, owner: "ChiefCheckpoint") -> "_ResumeEpoch":
+    def __new__(cls, value: int, owner: Any) -> "_ResumeEpoch":
         obj = int.__new__(cls, value)
         obj._owner = weakref.ref(owner)
         return obj

@@ -109,7 +109,7 @@ class StateMixin:
         for name in _TRANSIENT_STEP_STATE:
             state.pop(name, None)
         # each optimizer's LR multiplier ("lr_multiplier" for model.optimizer, as before), from keras_scale.state
-        state.update({k: v for k, v in training_state.step_variables(model).items() if k.startswith("lr_multiplier")})
+        state.update(training_state.lr_multiplier_variables(model))
         return state
 
     def _build_checkpoint(self, with_manager: bool = True) -> None:
