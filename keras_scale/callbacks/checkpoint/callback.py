@@ -75,8 +75,10 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
     tool and by :func:`keras_scale.load_checkpoint` (docs/checkpoint.md, "File format and durability").
 
     On ``fit`` start (``restore=True``) the newest checkpoint that loads is restored and training continues at
-    the same epoch *and* batch: the already-applied batches of the interrupted epoch are read from the data and
-    dropped, and the epoch's metrics continue from their saved state. A run killed and restarted any number of
+    the same epoch *and* batch: the data iterator's saved state is restored (where the pipeline cannot be saved --
+    a ``py_function``, a generator, a ``tf.distribute`` iterator -- the already-applied batches are read and dropped,
+    said once at the first save with the cost), Keras's loop goes on at the saved batch, and the epoch's metrics
+    continue from their saved state. A run killed and restarted any number of
     times ends with the same weights as an uninterrupted one, given the same data order every run
     (``shuffle=False``, or a ``tf.data`` pipeline whose order does not depend on how often it was iterated) and
     deterministic ops.
