@@ -184,3 +184,70 @@ def test_a_changed_pipeline_reads_forward_with_a_warning(tmp_path):
         resumed.fit(other, epochs=7, steps_per_epoch=5, verbose=0, callbacks=[ks.ChiefCheckpoint(d, save_freq=4)])
     assert int(resumed.optimizer.iterations.numpy()) == 35
     assert os.path.exists(os.path.join(d, "ckpt-35.index"))
+
+
+TWO_WORKERS = r'''
+import json, os, sys
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import tensorflow as tf
+tf.config.threading.set_inter_op_parallelism_threads(1)
+tf.config.threading.set_intra_op_parallelism_threads(1)
+import numpy as np, keras
+import keras_scale as ks
+
+mode = sys.argv[1]
+strategy = ks.choose_strategy()  # TF_CONFIG -> MultiWorkerMirroredStrategy
+from keras_scale.distribute import patch_keras_multi_worker
+patch_keras_multi_worker()  # keras-team/keras#20585 (what ks.fit applies)
+X = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+Y = (X @ np.array([[1.0], [-2.0], [0.5], [3.0]], dtype="float32")).astype("float32")
+options = tf.data.Options()
+options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+ds = (tf.data.Dataset.from_tensor_slices((X, Y)).shuffle(64, seed=3, reshuffle_each_iteration=False).repeat()
+      .batch(16).with_options(options))
+keras.utils.set_random_seed(7)
+with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+
+class StopAt(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if mode == "stop" and int(self.model.optimizer.iterations.numpy()) >= 23:
+            self.model.stop_training = True
+
+callbacks = [] if mode == "ref" else [ks.ChiefCheckpoint("ckpt", save_freq=4), StopAt()]
+model.fit(ds, epochs=6, steps_per_epoch=4, verbose=0, callbacks=callbacks)
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+with open(f"{mode}_{index}.json", "w") as f:
+    json.dump({"weights": [w.tolist() for w in model.get_weights()],
+               "iterations": int(model.optimizer.iterations.numpy())}, f)
+'''
+
+
+@pytest.mark.slow
+def test_two_workers_stopped_late_resume_to_the_uninterrupted_runs_weights(tmp_path):
+    """MultiWorkerMirroredStrategy, a repeat()ed dataset, stopped in epoch 6 (23 batches into one iterator): the
+    rerun reads forward (TensorFlow cannot serialize the distributed iterator) and ends with the uninterrupted
+    2-worker run's weights, bit for bit."""
+    import json
+    import sys
+
+    from keras_scale.launch import launch_local_workers
+    from tests._helpers import REPO_ROOT
+
+    script = tmp_path / "worker.py"
+    script.write_text(TWO_WORKERS)
+    env = {"PYTHONPATH": REPO_ROOT, "CUDA_VISIBLE_DEVICES": "", "TF_CPP_MIN_LOG_LEVEL": "2",
+           "TF_ENABLE_ONEDNN_OPTS": "0"}
+    for mode in ("ref", "stop", "resume"):
+        launch_local_workers([sys.executable, str(script), mode], num_workers=2, timeout_s=280, env=env,
+                             cwd=str(tmp_path), check=True)
+
+    def read(name):
+        return [json.loads((tmp_path / f"{name}_{i}.json").read_text()) for i in range(2)]
+
+    assert [r["iterations"] for r in read("stop")] == [23, 23]
+    for ref, resumed in zip(read("ref"), read("resume")):
+        assert resumed["iterations"] == 24
+        for a, b in zip(ref["weights"], resumed["weights"]):
+            np.testing.assert_array_equal(np.array(a), np.array(b))
