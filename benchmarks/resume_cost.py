@@ -3,7 +3,7 @@ checkpoint taken at batch 100, 10,000 and 100,000.
 
 For each kind of data a training run (a fresh subprocess) trains a small model up to the largest position with
 ``ChiefCheckpoint(save_freq=100)`` and copies the checkpoint directory at each measured position. Each resume is
-then a fresh subprocess (model built, ``fit`` called, the checkpoint restored, the data positioned, the first new
+then a fresh subprocess (``--repeats`` per position, interleaved, median shown) (model built, ``fit`` called, the checkpoint restored, the data positioned, the first new
 update applied): the wall time from its ``fit`` call to the end of its first new update, and what ChiefCheckpoint
 said it did with the data (its position restored from the checkpoint, or the trained batches read forward).
 
@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -185,6 +186,7 @@ def main() -> None:
     parser.add_argument("--kind", default="dataset")
     parser.add_argument("--work")
     parser.add_argument("--position", default="0")
+    parser.add_argument("--repeats", type=int, default=3, help="resumes per position (interleaved; the median is shown)")
     args = parser.parse_args()
     if args.child == "train":
         return train(args)
@@ -199,13 +201,17 @@ def main() -> None:
         work = tempfile.mkdtemp(prefix=f"resume_cost_{kind}_")
         try:
             trained = _child(kind, "train", work, args)
-            times, how = [], ""
-            for p in positions:
-                r = _child(kind, "resume", work, args, p)
-                times.append(r["s"])
-                how = r["how"]
+            runs: dict = {p: [] for p in positions}
+            how = ""
+            for _ in range(args.repeats):  # interleaved: a load change on the machine hits every position alike
+                for p in positions:
+                    r = _child(kind, "resume", work, args, p)
+                    runs[p].append(r["s"])
+                    how = r["how"]
+            times = [statistics.median(runs[p]) for p in positions]
             ratio = times[-1] / times[0]
-            rows[kind] = {"pipeline_ms": trained["pipeline_ms"], "times_s": times, "ratio": ratio, "how": how}
+            rows[kind] = {"pipeline_ms": trained["pipeline_ms"], "times_s": times, "ratio": ratio, "how": how,
+                          "runs_s": runs}
             print(f"{kind:9} {trained['pipeline_ms']:17.3f} " + " ".join(f"{t:9.2f}s" for t in times)
                   + f" {ratio:6.2f}  {how}", flush=True)
         finally:

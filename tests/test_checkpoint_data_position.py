@@ -49,6 +49,19 @@ KINDS = {
 }
 
 
+def test_an_async_save_holds_the_data_position_too(tmp_path, caplog):
+    ref = make_model()
+    run(ref, [], "repeated")
+    d = str(tmp_path / "ckpt")
+    run(make_model(), [ks.ChiefCheckpoint(d, save_freq=4, async_save=True), StopAfter(23)], "repeated")
+    assert len(read_checkpoint(list_checkpoints(d)[0][1]).get_tensor(data_position.DATA_STATE_KEY)) > 0
+    resumed = make_model()
+    with caplog.at_level(logging.INFO, logger="keras_scale.checkpoint"):
+        run(resumed, [ks.ChiefCheckpoint(d, save_freq=4, async_save=True)], "repeated")
+    assert any("data position restored from the checkpoint" in r.getMessage() for r in caplog.records)
+    assert_same(weights(resumed), weights(ref))
+
+
 def run(model, callbacks, kind):
     kwargs, epochs, _ = KINDS[kind]
     return model.fit(epochs=epochs, verbose=0, callbacks=callbacks, **kwargs())
