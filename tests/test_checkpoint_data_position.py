@@ -264,3 +264,23 @@ def test_two_workers_stopped_late_resume_to_the_uninterrupted_runs_weights(tmp_p
         assert resumed["iterations"] == 24
         for a, b in zip(ref["weights"], resumed["weights"]):
             np.testing.assert_array_equal(np.array(a), np.array(b))
+
+
+def test_ks_fit_shuffled_arrays_resume_from_the_saved_position(tmp_path, caplog):
+    """keras_scale.fit shuffles arrays per epoch from a variable (a stateful read TensorFlow refuses to save by
+    default); the epoch's permutation is in the iterator state, so the position is saved and restored exactly."""
+    def build():
+        return make_model()
+
+    ref = ks.fit(build, X, Y, global_batch_size=BATCH, epochs=3, verbose=0).model
+    d = str(tmp_path / "ckpt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        ks.fit(build, X, Y, global_batch_size=BATCH, epochs=3, verbose=0,
+               callbacks=[ks.ChiefCheckpoint(d, save_freq=3), StopAfter(13)])
+    assert len(read_checkpoint(list_checkpoints(d)[0][1]).get_tensor(data_position.DATA_STATE_KEY)) > 0
+    with caplog.at_level(logging.INFO, logger="keras_scale.checkpoint"):
+        resumed = ks.fit(build, X, Y, global_batch_size=BATCH, epochs=3, verbose=0,
+                         callbacks=[ks.ChiefCheckpoint(d, save_freq=3)]).model
+    assert any("data position restored from the checkpoint" in r.getMessage() for r in caplog.records)
+    assert_same(weights(resumed), weights(ref))

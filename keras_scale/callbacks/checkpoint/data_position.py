@@ -31,7 +31,7 @@ from typing import Any, Iterator
 
 import tensorflow as tf
 
-__all__ = ["MAX_STATE_BYTES", "NotSaveable", "iterator_state", "restore_iterator_state", "keras_epoch_iterator",
+__all__ = ["MAX_STATE_BYTES", "NotSaveable", "declare_saveable", "iterator_state", "restore_iterator_state", "keras_epoch_iterator",
            "skip_loop_steps", "DATA_STATE_KEY"]
 
 #: Largest iterator state saved with every checkpoint (bytes); above it the resume replays the data instead.
@@ -39,6 +39,23 @@ MAX_STATE_BYTES = 64 << 20
 
 #: The checkpoint key of the saved iterator state (an empty string: none saved, the resume replays).
 DATA_STATE_KEY = "keras_scale_data/iterator/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+#: Set on a dataset whose stateful ops (an epoch's permutation drawn from a variable) only produce values that the
+#: iterator state already holds (see :func:`declare_saveable`).
+SAVEABLE_ATTR = "_keras_scale_position_saveable"
+
+
+def declare_saveable(dataset: Any) -> Any:
+    """Mark ``dataset`` (the one handed to ``fit``) as resumable from its iterator state although TensorFlow sees
+    stateful ops in it: use only where those ops' results (e.g. an epoch's permutation) are part of the state, as
+    in :func:`keras_scale.fit`'s shuffled arrays. Returns ``dataset``.
+
+    Example:
+        ds = declare_saveable(indices.map(order).unbatch().batch(8))
+    """
+    setattr(dataset, SAVEABLE_ATTR, True)
+    return dataset
 
 
 class NotSaveable(Exception):
@@ -80,7 +97,9 @@ def iterator_state(iterator: Any, keras_arrays: bool = False) -> bytes:
     from tensorflow.python.ops import gen_dataset_ops
 
     resource = _resource(iterator)
-    policy = options_lib.ExternalStatePolicy.IGNORE if keras_arrays else options_lib.ExternalStatePolicy.FAIL
+    declared = bool(getattr(getattr(iterator, "_dataset", None), SAVEABLE_ATTR, False))
+    policy = options_lib.ExternalStatePolicy.IGNORE if (keras_arrays or declared) else \
+        options_lib.ExternalStatePolicy.FAIL
     try:
         variant = gen_dataset_ops.serialize_iterator(resource, external_state_policy=policy.value)
         data = tf.io.serialize_tensor(variant).numpy()
