@@ -284,3 +284,18 @@ def test_ks_fit_shuffled_arrays_resume_from_the_saved_position(tmp_path, caplog)
                          callbacks=[ks.ChiefCheckpoint(d, save_freq=3)]).model
     assert any("data position restored from the checkpoint" in r.getMessage() for r in caplog.records)
     assert_same(weights(resumed), weights(ref))
+
+
+def test_where_keras_loop_cannot_be_advanced_its_calls_for_trained_batches_train_nothing(tmp_path, monkeypatch):
+    """Another Keras (no ``epoch_iterator`` to advance): the loop calls the train function for every trained batch;
+    those calls read nothing (the data is already positioned) and train nothing."""
+    ref = make_model()
+    run(ref, [], "repeated")
+    d = str(tmp_path / "ckpt")
+    run(make_model(), [ks.ChiefCheckpoint(d, save_freq=4), StopAfter(23)], "repeated")
+    monkeypatch.setattr(data_position, "keras_epoch_iterator", lambda model: None)
+    resumed, batches = make_model(), Batches()
+    run(resumed, [ks.ChiefCheckpoint(d, save_freq=4), batches], "repeated")
+    assert batches.seen[:5] == [0, 1, 2, 3, 4]  # epoch 6 (index 5) from its first batch: 3 calls skipped
+    assert int(resumed.optimizer.iterations.numpy()) == 35
+    assert_same(weights(resumed), weights(ref))
