@@ -377,6 +377,10 @@ def prepare_dataset(x: Any, y: Any = None, sample_weight: Any = None, *, global_
             "with y, a tf.data.Dataset, or a keras.utils.PyDataset."
         )
     ds, policy = _shard_and_prefetch(ds, file_based)
+    if shuffle and epoch_variable is not None and _is_array_structure(x):
+        from keras_scale.callbacks.checkpoint.data_position import declare_saveable
+
+        declare_saveable(ds)  # the epoch's permutation (read from the variable) is in the iterator's saved state
     return ds, f"{how} to {global_batch_size}; auto-shard {policy}; prefetch AUTOTUNE"
 
 

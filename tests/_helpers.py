@@ -32,7 +32,7 @@ def make_model(width=8, optimizer=None, strategy=None, metrics=None):
 
 class StopAfter(keras.callbacks.Callback):
     """Stops training (gracefully) once the optimizer has applied ``num_steps`` updates in total: a stand-in
-    for a crash point. (Batches a resume skips still fire batch callbacks, so it counts updates, not calls.)"""
+    for a crash point. (It counts updates, not batch callbacks: a resume's first call in its epoch trains nothing.)"""
 
     def __init__(self, num_steps):
         super().__init__()

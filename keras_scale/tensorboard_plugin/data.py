@@ -104,8 +104,42 @@ def _checked(event: Any) -> Optional[Dict[str, Any]]:
     return event
 
 
+#: path -> (file identity, bytes parsed, records parsed): a refresh parses only what was appended since the last one
+_PARSED: Dict[str, Tuple[Tuple[int, int], int, List[Dict[str, Any]]]] = {}
+
+
+def _read_stream(path: str) -> List[Dict[str, Any]]:
+    """The records of one stream; the complete lines appended since the previous call are the only ones parsed
+    (the stream is append-only; a replaced or shortened file is parsed again from its start)."""
+    st = os.stat(path)
+    ident = (st.st_dev, st.st_ino)
+    cached = _PARSED.get(path)
+    if cached is None or cached[0] != ident or st.st_size < cached[1]:
+        cached = (ident, 0, [])
+    _, offset, events = cached
+    if st.st_size > offset:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            chunk = f.read(st.st_size - offset)
+        end = chunk.rfind(b"\n") + 1  # a last line still being written waits for the next refresh
+        for line in chunk[:end].decode("utf-8", errors="replace").splitlines():  # junk bytes of a crash: skipped
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            event = _checked(event)
+            if event is not None:
+                events.append(event)
+        offset += end
+    _PARSED[path] = (ident, offset, events)
+    return events
+
+
 def read_run_events(run_dir: str) -> List[Dict[str, Any]]:
     """Every record of the run (its streams merged), in time order; a torn line of a killed run is skipped.
+
+    The streams grow by a record per checkpoint save, epoch end and incident (never per step); a refresh parses
+    only the records appended since the previous one (copies are returned: callers may change them).
 
     Example:
         >>> read_run_events("/nonexistent")
@@ -114,15 +148,7 @@ def read_run_events(run_dir: str) -> List[Dict[str, Any]]:
     events: List[Dict[str, Any]] = []
     for path in _streams(run_dir):
         try:
-            with open(path, encoding="utf-8", errors="replace") as f:  # junk bytes of a crash: that line skipped
-                for line in f:
-                    try:
-                        event = json.loads(line)
-                    except ValueError:
-                        continue
-                    event = _checked(event)
-                    if event is not None:
-                        events.append(event)
+            events.extend(dict(e) for e in _read_stream(path))
         except OSError:
             continue
     events.sort(key=lambda e: (e.get("time") or 0.0))

@@ -75,8 +75,10 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
     tool and by :func:`keras_scale.load_checkpoint` (docs/checkpoint.md, "File format and durability").
 
     On ``fit`` start (``restore=True``) the newest checkpoint that loads is restored and training continues at
-    the same epoch *and* batch: the already-applied batches of the interrupted epoch are read from the data and
-    dropped, and the epoch's metrics continue from their saved state. A run killed and restarted any number of
+    the same epoch *and* batch: the data iterator's saved state is restored (where the pipeline cannot be saved --
+    a ``py_function``, a generator, a ``tf.distribute`` iterator -- the already-applied batches are read and dropped,
+    said once at the first save with the cost), Keras's loop goes on at the saved batch, and the epoch's metrics
+    continue from their saved state. A run killed and restarted any number of
     times ends with the same weights as an uninterrupted one, given the same data order every run
     (``shuffle=False``, or a ``tf.data`` pipeline whose order does not depend on how often it was iterated) and
     deterministic ops.
@@ -523,8 +525,13 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
     def _final_save(self) -> None:
         if self._global_step != self._last_saved_step or self._pending_best is not None:
             if self._epoch_complete:
+                # (the data position is taken before the look ahead below reads from the iterator)
+                self._data_state_cache = self._data_state_now(self._stream_pos)
                 fresh = self._iterator is None or self._iterator_exhausted(self._iterator)
-                self._save(self._epoch + 1, 0, 0 if fresh else self._stream_pos)
+                try:
+                    self._save(self._epoch + 1, 0, 0 if fresh else self._stream_pos)
+                finally:
+                    self._data_state_cache = None
             else:
                 self._save_mid_epoch()
 
@@ -689,6 +696,7 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         self._own_stream: Any = None
         self._may_run_out = True
         self._prefix_skipped_on: Any = None
+        self._reset_data_position()
 
     def _save(self, epoch: int, step_in_epoch: int, stream_pos: int) -> Optional[str]:
         started = time.perf_counter()
@@ -732,6 +740,7 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
             self._vars["batch_size"].assign(self._batch_size)
             self._signature.assign(json.dumps(_signature(self.model)))
             self._epoch_logs_var.assign(self._epoch_logs_json())
+            self._data_state_var.assign(self._data_state_now(stream_pos))
             path = self._manager.save(checkpoint_number=self._global_step, options=self._options)
             self._last_saved_step = self._global_step
             self._last_saved_prefix = path

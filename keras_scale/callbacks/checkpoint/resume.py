@@ -3,6 +3,7 @@ changes, iterators that run out."""
 from __future__ import annotations
 
 import json
+import time
 import warnings
 import weakref
 from typing import Any, Dict, List, Optional
@@ -13,6 +14,7 @@ import tensorflow as tf
 from keras_scale import events
 from keras_scale.callbacks.checkpoint.names import _EPOCH_LOGS_KEY, log
 from keras_scale.callbacks.checkpoint import format as _io
+from keras_scale.callbacks.checkpoint import data_position as _data
 from keras_scale.callbacks.checkpoint.state import _state_size
 
 
@@ -100,6 +102,19 @@ def _reshuffling_seeded_shuffle(dataset: Any) -> bool:
     return False
 
 
+_COMPILED_SKIP_MIN = 1000  # batches to read forward from which one compiled loop beats eager get_next calls
+
+
+@tf.function(autograph=False)
+def _read_forward(iterator: Any, num_batches: Any) -> Any:
+    """Read and drop ``num_batches`` batches from ``iterator`` in one call (a tf.data or tf.distribute iterator)."""
+    def body(i):
+        with tf.control_dependencies(tf.nest.flatten(iterator.get_next(), expand_composites=True)):
+            return i + 1
+
+    return tf.while_loop(lambda i: i < num_batches, body, [tf.constant(0, tf.int64)])
+
+
 class _ResumeEpoch(int):
     """The epoch a resumed ``fit`` starts at, for ``model._initial_epoch``: truthy only while the fit that set it
     is starting, so a ``fit`` that raised before clearing it never makes a later plain ``fit`` skip epochs."""
@@ -131,6 +146,7 @@ class ResumeMixin:
             self._saved_epoch_logs = json.loads(raw.decode() if isinstance(raw, bytes) else raw) if raw else None
         except Exception:  # noqa: BLE001 - older checkpoints have no epoch logs
             self._saved_epoch_logs = None
+        self._resume_data_state = self._read_data_state(prefix)
         if epoch:
             self.model._initial_epoch = _ResumeEpoch(epoch, self)
             self._resume_pending = True
@@ -210,6 +226,9 @@ class ResumeMixin:
 
     def _on_first_call(self, iterator: Any) -> None:
         model = self.model
+        epoch_iterator = _data.keras_epoch_iterator(model)
+        self._epoch_iterator_ref = weakref.ref(epoch_iterator) if epoch_iterator is not None else None
+        self._keras_arrays = _data.is_keras_array_pipeline(epoch_iterator)
         if self._deferred_restore is not None:
             self._restore_deferred(iterator)
         # Without a strategy Keras builds metrics only when the first step is traced: build them now, so that
@@ -295,10 +314,124 @@ class ResumeMixin:
             return None
         return iter(datasets[0])
 
+    # ------------------------------------------------------------------ the data position (data_position.py)
+    def _reset_data_position(self) -> None:
+        self._resume_data_state: bytes = b""
+        self._data_not_saveable: Optional[str] = None  # why the position cannot be saved (said once per fit)
+        self._data_state_cache: Optional[bytes] = None
+        self._epoch_iterator_ref: Any = None
+        self._keras_arrays = False
+        self._trained_calls = 0
+        self._train_started_at = 0.0
+        self._loop_skips = 0  # calls of Keras's loop still to skip (the data position is already set)
+
+    @staticmethod
+    def _read_data_state(prefix: str) -> bytes:
+        try:
+            reader = _io.read_checkpoint(prefix)
+            if not reader.has_tensor(_data.DATA_STATE_KEY):
+                return b""  # an older checkpoint: the resume reads the data forward
+            raw = reader.get_tensor(_data.DATA_STATE_KEY)  # CRC-checked (and by the restore that chose prefix)
+        except Exception as e:  # noqa: BLE001
+            log.warning("ChiefCheckpoint: the data position in %r cannot be read (%s); reading the data forward "
+                        "instead", prefix, e)
+            return b""
+        return bytes(raw) if raw else b""
+
+    def _keras_epoch_iterator(self) -> Any:
+        ref = self._epoch_iterator_ref
+        return ref() if ref is not None else None
+
+    def _data_state_now(self, stream_pos: int) -> bytes:
+        """The bytes to save as the data position (``b""``: none, a resume reads the data forward)."""
+        if stream_pos <= 0 or self._iterator is None:
+            return b""  # a resume here starts on a fresh iterator, which is already right
+        if self._data_state_cache is not None:
+            return self._data_state_cache
+        if self._data_not_saveable is not None:
+            return b""
+        try:
+            return _data.iterator_state(self._iterator, keras_arrays=self._keras_arrays)
+        except _data.NotSaveable as e:
+            self._data_not_saveable = str(e)
+            self._warn_replay(e, stream_pos)
+            return b""
+
+    def _warn_replay(self, why: "_data.NotSaveable", stream_pos: int) -> None:
+        if not self._chief:
+            return
+        per_batch_s = None
+        spe = int(getattr(self.model, "steps_per_execution", 1) or 1)
+        if self._trained_calls:
+            per_batch_s = (time.perf_counter() - self._train_started_at) / (self._trained_calls * spe)
+        cost = (f"about {stream_pos} x {per_batch_s * 1e3:.2f} ms = {stream_pos * per_batch_s:.1f} s at this save "
+                "(this run's measured time per batch, training included: an upper bound)") if per_batch_s else \
+            f"{stream_pos} batches at this save"
+        warnings.warn(
+            f"ChiefCheckpoint: the position in the data cannot be saved: {why}. A resume reads the batches already "
+            f"trained from this data iterator again and drops them: {cost}; it grows with the position in the "
+            f"iterator (a repeat()ed dataset: every batch since fit started). Fix: {why.fix}.",
+            RuntimeWarning, stacklevel=2)
+
+    def _restore_data_position(self, iterator: Any, num_batches: int) -> bool:
+        """Put the resumed fit's fresh data iterator at the saved position; False: read forward instead."""
+        state = self._resume_data_state
+        position = self._resume_position or {}
+        if not state or num_batches != position.get("stream_pos"):
+            return False  # none saved, or the batch size changed (the position is then converted into batches)
+        if self._saved_batch_size and self._batch_size and self._batch_size != self._saved_batch_size:
+            return False
+        try:
+            _data.restore_iterator_state(iterator, state)
+        except Exception as e:  # noqa: BLE001 - another pipeline than the one saved, a TensorFlow that differs
+            warnings.warn(
+                f"ChiefCheckpoint: the data position saved in {self._restored_from!r} does not fit this run's data "
+                f"iterator ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}); reading {num_batches} "
+                "batches forward instead. (A changed pipeline resumes where the old one would have been only if "
+                "it yields the same batches.)", RuntimeWarning, stacklevel=3)
+            return False
+        return True
+
+    def _position_data(self, use: Any, spe: int) -> bool:
+        """At the resumed fit's first call: put the data where the checkpoint was taken (its saved iterator state,
+        or by reading the trained batches forward) and make Keras's loop skip the trained steps. True: this call
+        is one of the trained steps (it trains nothing)."""
+        if self._loop_skips:  # Keras's loop could not be advanced: its calls for trained steps read nothing
+            self._loop_skips -= 1
+            self._skip_calls = self._loop_skips
+            return True
+        calls, prefix = max(self._skip_calls, 0), self._skip_prefix
+        batches = prefix + calls * spe
+        started = time.perf_counter()
+        if self._restore_data_position(use, batches):
+            self._preread = 0
+            how = f"data position restored from the checkpoint in {time.perf_counter() - started:.2f} s (no batch read)"
+        else:
+            self._skip(use, batches)
+            how = f"read {batches} batches forward in {time.perf_counter() - started:.2f} s"
+        self._say(f"ChiefCheckpoint: {how}")
+        self._stream_pos += batches
+        self._skip_prefix = 0
+        if prefix:
+            self._prefix_skipped_on = use
+        self._skip_calls = 0
+        if calls == 0:
+            return False
+        if calls > 1:
+            epoch_iterator = self._keras_epoch_iterator()
+            if epoch_iterator is None or not _data.skip_loop_steps(epoch_iterator, calls - 1):
+                self._loop_skips = self._skip_calls = calls - 1
+        return True
+
     def _skip(self, iterator: Any, num_batches: int) -> None:
         take = min(self._preread, num_batches)
         self._preread -= take
-        for _ in range(int(num_batches - take)):
+        left = int(num_batches - take)
+        if left > _COMPILED_SKIP_MIN and isinstance(iterator, tf.distribute.DistributedIterator):
+            # one call (traced once, ~1 s): a distributed iterator's eager get_next costs ~1.5 ms per batch
+            _read_forward(iterator, tf.constant(left, tf.int64))
+            return
+        for _ in range(left):
             iterator.get_next()
 
     def _train_call_once(self, inner: Any, iterator: Any) -> Any:
@@ -314,18 +447,14 @@ class ResumeMixin:
         if self._pending_epoch_save:
             self._pending_epoch_save = False
             self._save(self._epoch, 0, self._stream_pos)
-        if self._skip_prefix:
-            self._skip(use, self._skip_prefix)
-            self._stream_pos += self._skip_prefix
-            self._skip_prefix = 0
-            self._prefix_skipped_on = use
-        if self._skip_calls > 0:
-            self._skip_calls -= 1
-            self._skip(use, spe)
-            self._stream_pos += spe
-            self._last_call_skipped = True
-            return self.model.get_metrics_result()
+        if self._skip_prefix or self._skip_calls > 0:
+            if self._position_data(use, spe):
+                self._last_call_skipped = True
+                return self.model.get_metrics_result()
         self._last_call_skipped = False
+        if self._trained_calls == 0:
+            self._train_started_at = time.perf_counter()
+        self._trained_calls += 1
         measure = not self._batch_size and self._measure_tries < 5
         before = _loss_count(self.model) if measure else None
         # Only where Keras may call past the end: data of unknown length, or an iterator we skipped into.

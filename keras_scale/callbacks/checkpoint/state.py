@@ -125,6 +125,8 @@ class StateMixin:
             # what this run's script set (not what training made of it): tells a deliberate change at the next resume
             self._run_config_var = tf.Variable(json.dumps({"learning_rate": self._lr_at_start}), dtype=tf.string,
                                                trainable=False, name="ks_run_config")
+            # the data iterator's position (data_position.py; b"": none saved, a resume reads the data forward)
+            self._data_state_var = tf.Variable(b"", dtype=tf.string, trainable=False, name="ks_data_iterator")
         # Variables by position (model.variables, optimizer.variables: a deterministic order for a given model
         # and optimizer); the signature saved alongside makes restoring into a different model an error.
         # Every optimizer the model trains with (keras_scale.state): model.optimizer under "optimizer_variables"
@@ -138,6 +140,7 @@ class StateMixin:
             "keras_scale_signature": self._signature,
             "keras_scale_epoch_logs": self._epoch_logs_var,
             "keras_scale_run_config": self._run_config_var,
+            "keras_scale_data": {"iterator": self._data_state_var},
         }
         metrics = _metric_variables(model)
         self._num_metric_vars = len(metrics)
