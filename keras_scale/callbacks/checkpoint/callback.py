@@ -30,6 +30,7 @@ from keras_scale.callbacks.checkpoint import format as _io
 from keras_scale.storage import Storage
 from keras_scale.callbacks.checkpoint.best import BestMixin
 from keras_scale.callbacks.checkpoint.directory import DirectoryMixin, list_checkpoints
+from keras_scale.callbacks.checkpoint.errors import CheckpointSaveError, RunCompletedError, save_error
 from keras_scale.callbacks.checkpoint.hooks import _hook_method, _unhook
 from keras_scale.callbacks.checkpoint.lock import LockMixin
 from keras_scale.callbacks.checkpoint.preemption import PREEMPTION_EXIT_CODE, PreemptionMixin
@@ -642,6 +643,8 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         self._global_step = 0  # batches trained, over all runs
         self._last_saved_step = 0
         self._last_saved_prefix: Optional[str] = None
+        self._async_pending: Optional[str] = None  # an async write started and not yet found complete
+        self._save_error_seen = False
         self._iterator: Any = None
         self._skip_prefix = 0
         self._skip_calls = 0
@@ -688,7 +691,14 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
     def _save(self, epoch: int, step_in_epoch: int, stream_pos: int) -> Optional[str]:
         started = time.perf_counter()
         try:
+            if self.async_save and self._async_pending is not None:
+                self._wait()  # the previous background write's error is that write's, said as such
             path = self._save_untimed(epoch, step_in_epoch, stream_pos)
+        except CheckpointSaveError:
+            raise
+        except Exception as e:  # noqa: BLE001 - never let TensorFlow's type out: OutOfRangeError (EFBIG) reads as "no more data"
+            raise self._save_failed(e, f"saving {self._prefix_for(self._global_step)!r}",
+                                    self._prefix_for(self._global_step)) from e
         finally:
             self.blocked_s += time.perf_counter() - started
         if path:
@@ -730,6 +740,8 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
             path = self._manager.save(checkpoint_number=self._global_step, options=self._options)
             self._last_saved_step = self._global_step
             self._last_saved_prefix = path
+            if self.async_save:
+                self._async_pending = path  # complete only once _wait() found it so
             self._start_state = None  # a real checkpoint now exists for restore_latest
             self._say(f"ChiefCheckpoint: saved {path} ({_describe(epoch, step_in_epoch)})")
         if self._pending_best is not None:
@@ -762,8 +774,48 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
                     verbose=self.verbose)
 
     def _wait(self) -> None:
-        if self._manager is not None:
+        """Wait for a background write; one that failed raises :class:`CheckpointSaveError` (TensorFlow would only
+        say so at the next save, or in an atexit hook after the process already exited 0)."""
+        if self._manager is None:
+            return
+        pending, self._async_pending = self._async_pending, None
+        try:
             self._manager.sync()
+            helper = getattr(self._checkpoint, "_async_checkpointer_impl", None)
+            error = getattr(helper, "_async_error", None)
+            if error is not None:
+                helper._async_error = None  # said here, not again at exit
+                raise error
+            if pending is not None and self._chief and not tf.io.gfile.exists(pending + ".index"):
+                raise FileNotFoundError(f"{pending}.index is missing after its background write")
+        except CheckpointSaveError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise self._save_failed(e, f"the background write of {pending!r}" if pending else "a background write",
+                                    pending) from e
+
+    def _prefix_for(self, number: int) -> str:
+        return os.path.join(self.directory, f"{_NAME}-{number}")
+
+    def _save_failed(self, error: BaseException, what: str, prefix: Optional[str]) -> CheckpointSaveError:
+        """The error a failed save stops ``fit`` with; after a preemption signal also said as the preemption's
+        outcome (the process then exits with 1, not the preemption exit status)."""
+        self._save_error_seen = True
+        newest, step = None, None
+        try:
+            for number, candidate in list_checkpoints(self.directory):
+                if candidate != prefix and tf.io.gfile.exists(candidate + ".index"):
+                    newest, step = candidate, number
+                    break
+        except Exception:  # noqa: BLE001 - the directory itself may be what failed
+            pass
+        if self._preempting:
+            what += (f" (the preemption save after {signal.Signals(self.preempted).name if self.preempted else 'a signal'}"
+                     f"; the process does not exit with the preemption status {self.preemption_exit_code})")
+        err = save_error(error, what, newest, step, prefix, self.directory)
+        if self._preempting and self._chief:
+            log.warning("%s", err)
+        return err
 
     def _timed_wait(self) -> None:
         started = time.perf_counter()
