@@ -274,9 +274,10 @@ def test_finished_run_says_already_complete(tmp_path, capsys):
     done = fit(make_model(), [ks.ChiefCheckpoint(d)], epochs=2)
     capsys.readouterr()
     again = make_model()
-    history = fit(again, [ks.ChiefCheckpoint(d, verbose=1)], epochs=2)  # verbose=0 (default): the logger only
+    history = fit(again, [ks.ChiefCheckpoint(d)], epochs=2)  # said at the default verbose=0 too
     out = capsys.readouterr().out
-    assert "already complete (2 epochs, global batch 20)" in out and "larger epochs=" in out
+    assert "already completed at epoch 2 (all its epochs trained" in out and "larger epochs=" in out
+    assert "on_completed='restart'" in out
     assert "resuming" not in out
     assert history.epoch == [1]
     assert history.history["rmse"] == [done.history["rmse"][-1]]

@@ -16,8 +16,9 @@ from keras_scale.callbacks.checkpoint.callback import ChiefCheckpoint, checkpoin
 from keras_scale.callbacks.checkpoint.directory import list_checkpoints
 from keras_scale.callbacks.checkpoint.export import load_checkpoint
 from keras_scale.callbacks.checkpoint.format import read_checkpoint
+from keras_scale.callbacks.checkpoint.errors import CheckpointSaveError, RunCompletedError
 from keras_scale.callbacks.checkpoint.names import CheckpointMismatchError
 from keras_scale.callbacks.checkpoint.preemption import PREEMPTION_EXIT_CODE
 
-__all__ = ["ChiefCheckpoint", "CheckpointMismatchError", "list_checkpoints", "checkpoint_for", "load_checkpoint",
+__all__ = ["ChiefCheckpoint", "CheckpointMismatchError", "CheckpointSaveError", "RunCompletedError", "list_checkpoints", "checkpoint_for", "load_checkpoint",
            "read_checkpoint", "PREEMPTION_EXIT_CODE"]
