@@ -66,6 +66,7 @@ def _json(raw: Any) -> Dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+
 class BoundariesMixin:
     """Part of :class:`ChiefCheckpoint` (a mixin: it uses the callback's own state)."""
 
