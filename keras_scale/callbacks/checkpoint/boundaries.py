@@ -235,8 +235,8 @@ class BoundariesMixin:
                            "run's are rotated out as it saves).")
             return "new", None
         if done["reason"] == "epochs" and epochs is not None and int(epochs) > done["epoch"]:
-            self._announce(f"{head}; epochs={epochs} continues it from that checkpoint at epoch "
-                           f"{done['epoch'] + 1}.")
+            # what was asked (more epochs): routine news, like a resume
+            self._say(f"{head}; epochs={epochs} continues it from that checkpoint at epoch {done['epoch'] + 1}.")
             return True, None
         started, mine = peek.config.get("learning_rate"), self._lr_at_start
         if "learning_rate" in peek.config and started != mine:
