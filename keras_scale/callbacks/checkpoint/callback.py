@@ -103,7 +103,8 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
             class and variables must match: another optimizer is a :class:`CheckpointMismatchError` naming both
             classes). ``"weights_only"``: load only the newest checkpoint's model weights and train with fresh
             optimizer state from epoch 0 (e.g. after changing the optimizer); this run's checkpoints are numbered
-            after it. ``False``: start fresh.
+            after it and record it, so a rerun after an interruption (same optimizer classes and learning rate)
+            resumes this run in full. ``False``: start fresh.
         keep_every_n_hours: additionally keep one checkpoint per this many hours forever (``None``: off).
         keep_best_k: additionally keep the ``k`` best epoch-end checkpoints by ``monitor`` in ``directory/best``
             (0: off).
