@@ -134,6 +134,11 @@ def test_weights_only_resumes_its_own_preempted_run_in_full(tmp_path):
     assert again.restored_from == os.path.join(d, "ckpt-24")
     assert int(rerun.optimizer.iterations.numpy()) == 20  # 14 before, 6 after: nothing trained twice
     assert_same(weights(uninterrupted), weights(rerun))
+    # the same command once more: that run is complete now, so it is restored, 0 epochs
+    done = make_model(optimizer=sgd)
+    fit(done, [ks.ChiefCheckpoint(d, restore="weights_only")], epochs=2)
+    assert int(done.optimizer.iterations.numpy()) == 20
+    assert_same(weights(uninterrupted), weights(done))
     # another configuration (a new learning rate) from that directory is a new start from its weights again
     other = make_model(optimizer=lambda: keras.optimizers.SGD(5e-3, momentum=0.9))
     fit(other, [ks.ChiefCheckpoint(d, restore="weights_only"), StopAfter(3)], epochs=2)
@@ -208,3 +213,29 @@ def test_a_damaged_run_record_is_read_as_none(tmp_path):
     model = make_model()
     fit(model, [ks.ChiefCheckpoint(d)], epochs=3)
     assert int(model.optimizer.iterations.numpy()) == 30
+
+
+def test_final_folder_planted_as_a_file_or_holding_a_cut_write(tmp_path):
+    """A user's file named ``final`` is neither written through nor removed (the record then names no final
+    weights, with a warning); a write of final weights cut short (TensorFlow's temporary names) and files of
+    checkpoints no longer recorded are removed at the next start, nothing else."""
+    d = str(tmp_path / "ckpt")
+    os.makedirs(d)
+    with open(os.path.join(d, "final"), "w") as f:
+        f.write("mine")
+    with pytest.warns(RuntimeWarning, match="is a link or a file"):
+        fit(make_model(), [ks.ChiefCheckpoint(d), early_stopping()], epochs=5)
+    assert open(os.path.join(d, "final")).read() == "mine"
+    assert "final_weights" not in run_config(list_checkpoints(d)[0][1])["completed"]
+
+    d2 = str(tmp_path / "ckpt2")
+    fit(make_model(), [ks.ChiefCheckpoint(d2), early_stopping()], epochs=5)
+    final_dir = os.path.join(d2, "final")
+    kept = sorted(os.listdir(final_dir))
+    for name in ("ckpt-20.data-00000-of-00001.tempstate123", "ckpt-7.index", "notes.txt"):
+        with open(os.path.join(final_dir, name), "w") as f:
+            f.write("x")
+    again = make_model()
+    fit(again, [ks.ChiefCheckpoint(d2)], epochs=5)
+    assert sorted(os.listdir(final_dir)) == sorted(kept + ["notes.txt"])
+    assert int(again.optimizer.iterations.numpy()) == 20

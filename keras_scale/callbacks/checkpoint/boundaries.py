@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import warnings
 import weakref
@@ -33,6 +34,7 @@ from keras_scale.callbacks.checkpoint.errors import RunCompletedError
 
 _FINAL_DIR = "final"  # the weights fit returned, where they differ from the completing checkpoint's (EarlyStopping)
 ON_COMPLETED = ("restore", "restart", "error")
+_FINAL_FILE_RE = re.compile(r"^" + _NAME + r"-(\d+)(\.index|\.data-\d{5}-of-\d{5})(\.tempstate\d+)?$")
 
 
 class _Peek:
@@ -155,8 +157,12 @@ class BoundariesMixin:
         variables = {f"model_variables/{i}/.ATTRIBUTES/VARIABLE_VALUE": tf.constant(by_id[id(v)])
                      for i, v in enumerate(model.variables)}
         final_dir = os.path.join(self.directory, _FINAL_DIR)
-        if os.path.islink(final_dir):
-            raise OSError(f"{final_dir!r} is a symbolic link; ChiefCheckpoint does not write through it. Remove it.")
+        if os.path.islink(final_dir) or (tf.io.gfile.exists(final_dir) and not tf.io.gfile.isdir(final_dir)):
+            warnings.warn(f"ChiefCheckpoint: {final_dir!r} is a link or a file, not ChiefCheckpoint's folder; the "
+                          "weights fit returns (EarlyStopping's restored best weights) are not recorded there, a rerun "
+                          "of this completed run restores its last checkpoint's weights. Remove it.", RuntimeWarning,
+                          stacklevel=3)
+            return None
         tf.io.gfile.makedirs(final_dir)
         name = f"{_NAME}-{number}"
         _io.write_checkpoint(os.path.join(final_dir, name), variables)
@@ -168,10 +174,10 @@ class BoundariesMixin:
         final_dir = os.path.join(self.directory, _FINAL_DIR)
         if not self._chief or not tf.io.gfile.isdir(final_dir) or os.path.islink(final_dir):
             return
-        keep = {f"{_NAME}-{n}" for n, _ in list_checkpoints(self.directory)}
+        keep = {n for n, _ in list_checkpoints(self.directory)}
         for name in tf.io.gfile.listdir(final_dir):
-            base = name.split(".", 1)[0]
-            if base not in keep or ".tempstate" in name:
+            match = _FINAL_FILE_RE.match(name)  # only this scheme's names: nothing else is ever removed
+            if match and (int(match.group(1)) not in keep or match.group(3)):
                 _io.remove_entry(os.path.join(final_dir, name))
 
     def _load_final_weights(self, prefix: str, completed: Dict[str, Any]) -> bool:
@@ -203,16 +209,18 @@ class BoundariesMixin:
         done = peek.completed(epochs)
         where = f"the run in {self.directory!r}"
         if mode == "weights_only":
-            if done is None and self._own_weights_only_run(peek):
-                self._weights_from = int(peek.config["weights_from"])
+            if not self._own_weights_only_run(peek):
+                return "weights_only", None
+            self._weights_from = int(peek.config["weights_from"])
+            if done is None:
                 self._announce(f"ChiefCheckpoint: {peek.prefix!r} was written by the run that restore='weights_only' "
                                f"started from the weights of checkpoint {self._weights_from} (same optimizers and "
                                "learning rate): resuming that run in full (optimizer state and position), not from "
                                "its weights again.")
                 return True, None
-            return "weights_only", None
-        self._weights_from = peek.config.get("weights_from") if isinstance(peek.config.get("weights_from"), int) \
-            else None
+            # that run completed: a rerun of it is a rerun of a completed run (below)
+        source = peek.config.get("weights_from")
+        self._weights_from = source if isinstance(source, int) and not isinstance(source, bool) else None
         if done is None:
             return True, None
         how = ("stopped by EarlyStopping" if done["reason"] == "early_stopping" else "all its epochs trained")
