@@ -206,6 +206,9 @@ def test_a_damaged_run_record_is_read_as_none(tmp_path):
     mid_run = {"epoch": 1, "step_in_epoch": 5}
     for raw in (b"{not json", b'["a list"]', b'{"completed": {"epoch": "x"}}', b'{"completed": 7}', b"\xff", b""):
         assert _Peek(15, "ckpt-15", _json(raw), {}, mid_run).completed(3) is None
+    outside = ks.ChiefCheckpoint(str(tmp_path / "x"))
+    with pytest.warns(RuntimeWarning, match="not a file of this directory"):  # a record never leads a read outside
+        assert not outside._load_final_weights("p", {"final_weights": "../../elsewhere/ckpt-1"})
     assert _Peek(30, "ckpt-30", _json(b"{}"), {}, {"epoch": 3, "step_in_epoch": 0}).completed(3) == {
         "epoch": 3, "reason": "epochs"}  # an earlier version's finished run: complete by its position
     d = str(tmp_path / "ckpt")

@@ -185,7 +185,9 @@ class BoundariesMixin:
         relative = completed.get("final_weights")
         if not relative:
             return False
-        path = os.path.join(self.directory, str(relative))
+        if not isinstance(relative, str) or not re.fullmatch(_FINAL_DIR + "/" + _NAME + r"-\d+", relative):
+            relative = f"<not a file of this directory: {str(relative)[:80]!r}>"  # never read outside the directory
+        path = os.path.join(self.directory, relative)
         try:
             items = {"model_variables": self._model_only["model_variables"]}
             _io.read_into(path, _io.flatten(items), tf.train.Checkpoint(**items))

@@ -387,6 +387,7 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         if mode == "new":  # a new run from the model as it is, numbered after the newest checkpoint
             self._global_step = self._last_saved_step = peek.number
             self._best = []
+            self._weights_from = None
         elif mode == "weights_only" and peek is not None:
             found = self._newest_readable()
         if mode == "weights_only" and found is not None:
