@@ -125,3 +125,31 @@ def test_save_error_names_the_errno_file_and_fix_and_is_not_a_stop_or_oom():
     assert save_error(OSError(errno.EROFS, "Read-only file system", "/x/checkpoint"), "saving", None, None,
                       None).filename == "/x/checkpoint"
     assert os.strerror(errno.EIO) and errno_of(RuntimeError("nothing known")) is None
+
+
+def test_a_read_failing_inside_the_train_function_is_not_the_end_of_the_data(tmp_path, monkeypatch):
+    """A model without keras.Input is restored right before its first step, inside the train function: a read that
+    fails there with TensorFlow's OutOfRangeError (a file truncated since fit start) stops fit with an error instead
+    of ending every epoch at 0 batches."""
+    import keras
+
+    import keras_scale as ks
+    from keras_scale.callbacks.checkpoint import format as io
+    from tests._helpers import StopAfter, fit
+
+    def unbuilt():
+        keras.utils.set_random_seed(7)
+        model = keras.Sequential([keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+        return model
+
+    d = str(tmp_path / "ckpt")
+    fit(unbuilt(), [ks.ChiefCheckpoint(d), StopAfter(15)], epochs=3)
+
+    def truncated(*args, **kwargs):
+        raise tf.errors.OutOfRangeError(None, None, "Read less bytes than requested")
+
+    monkeypatch.setattr(io, "read_into", truncated)
+    model = unbuilt()
+    with pytest.raises(RuntimeError, match="before the first step failed"):
+        fit(model, [ks.ChiefCheckpoint(d)], epochs=3)
