@@ -3,7 +3,8 @@
 The package's parts: ``callback`` (the Keras callback: hooks and save decisions), ``directory`` (which
 checkpoints a directory holds), ``lock`` (one run per directory), ``preemption`` (signals and the exit status),
 ``state`` (which variables a checkpoint holds), ``restore`` and ``resume`` (loading, fast-forwarding the data),
-``best`` (keep_best_k), ``format`` (the files: TensorFlow's tensor bundle), ``warmup`` (the first saves' memory,
+``best`` (keep_best_k), ``boundaries`` (completion, reruns of a completed run, ``weights_only`` runs), ``errors``
+(a failed save, a rerun of a completed run), ``format`` (the files: TensorFlow's tensor bundle), ``warmup`` (the first saves' memory,
 touched in the background), and
 ``export`` (:func:`load_checkpoint` into a model by path; ``keras-scale checkpoint ls|export``).
 
