@@ -122,5 +122,8 @@ class RunCompletedError(RuntimeError):
     from the completed run's. The message says the completed run's epoch and the options.
 
     Example:
-        >>> raise RunCompletedError("run already completed at epoch 3")  # doctest: +SKIP
+        try:
+            model.fit(ds, epochs=3, callbacks=[ChiefCheckpoint("ckpt", on_completed="error")])
+        except RunCompletedError as e:
+            print(e)   # ... already completed at epoch 3 ...
     """
