@@ -274,9 +274,10 @@ def test_finished_run_says_already_complete(tmp_path, capsys):
     done = fit(make_model(), [ks.ChiefCheckpoint(d)], epochs=2)
     capsys.readouterr()
     again = make_model()
-    history = fit(again, [ks.ChiefCheckpoint(d, verbose=1)], epochs=2)  # verbose=0 (default): the logger only
+    history = fit(again, [ks.ChiefCheckpoint(d)], epochs=2)  # said at the default verbose=0 too
     out = capsys.readouterr().out
-    assert "already complete (2 epochs, global batch 20)" in out and "larger epochs=" in out
+    assert "already completed at epoch 2 (all its epochs trained" in out and "larger epochs=" in out
+    assert "on_completed='restart'" in out
     assert "resuming" not in out
     assert history.epoch == [1]
     assert history.history["rmse"] == [done.history["rmse"][-1]]
@@ -304,16 +305,17 @@ def test_finished_run_whose_save_freq_is_the_epoch_length_says_already_complete(
     history = fit(again, [ks.ChiefCheckpoint(d, save_freq=10, verbose=1), EpochEnds()], epochs=2,
                   validation_data=val)
     out = capsys.readouterr().out
-    assert "already complete (2 epochs, global batch 20)" in out and "resuming" not in out
+    assert "already completed at epoch 2 (all its epochs trained" in out and "resuming" not in out
     assert ends == [] and int(again.optimizer.iterations.numpy()) == 20
     assert history.epoch == [1]
     assert history.history == {k: [v[-1]] for k, v in done.history.items()}
 
 
-def test_a_checkpoint_from_the_last_batch_before_the_epoch_end_says_already_complete(tmp_path, caplog):
-    """Data of unknown length (so the last batch is not known as such) or an older version: the newest checkpoint is
-    from the last batch of the last epoch, before its end. A rerun says "already complete", trains nothing, runs that
-    epoch's end again (validation) with its saved metrics: History equals the finished run's last epoch."""
+def test_a_checkpoint_from_the_last_batch_before_the_epoch_end_says_already_complete(tmp_path, capsys):
+    """Data of unknown length (so the last batch is not known as such): the save due at the last batch of the last
+    epoch is taken before its end; when the run completes, that state is saved again (same number) with the epoch's
+    logs and the record that the run is complete. A rerun says "already completed", trains nothing, runs no epoch
+    end again: History equals the finished run's last epoch."""
     val = (X[:40] + 0.1, Y[:40])
     d = str(tmp_path / "ckpt")
     unknown_length = tf.data.Dataset.from_tensor_slices((X, Y)).filter(lambda x, y: True).batch(BATCH)
@@ -321,12 +323,10 @@ def test_a_checkpoint_from_the_last_batch_before_the_epoch_end_says_already_comp
                             callbacks=[ks.ChiefCheckpoint(d, save_freq=10)])
     assert [n for n, _ in list_checkpoints(d)] == [20, 10]
     again = make_model()
-    with caplog.at_level("INFO", logger="keras_scale.checkpoint"):
-        history = fit(again, [ks.ChiefCheckpoint(d, save_freq=10)], epochs=2, validation_data=val)
-    # a warning (the epoch's end runs again), not a routine notice
-    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert any("already complete (2 epochs, global batch 20)" in m and "runs again" in m for m in warned)
-    assert not any("resuming" in r.getMessage() for r in caplog.records)
+    capsys.readouterr()
+    history = fit(again, [ks.ChiefCheckpoint(d, save_freq=10)], epochs=2, validation_data=val)
+    out = capsys.readouterr().out
+    assert "already completed at epoch 2 (all its epochs trained" in out and "resuming" not in out
     assert int(again.optimizer.iterations.numpy()) == 20
     assert history.epoch == [1]
     for key, values in done.history.items():

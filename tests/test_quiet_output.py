@@ -46,11 +46,14 @@ def test_fit_verbose_0_prints_nothing_with_every_callback_at_defaults_resume_inc
     resumed = make_model()
     resumed.fit(X, Y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=every_callback(tmp_path))
     assert int(resumed.optimizer.iterations.numpy()) == 3 * 8 - 2  # resumed: only the third epoch trained
-    make_model().fit(X, Y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=every_callback(tmp_path))
     assert capfd.readouterr().out == ""
+    # a rerun of the completed run changes what fit does (0 epochs): said at every verbosity, in one line
+    make_model().fit(X, Y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=every_callback(tmp_path))
+    out = capfd.readouterr().out
+    assert out.count("\n") == 1 and "already completed at epoch 3" in out, out
     logged = [r.getMessage() for r in caplog.records if r.name == "keras_scale.checkpoint"]
     assert any("ChiefCheckpoint: resuming" in m for m in logged)  # the notices are logged, not lost
-    assert any("already complete" in m for m in logged)
+    assert any("already completed" in m for m in logged)
 
 
 def test_ks_fit_verbose_0_with_its_default_callbacks_and_a_resume_prints_nothing(tmp_path, capfd):

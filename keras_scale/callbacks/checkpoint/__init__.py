@@ -3,7 +3,8 @@
 The package's parts: ``callback`` (the Keras callback: hooks and save decisions), ``directory`` (which
 checkpoints a directory holds), ``lock`` (one run per directory), ``preemption`` (signals and the exit status),
 ``state`` (which variables a checkpoint holds), ``restore`` and ``resume`` (loading, fast-forwarding the data),
-``best`` (keep_best_k), ``format`` (the files: TensorFlow's tensor bundle), ``warmup`` (the first saves' memory,
+``best`` (keep_best_k), ``boundaries`` (completion, reruns of a completed run, ``weights_only`` runs), ``errors``
+(a failed save, a rerun of a completed run), ``format`` (the files: TensorFlow's tensor bundle), ``warmup`` (the first saves' memory,
 touched in the background), and
 ``export`` (:func:`load_checkpoint` into a model by path; ``keras-scale checkpoint ls|export``).
 
@@ -16,8 +17,9 @@ from keras_scale.callbacks.checkpoint.callback import ChiefCheckpoint, checkpoin
 from keras_scale.callbacks.checkpoint.directory import list_checkpoints
 from keras_scale.callbacks.checkpoint.export import load_checkpoint
 from keras_scale.callbacks.checkpoint.format import read_checkpoint
+from keras_scale.callbacks.checkpoint.errors import CheckpointSaveError, RunCompletedError
 from keras_scale.callbacks.checkpoint.names import CheckpointMismatchError
 from keras_scale.callbacks.checkpoint.preemption import PREEMPTION_EXIT_CODE
 
-__all__ = ["ChiefCheckpoint", "CheckpointMismatchError", "list_checkpoints", "checkpoint_for", "load_checkpoint",
+__all__ = ["ChiefCheckpoint", "CheckpointMismatchError", "CheckpointSaveError", "RunCompletedError", "list_checkpoints", "checkpoint_for", "load_checkpoint",
            "read_checkpoint", "PREEMPTION_EXIT_CODE"]

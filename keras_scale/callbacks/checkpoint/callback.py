@@ -29,7 +29,9 @@ from keras_scale.callbacks.checkpoint.names import _BEST_DIR, _NAME, _REF_ATTR, 
 from keras_scale.callbacks.checkpoint import format as _io
 from keras_scale.storage import Storage
 from keras_scale.callbacks.checkpoint.best import BestMixin
+from keras_scale.callbacks.checkpoint.boundaries import ON_COMPLETED, BoundariesMixin
 from keras_scale.callbacks.checkpoint.directory import DirectoryMixin, list_checkpoints
+from keras_scale.callbacks.checkpoint.errors import CheckpointSaveError, save_error
 from keras_scale.callbacks.checkpoint.hooks import _hook_method, _unhook
 from keras_scale.callbacks.checkpoint.lock import LockMixin
 from keras_scale.callbacks.checkpoint.preemption import PREEMPTION_EXIT_CODE, PreemptionMixin
@@ -61,7 +63,7 @@ def checkpoint_for(model: keras.Model) -> Optional["ChiefCheckpoint"]:
 
 
 class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, RestoreMixin, ResumeMixin, BestMixin,
-                      WarmupMixin, keras.callbacks.Callback):
+                      WarmupMixin, BoundariesMixin, keras.callbacks.Callback):
     """Crash- and preemption-safe checkpoints of everything training needs, written by the chief only, resumed
     exactly.
 
@@ -103,7 +105,8 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
             class and variables must match: another optimizer is a :class:`CheckpointMismatchError` naming both
             classes). ``"weights_only"``: load only the newest checkpoint's model weights and train with fresh
             optimizer state from epoch 0 (e.g. after changing the optimizer); this run's checkpoints are numbered
-            after it. ``False``: start fresh.
+            after it and record it, so a rerun after an interruption (same optimizer classes and learning rate)
+            resumes this run in full. ``False``: start fresh.
         keep_every_n_hours: additionally keep one checkpoint per this many hours forever (``None``: off).
         keep_best_k: additionally keep the ``k`` best epoch-end checkpoints by ``monitor`` in ``directory/best``
             (0: off).
@@ -116,7 +119,17 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
             (every ``MultiWorkerMirroredStrategy`` cluster from ``TF_CONFIG``, Slurm or ``keras-scale launch``) the
             workers agree through it with no per-step cost, and this is unused.
         verbose: 0 quiet (saves, restores and resumes go to the ``keras_scale.checkpoint`` logger at INFO); 1 one
-            line on stdout per save, restore and resume (chief only). Preemption and incidents always warn (stderr).
+            line on stdout per save, restore and resume (chief only). Preemption and incidents always warn (stderr);
+            a boundary that changes what ``fit`` does (a rerun of a completed run, a weights_only run resumed in
+            full) is printed at every verbosity.
+        on_completed: what a ``fit`` does when the directory's run is completed (all its epochs trained, or stopped
+            by ``EarlyStopping``; recorded in its last checkpoint): ``"restore"`` puts back the state that run's
+            ``fit`` returned (EarlyStopping's restored best weights included) and trains 0 epochs (a fit with a
+            larger ``epochs=`` than a run that trained all its epochs continues it; a different learning rate is a
+            :class:`RunCompletedError`); ``"restart"`` starts a new run in the directory from the model as it is;
+            ``"error"`` raises :class:`RunCompletedError`. A second ``fit`` with the same callback and model in the
+            same process starts a new run, as a second ``fit`` does in plain Keras (docs/checkpoint.md, "Run
+            boundaries").
 
     Example:
         >>> ckpt = ChiefCheckpoint("runs/exp1/ckpt", save_freq=500, max_to_keep=3, async_save=True)
@@ -139,6 +152,7 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         preemption_exit_code: Optional[int] = PREEMPTION_EXIT_CODE,
         signal_check_every_n_steps: int = 1,
         verbose: int = 0,
+        on_completed: str = "restore",
     ) -> None:
         super().__init__()
         if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
@@ -189,6 +203,14 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
             raise ValueError(f"ChiefCheckpoint: verbose must be an integer >= 0, got {verbose!r}. Use 0 (saves go to "
                              "the keras_scale.checkpoint logger) or 1 (a line per save).")
         self.verbose = int(verbose)
+        if on_completed not in ON_COMPLETED:
+            raise ValueError(f"ChiefCheckpoint: on_completed must be one of {ON_COMPLETED}, got {on_completed!r}: "
+                             "'restore' (a rerun of a completed run gets its final state back, 0 epochs), 'restart' "
+                             "(a new run in this directory) or 'error'.")
+        self.on_completed = on_completed
+        self._completed_here: Any = None  # weakref to the model this callback completed (or restored completed) a run of
+        self._completed_prefix: Optional[str] = None
+        self._callback_list: Any = None
         self._manager: Optional[tf.train.CheckpointManager] = None
         self._checkpoint: Optional[tf.train.Checkpoint] = None
         self._write_dir: Optional[str] = None
@@ -326,6 +348,7 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
 
     def on_train_begin(self, logs=None):
         model = self.model
+        self._find_callback_list()
         ref = getattr(model, _REF_ATTR, None)
         other = ref() if ref is not None else None
         if other is not None and other is not self:  # set_model of a second ChiefCheckpoint in this callback list
@@ -364,21 +387,32 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         if self._ensure_built():
             self._build_checkpoint()
         found: Optional[str] = None
-        if self.restore == "weights_only" and list_checkpoints(self.directory):
+        self._remove_stale_final()
+        peek = self._peek_newest() if self.restore and list_checkpoints(self.directory) else None
+        mode, self._completed_record = self._decide_start(peek)
+        if mode == "new":  # a new run from the model as it is, numbered after the newest checkpoint
+            self._global_step = self._last_saved_step = peek.number
+            self._best = []
+            self._weights_from = None
+        elif mode == "weights_only" and peek is not None:
             found = self._newest_readable()
-        if self.restore == "weights_only" and found is not None:
+        if mode == "weights_only" and found is not None:
             if self._weights_ready():
                 if self._checkpoint is None:
                     self._build_checkpoint()
                 self._restore_model_weights(found)
+                done = peek.completed(None) if peek is not None and peek.prefix == found else None
+                if done is not None:
+                    self._load_final_weights(found, done)
             else:
                 self._deferred_restore = self._restored_from = found
             position = self._read_position(found)
             # numbering continues after the checkpoint the weights came from, so this run's checkpoints are newer
             self._global_step = self._last_saved_step = position["global_step"]
+            self._weights_from = position["global_step"]  # recorded: a rerun of this run resumes it in full
             self._last_saved_prefix = found
             found = None
-        elif self.restore and list_checkpoints(self.directory):
+        elif mode is True and peek is not None:
             if self._checkpoint is not None:
                 found = self._restored_from = self._restore_newest()
                 self._reconcile_learning_rate(found)
@@ -387,6 +421,11 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
                 # that reads back completely now (the epoch must be known before the first epoch starts) and
                 # restore it right before the first step, once the model is built from the data's spec.
                 found = self._deferred_restore = self._restored_from = self._newest_readable()
+            if self._completed_record is not None:
+                if found != peek.prefix:  # the completed run's checkpoint did not load: an older one did
+                    self._completed_record = None
+                else:
+                    self._completed_here, self._completed_prefix = weakref.ref(model), found
         position = self._read_position(found) if found is not None else None
         self._check_workers_agree(strategy, position["global_step"] if position else -1)
         if position is not None:
@@ -500,6 +539,9 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
             self._final_save()
             self._timed_wait()
             if self._already_complete is not None:
+                if self._completed_record is not None and self._checkpoint is not None and self._restored_from:
+                    # after Keras's finalize_variable_values (use_ema), as when the completed run's fit returned
+                    self._load_final_weights(self._restored_from, self._completed_record)
                 self._fill_history()
         finally:
             if lifecycle.joined(self.model, self):
@@ -523,17 +565,22 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
                 self._exit_after_train_end(code)
 
     def _final_save(self) -> None:
-        if self._global_step != self._last_saved_step or self._pending_best is not None:
-            if self._epoch_complete:
-                # (the data position is taken before the look ahead below reads from the iterator)
-                self._data_state_cache = self._data_state_now(self._stream_pos)
-                fresh = self._iterator is None or self._iterator_exhausted(self._iterator)
-                try:
-                    self._save(self._epoch + 1, 0, 0 if fresh else self._stream_pos)
-                finally:
-                    self._data_state_cache = None
-            else:
-                self._save_mid_epoch()
+        self._completing = self._completion()
+        try:
+            if (self._global_step != self._last_saved_step or self._pending_best is not None
+                    or (self._completing is not None and not self._last_saved_completed)):
+                if self._epoch_complete:
+                    # (the data position is taken before the look ahead below reads from the iterator)
+                    self._data_state_cache = self._data_state_now(self._stream_pos)
+                    fresh = self._iterator is None or self._iterator_exhausted(self._iterator)
+                    try:
+                        self._save(self._epoch + 1, 0, 0 if fresh else self._stream_pos)
+                    finally:
+                        self._data_state_cache = None
+                else:
+                    self._save_mid_epoch()
+        finally:
+            self._completing = None
 
     def _install_final_save_hook(self) -> None:
         """Keras's fit calls ``optimizer.finalize_variable_values`` after its last epoch, right before any
@@ -654,6 +701,12 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         self._global_step = 0  # batches trained, over all runs
         self._last_saved_step = 0
         self._last_saved_prefix: Optional[str] = None
+        self._async_pending: Optional[str] = None  # an async write started and not yet found complete
+        self._weights_from: Optional[int] = None  # the checkpoint a restore="weights_only" run took its weights from
+        self._completing: Optional[Dict[str, Any]] = None  # set while the save that completes the run is taken
+        self._last_saved_completed = False
+        self._completed_record: Optional[Dict[str, Any]] = None  # the completed run this fit restored (0 epochs)
+        self._save_error_seen = False
         self._iterator: Any = None
         self._skip_prefix = 0
         self._skip_calls = 0
@@ -701,7 +754,14 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
     def _save(self, epoch: int, step_in_epoch: int, stream_pos: int) -> Optional[str]:
         started = time.perf_counter()
         try:
+            if self.async_save and self._async_pending is not None:
+                self._wait()  # the previous background write's error is that write's, said as such
             path = self._save_untimed(epoch, step_in_epoch, stream_pos)
+        except CheckpointSaveError:
+            raise
+        except Exception as e:  # noqa: BLE001 - never let TensorFlow's type out: OutOfRangeError (EFBIG) reads as "no more data"
+            raise self._save_failed(e, f"saving {self._prefix_for(self._global_step)!r}",
+                                    self._prefix_for(self._global_step)) from e
         finally:
             self.blocked_s += time.perf_counter() - started
         if path:
@@ -726,7 +786,9 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
 
     def _save_untimed(self, epoch: int, step_in_epoch: int, stream_pos: int) -> Optional[str]:
         path = None
-        if self._global_step != self._last_saved_step:
+        completing = self._completing if not self._last_saved_completed else None
+        # (the state was saved already, without the record that the run is complete: saved again, same number)
+        if self._global_step != self._last_saved_step or (completing is not None and self._last_saved_prefix):
             if self._state_poisoned():
                 self._pending_best = None  # (its score is not of a state on disk)
                 return None
@@ -741,9 +803,24 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
             self._signature.assign(json.dumps(_signature(self.model)))
             self._epoch_logs_var.assign(self._epoch_logs_json())
             self._data_state_var.assign(self._data_state_now(stream_pos))
+            completed = None
+            if completing is not None:
+                completed = dict(completing)
+                final = self._write_final_weights(self._global_step)  # first: the checkpoint then names it
+                if final:
+                    completed["final_weights"] = final
+            self._run_config_var.assign(self._run_config_json(completed))
             path = self._manager.save(checkpoint_number=self._global_step, options=self._options)
             self._last_saved_step = self._global_step
             self._last_saved_prefix = path
+            self._last_saved_completed = completed is not None
+            if completed is not None:
+                self._completed_here, self._completed_prefix = weakref.ref(self.model), path
+                self._say(f"ChiefCheckpoint: the run completed at epoch {completed['epoch']} ("
+                          f"{'stopped by EarlyStopping' if completed['reason'] == 'early_stopping' else 'all epochs'}); "
+                          f"recorded in {path!r}: a rerun restores this state and trains 0 epochs")
+            if self.async_save:
+                self._async_pending = path  # complete only once _wait() found it so
             self._start_state = None  # a real checkpoint now exists for restore_latest
             self._say(f"ChiefCheckpoint: saved {path} ({_describe(epoch, step_in_epoch)})")
         if self._pending_best is not None:
@@ -776,8 +853,48 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
                     verbose=self.verbose)
 
     def _wait(self) -> None:
-        if self._manager is not None:
+        """Wait for a background write; one that failed raises :class:`CheckpointSaveError` (TensorFlow would only
+        say so at the next save, or in an atexit hook after the process already exited 0)."""
+        if self._manager is None:
+            return
+        pending, self._async_pending = self._async_pending, None
+        try:
             self._manager.sync()
+            helper = getattr(self._checkpoint, "_async_checkpointer_impl", None)
+            error = getattr(helper, "_async_error", None)
+            if error is not None:
+                helper._async_error = None  # said here, not again at exit
+                raise error
+            if pending is not None and self._chief and not tf.io.gfile.exists(pending + ".index"):
+                raise FileNotFoundError(f"{pending}.index is missing after its background write")
+        except CheckpointSaveError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise self._save_failed(e, f"the background write of {pending!r}" if pending else "a background write",
+                                    pending) from e
+
+    def _prefix_for(self, number: int) -> str:
+        return os.path.join(self.directory, f"{_NAME}-{number}")
+
+    def _save_failed(self, error: BaseException, what: str, prefix: Optional[str]) -> CheckpointSaveError:
+        """The error a failed save stops ``fit`` with; after a preemption signal also said as the preemption's
+        outcome (the process then exits with 1, not the preemption exit status)."""
+        self._save_error_seen = True
+        newest, step = None, None
+        try:
+            for number, candidate in list_checkpoints(self.directory):
+                if candidate != prefix and tf.io.gfile.exists(candidate + ".index"):
+                    newest, step = candidate, number
+                    break
+        except Exception:  # noqa: BLE001 - the directory itself may be what failed
+            pass
+        if self._preempting:
+            what += (f" (the preemption save after {signal.Signals(self.preempted).name if self.preempted else 'a signal'}"
+                     f"; the process does not exit with the preemption status {self.preemption_exit_code})")
+        err = save_error(error, what, newest, step, prefix, self.directory)
+        if self._preempting and self._chief:
+            log.warning("%s", err)
+        return err
 
     def _timed_wait(self) -> None:
         started = time.perf_counter()

@@ -127,9 +127,11 @@ class PreemptionMixin:
 
     def _release_signal_handlers(self) -> None:
         """At the fit's end: give the handlers back, except when the fit ends the process after a preemption save
-        (then repeats of the signal within ``_REPEAT_WINDOW_S`` are still ignored, so the exit status stays 42)."""
+        (then repeats of the signal within ``_REPEAT_WINDOW_S`` are still ignored, so the exit status stays 42). A
+        preemption save that failed raises :class:`CheckpointSaveError` from ``fit`` instead (exit status 1): the
+        handlers are given back."""
         self._close_signal_channel()
-        if self._preempting and self.preemption_exit_code is not None:
+        if self._preempting and self.preemption_exit_code is not None and not self._save_error_seen:
             self._exit_window_until = time.monotonic() + _REPEAT_WINDOW_S
             _enter_exit_window()
             return

@@ -90,6 +90,16 @@ class RestoreMixin:
         return None
 
     def _restore_deferred(self, iterator: Any) -> None:
+        prefix = self._deferred_restore
+        try:
+            self._restore_deferred_now(iterator)
+        except tf.errors.OutOfRangeError as e:
+            # runs inside the train function: Keras would read this type as "the data ran out" and end the epoch
+            raise RuntimeError(f"ChiefCheckpoint: reading {prefix!r} before the first step failed ({e.message}); the "
+                               "files changed since fit start (truncated?). Rerun: the next start checks them and "
+                               "falls back to the previous checkpoint.") from e
+
+    def _restore_deferred_now(self, iterator: Any) -> None:
         prefix, self._deferred_restore = self._deferred_restore, None
         self._build_from_data(iterator, f"to restore {prefix!r} before the first step")
         self._ensure_built()

@@ -147,14 +147,18 @@ class ResumeMixin:
         except Exception:  # noqa: BLE001 - older checkpoints have no epoch logs
             self._saved_epoch_logs = None
         self._resume_data_state = self._read_data_state(prefix)
+        completed = getattr(self, "_completed_record", None)  # (boundaries.py: said already, at every verbosity)
+        if completed is not None and epochs is not None:
+            epoch = max(epoch, int(epochs))  # an early-stopped run trains 0 epochs too
         if epoch:
             self.model._initial_epoch = _ResumeEpoch(epoch, self)
             self._resume_pending = True
-        if epochs is not None and epoch >= int(epochs) and step_in_epoch == 0:
+        if completed is not None or (epochs is not None and epoch >= int(epochs) and step_in_epoch == 0):
             self._already_complete = epoch
-            self._say(f"ChiefCheckpoint: the run in {self.directory!r} is already complete ({epoch} epochs, global "
-                      f"batch {self._global_step}): nothing to train. Pass a larger epochs= to train further, or a "
-                      "new directory to start over.")
+            if completed is None:
+                self._announce(f"ChiefCheckpoint: the run in {self.directory!r} is already complete ({epoch} epochs, "
+                               f"global batch {self._global_step}): nothing to train. Pass a larger epochs= to train "
+                               "further, or a new directory to start over.")
             return
         spe = int(getattr(self.model, "steps_per_execution", 1) or 1)
         self._skip_calls = step_in_epoch // spe
