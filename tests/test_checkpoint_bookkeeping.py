@@ -236,6 +236,21 @@ def test_a_missing_state_file_is_reported_and_rewritten(tmp_path):
         assert "ckpt-12" in f.read()
 
 
+def test_a_changed_monitor_the_kept_checkpoints_never_recorded_removes_them_and_names_them(tmp_path):
+    """keep_best_k by "loss" of a model without metrics, continued by "mae": the kept ones record no mae, so they
+    are removed from best/ with a warning naming them, and best/ then holds the new monitor's best only."""
+    directory = str(tmp_path / "ckpt")
+    fit(make_model(metrics=[]), [ks.ChiefCheckpoint(directory, max_to_keep=1, keep_best_k=2, monitor="loss",
+                                                    mode="max")], epochs=2)
+    ckpt = ks.ChiefCheckpoint(directory, max_to_keep=1, keep_best_k=2, monitor="mae", mode="max")
+    with pytest.warns(RuntimeWarning, match=r"ckpt-10, ckpt-20 in best/ were ranked by another monitor.*removed"):
+        fit(make_model(), [ckpt], epochs=4)
+    with open(os.path.join(directory, "best", "best.json")) as f:
+        entries = json.load(f)
+    assert {e["monitor"] for e in entries} == {"mae"} and {e["number"] for e in entries} <= {30, 40}, entries
+    assert not os.path.exists(os.path.join(directory, "best", "ckpt-10.index"))
+
+
 def test_a_directory_in_place_of_the_state_file_is_moved_aside_and_the_run_resumes(tmp_path):
     """`ls` says so, truthfully and without TensorFlow's warnings; fit moves it aside (nothing in it deleted),
     finds the checkpoints by scanning, resumes from the newest and writes a state file again."""
@@ -263,6 +278,12 @@ def test_a_directory_in_place_of_the_state_file_is_moved_aside_and_the_run_resum
     with open(state_file) as f:
         assert "ckpt-12" in f.read()
     assert "is a directory" not in _ls(directory)
+    os.remove(state_file)
+    os.makedirs(state_file)  # again: the first one moved aside is kept, this one goes next to it
+    with pytest.warns(RuntimeWarning, match=r"moved aside to .*checkpoint\.invalid\.1"):
+        fit(make_model(), [ks.ChiefCheckpoint(directory, save_freq=4, max_to_keep=3), StopAfter(14)], epochs=2)
+    assert os.path.isdir(os.path.join(state_file + ".invalid", "inside")) and os.path.isdir(state_file + ".invalid.1")
+    assert os.path.isfile(state_file)
 
 
 def test_ls_reports_a_missing_state_file(tmp_path):

@@ -449,11 +449,10 @@ class DirectoryMixin:
             candidates = candidates[: self.max_to_keep]
         kept = sorted(candidates)
         names = [os.path.basename(p) for _, p in kept]
+        aside, n = state_file + ".invalid", 1
+        while tf.io.gfile.isdir(aside) or (_state_file_is_dir(self.directory) and tf.io.gfile.exists(aside)):
+            aside, n = f"{state_file}.invalid.{n}", n + 1  # (an earlier one is never overwritten by a directory)
         if exists and _state_file_is_dir(self.directory):  # moved aside whole (nothing in it is deleted)
-            aside = state_file + ".invalid"
-            n = 1
-            while tf.io.gfile.exists(aside):
-                aside, n = f"{state_file}.invalid.{n}", n + 1
             tf.io.gfile.rename(state_file, aside)
             if n > 1:  # (otherwise _report_directory_problems said it already, naming 'checkpoint.invalid')
                 warnings.warn(f"ChiefCheckpoint: the state file {state_file!r} is a directory, not a file: moved "
@@ -461,7 +460,7 @@ class DirectoryMixin:
                               RuntimeWarning, stacklevel=3)
         elif exists:  # (kept as a copy: the state file is then replaced in one rename, never missing in between)
             with tf.io.gfile.GFile(state_file, "rb") as f:
-                write_atomic(state_file + ".invalid", f.read())
+                write_atomic(aside, f.read())
         if not names:
             remove_entry(state_file)
             return
