@@ -284,6 +284,10 @@ def test_a_directory_in_place_of_the_state_file_is_moved_aside_and_the_run_resum
         fit(make_model(), [ks.ChiefCheckpoint(directory, save_freq=4, max_to_keep=3), StopAfter(14)], epochs=2)
     assert os.path.isdir(os.path.join(state_file + ".invalid", "inside")) and os.path.isdir(state_file + ".invalid.1")
     assert os.path.isfile(state_file)
+    _write(state_file, "garbage that is not a state file")  # its copy goes next to the directories moved aside
+    fit(make_model(), [ks.ChiefCheckpoint(directory, save_freq=4, max_to_keep=3), StopAfter(15)], epochs=2)
+    with open(state_file + ".invalid.2") as f:
+        assert f.read() == "garbage that is not a state file"
 
 
 def test_ls_reports_a_missing_state_file(tmp_path):
