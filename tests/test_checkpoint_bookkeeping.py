@@ -108,15 +108,21 @@ def _best_run(tmp_path, epochs=1, mode="max", k=1):
     return directory, ckpt
 
 
+def _write(path, content):
+    with open(path, "wb" if isinstance(content, bytes) else "w") as f:
+        f.write(content)
+
+
 @pytest.mark.parametrize("content", ['[{"number": 10, "value": 0.', '{"number": 10, "value": 1.0}',
-                                     '[{"number": 10, "epoch": 0}]', '[{"number": 10, "value": null}]', ''])
+                                     '[{"number": 10, "epoch": 0}]', '[{"number": 10, "value": null}]', '',
+                                     b'\x9f\xff[{"value":'])
 def test_a_damaged_best_json_is_named_rebuilt_and_never_costs_the_better_checkpoint(tmp_path, content):
-    """Truncated, a dict, an entry without a value, a null value, empty: fit warns naming the file, ranks the
-    checkpoints in best/ by the value each records, and keeps the better one through later starts; `ls` works."""
+    """Truncated, a dict, an entry without a value, a null value, empty, bytes that are not UTF-8: fit warns naming
+    the file, ranks the checkpoints in best/ by the value each records, and keeps the better one through later
+    starts; `ls` works."""
     directory, _ = _best_run(tmp_path, epochs=1)  # mode="max": epoch 1 (ckpt-10) is better than any later one
     best_json = os.path.join(directory, "best", "best.json")
-    with open(best_json, "w") as f:
-        f.write(content)
+    _write(best_json, content)
     for epochs in (2, 3):  # two more starts: the second is where a forgotten checkpoint used to be deleted
         ckpt = ks.ChiefCheckpoint(directory, max_to_keep=1, keep_best_k=1, monitor="loss", mode="max")
         with warnings.catch_warnings(record=True) as record:
@@ -133,13 +139,49 @@ def test_a_damaged_best_json_is_named_rebuilt_and_never_costs_the_better_checkpo
     assert [e["number"] for e in info["best"]] == [10]
 
 
-@pytest.mark.parametrize("content", ['{"a": 1}', '[{"number": 10}]', '[{"number": 10, "value": null}]', '[1'])
+@pytest.mark.parametrize("content", ['{"a": 1}', '[{"number": 10}]', '[{"number": 10, "value": null}]', '[1',
+                                     b'\x9f\xff[{"value":'])
 def test_ls_reports_a_damaged_best_json_instead_of_crashing(tmp_path, content):
     directory, _ = _best_run(tmp_path, epochs=1)
-    with open(os.path.join(directory, "best", "best.json"), "w") as f:
-        f.write(content)
+    _write(os.path.join(directory, "best", "best.json"), content)
     out = _ls(directory)
     assert "best.json" in out and "damaged" in out and "ckpt-10" in out, out
+
+
+def test_ls_checks_best_as_fit_does(tmp_path):
+    """best.json listing a checkpoint whose files are not in best/: `ls` names the problem and does not show it as
+    kept (fit drops it from the ranking); an entry without monitor or epoch shows neither as 'None' nor made up."""
+    directory, _ = _best_run(tmp_path, epochs=1)
+    _write(os.path.join(directory, "best", "best.json"), json.dumps(
+        [{"number": 12345, "value": -5.0, "epoch": 1, "monitor": "loss"}, {"number": 10, "value": -100.0}]))
+    out = _ls(directory)
+    assert "best: ckpt-12345" not in out and "problem:" in out and "ckpt-12345" in out, out
+    line, = [x for x in out.splitlines() if "best: ckpt-10" in x]
+    assert "None" not in line and "(epoch" not in line and "=-100" in line, line
+    ckpt = ks.ChiefCheckpoint(directory, max_to_keep=1, keep_best_k=1, monitor="loss", mode="max")
+    with pytest.warns(RuntimeWarning, match="ckpt-12345"):
+        fit(make_model(), [ckpt], epochs=1)
+    assert [os.path.basename(p) for _, p in ckpt.best_checkpoints] == ["ckpt-10"]
+
+
+def test_a_changed_monitor_ranks_the_kept_checkpoints_again_by_the_new_one(tmp_path):
+    """keep_best_k by "loss", continued by "mae": the kept checkpoints are ranked by the mae each recorded for its
+    epoch (a warning names them), never compared across monitors; best.json holds one monitor."""
+    directory, _ = _best_run(tmp_path, epochs=2, k=2)
+    ckpt = ks.ChiefCheckpoint(directory, max_to_keep=1, keep_best_k=2, monitor="mae", mode="max")
+    with pytest.warns(RuntimeWarning, match="another monitor.*ckpt-10.*mae"):
+        fit(make_model(), [ckpt], epochs=3)
+    with open(os.path.join(directory, "best", "best.json")) as f:
+        entries = json.load(f)
+    assert {e["monitor"] for e in entries} == {"mae"}, entries
+    maes = {}
+    for prefix in (os.path.join(directory, "best", f"ckpt-{n}") for n in (10, 20)):
+        raw = ckpt_io.read_checkpoint(prefix).get_tensor("keras_scale_epoch_logs/.ATTRIBUTES/VARIABLE_VALUE")
+        maes[prefix] = json.loads(raw.decode())["logs"]["mae"]
+    for value, prefix in ckpt.best_checkpoints:
+        if prefix in maes:
+            assert value == pytest.approx(maes[prefix])
+    assert [v for v, _ in ckpt.best_checkpoints] == sorted((v for v, _ in ckpt.best_checkpoints), reverse=True)
 
 
 def test_a_checkpoint_in_best_that_cannot_be_ranked_is_kept_and_named(tmp_path):
@@ -192,6 +234,60 @@ def test_a_missing_state_file_is_reported_and_rewritten(tmp_path):
     assert os.path.basename(ckpt.restored_from) == "ckpt-12"
     with open(os.path.join(directory, "checkpoint")) as f:
         assert "ckpt-12" in f.read()
+
+
+def test_a_changed_monitor_the_kept_checkpoints_never_recorded_removes_them_and_names_them(tmp_path):
+    """keep_best_k by "loss" of a model without metrics, continued by "mae": the kept ones record no mae, so they
+    are removed from best/ with a warning naming them, and best/ then holds the new monitor's best only."""
+    directory = str(tmp_path / "ckpt")
+    fit(make_model(metrics=[]), [ks.ChiefCheckpoint(directory, max_to_keep=1, keep_best_k=2, monitor="loss",
+                                                    mode="max")], epochs=2)
+    ckpt = ks.ChiefCheckpoint(directory, max_to_keep=1, keep_best_k=2, monitor="mae", mode="max")
+    with pytest.warns(RuntimeWarning, match=r"ckpt-10, ckpt-20 in best/ were ranked by another monitor.*removed"):
+        fit(make_model(), [ckpt], epochs=4)
+    with open(os.path.join(directory, "best", "best.json")) as f:
+        entries = json.load(f)
+    assert {e["monitor"] for e in entries} == {"mae"} and {e["number"] for e in entries} <= {30, 40}, entries
+    assert not os.path.exists(os.path.join(directory, "best", "ckpt-10.index"))
+
+
+def test_a_directory_in_place_of_the_state_file_is_moved_aside_and_the_run_resumes(tmp_path):
+    """`ls` says so, truthfully and without TensorFlow's warnings; fit moves it aside (nothing in it deleted),
+    finds the checkpoints by scanning, resumes from the newest and writes a state file again."""
+    import logging
+
+    directory = _three_checkpoints(tmp_path)
+    state_file = os.path.join(directory, "checkpoint")
+    os.remove(state_file)
+    os.makedirs(os.path.join(state_file, "inside"))
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("tensorflow").addHandler(handler)
+    try:
+        out = _ls(directory)
+    finally:
+        logging.getLogger("tensorflow").removeHandler(handler)
+    assert "is a directory" in out and "ckpt-12" in out, out
+    assert not [r.getMessage() for r in records if "checkpoint" in r.getMessage()], [r.getMessage() for r in records]
+    ckpt = ks.ChiefCheckpoint(directory, save_freq=4, max_to_keep=3)
+    with pytest.warns(RuntimeWarning, match="is a directory.*moves it aside to 'checkpoint.invalid'"):
+        fit(make_model(), [ckpt, StopAfter(13)], epochs=2)
+    assert os.path.basename(ckpt.restored_from) == "ckpt-12"
+    assert os.path.isdir(os.path.join(state_file + ".invalid", "inside"))
+    with open(state_file) as f:
+        assert "ckpt-12" in f.read()
+    assert "is a directory" not in _ls(directory)
+    os.remove(state_file)
+    os.makedirs(state_file)  # again: the first one moved aside is kept, this one goes next to it
+    with pytest.warns(RuntimeWarning, match=r"moved aside to .*checkpoint\.invalid\.1"):
+        fit(make_model(), [ks.ChiefCheckpoint(directory, save_freq=4, max_to_keep=3), StopAfter(14)], epochs=2)
+    assert os.path.isdir(os.path.join(state_file + ".invalid", "inside")) and os.path.isdir(state_file + ".invalid.1")
+    assert os.path.isfile(state_file)
+    _write(state_file, "garbage that is not a state file")  # its copy goes next to the directories moved aside
+    fit(make_model(), [ks.ChiefCheckpoint(directory, save_freq=4, max_to_keep=3), StopAfter(15)], epochs=2)
+    with open(state_file + ".invalid.2") as f:
+        assert f.read() == "garbage that is not a state file"
 
 
 def test_ls_reports_a_missing_state_file(tmp_path):

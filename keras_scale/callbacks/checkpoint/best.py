@@ -32,15 +32,15 @@ def read_best_json(best_dir: str) -> Tuple[Optional[List[Dict[str, Any]]], Optio
     """
     path = os.path.join(best_dir, BEST_JSON)
     try:
-        with tf.io.gfile.GFile(path) as f:
+        with tf.io.gfile.GFile(path, "rb") as f:
             raw = f.read()
     except (tf.errors.NotFoundError, FileNotFoundError):
         return None, None
     except (tf.errors.OpError, OSError) as e:
         return [], f"{path!r} cannot be read ({e})"
     try:
-        entries = json.loads(raw)
-    except ValueError as e:
+        entries = json.loads(raw.decode("utf-8"))
+    except ValueError as e:  # (UnicodeDecodeError included: bytes that are not text)
         return [], f"{path!r} is damaged (not JSON: {e}; truncated?)"
     if not isinstance(entries, list):
         return [], f"{path!r} is damaged (a JSON {type(entries).__name__}, not a list of entries)"
@@ -106,6 +106,31 @@ def _numbers_in(directory: str) -> Dict[int, str]:
     return out
 
 
+def ranked_in_best(best_dir: str) -> Tuple[Optional[List[Dict[str, Any]]], Dict[int, str], List[str]]:
+    """``(entries, in_best, problems)``: ``best.json``'s valid entries whose checkpoint's files are complete in
+    ``best_dir`` (``None`` when there is no ``best.json``), ``{number: prefix}`` of those complete checkpoints, and
+    the problems found (a damaged file; entries whose files are missing, left out). What ``fit`` ranks from and what
+    ``keras-scale checkpoint ls`` shows.
+
+    Example:
+        ranked_in_best("ckpt/best")[0]   # [{'number': 30, 'value': 0.031, 'epoch': 2, 'monitor': 'val_loss'}]
+    """
+    entries, problem = read_best_json(best_dir)
+    problems = [problem] if problem else []
+    in_best = {n: p for n, p in _numbers_in(best_dir).items() if is_complete(p)}
+    seen, kept = set(), []
+    for e in entries or []:
+        if e["number"] in seen:
+            continue
+        seen.add(e["number"])
+        if e["number"] in in_best:
+            kept.append(e)
+        else:
+            problems.append(f"{os.path.join(best_dir, BEST_JSON)!r} lists {_NAME}-{e['number']}, whose files are not "
+                            "in best/ (dropped from the ranking)")
+    return (None if entries is None else kept), in_best, problems
+
+
 def reconcile_best(directory: str, monitor: str, mode: str, keep_best_k: int,
                    candidates: List[Tuple[int, str]]) -> Dict[str, Any]:
     """The best-k ranking of ``directory`` rebuilt from what is on disk; reads only.
@@ -121,20 +146,39 @@ def reconcile_best(directory: str, monitor: str, mode: str, keep_best_k: int,
         reconcile_best("ckpt", "val_loss", "min", 2, list_checkpoints("ckpt"))["best"]
     """
     best_dir = os.path.join(directory, _BEST_DIR)
-    entries, problem = read_best_json(best_dir)
-    problems = [problem] if problem else []
-    in_best = {n: p for n, p in _numbers_in(best_dir).items() if is_complete(p)}
+    entries, _ = read_best_json(best_dir)
+    listed, in_best, problems = ranked_in_best(best_dir)
+    damaged = bool(problems)
     ranked: Dict[int, Dict[str, Any]] = {}
-    for e in entries or []:
-        if e["number"] in in_best:
-            ranked.setdefault(e["number"], e)
+    reranked: List[str] = []
+    unmonitored: List[int] = []  # ranked by another monitor, which records no value of this one: dropped
+    for e in listed or []:
+        was = e.get("monitor", monitor)
+        if was == monitor:
+            ranked[e["number"]] = e
+            continue
+        try:  # monitor changed since it was ranked: ranked again by the value of this monitor its epoch recorded
+            found = epoch_end_value(in_best[e["number"]], monitor)
+        except Exception:  # noqa: BLE001 - unreadable: it cannot be ranked by this monitor
+            found = None
+        if found is None:
+            unmonitored.append(e["number"])
         else:
-            problems.append(f"{os.path.join(best_dir, BEST_JSON)!r} lists {_NAME}-{e['number']}, whose files are not "
-                            "in best/ (dropped from the ranking)")
+            ranked[e["number"]] = {"number": e["number"], "value": found[0], "epoch": found[1], "monitor": monitor}
+            reranked.append(f"{_NAME}-{e['number']} ({was}={e['value']:.6g} -> {monitor}={found[0]:.6g})")
+    if reranked:
+        problems.append(f"{os.path.join(best_dir, BEST_JSON)!r} ranks by another monitor than {monitor!r}: "
+                        f"{', '.join(reranked)} ranked again by the {monitor!r} of its epoch, as each checkpoint "
+                        "records it")
+    if unmonitored:
+        problems.append(f"{', '.join(f'{_NAME}-{n}' for n in unmonitored)} in best/ "
+                        f"{'was' if len(unmonitored) == 1 else 'were'} ranked by another monitor and "
+                        f"{'records' if len(unmonitored) == 1 else 'record'} no {monitor!r} of an epoch end: "
+                        "removed from best/ (monitor changed)")
     unranked: List[str] = []
     rebuilt: List[int] = []
     for number, prefix in sorted(in_best.items()):
-        if number in ranked:
+        if number in ranked or number in unmonitored:
             continue
         try:
             found = epoch_end_value(prefix, monitor)
@@ -173,11 +217,12 @@ def reconcile_best(directory: str, monitor: str, mode: str, keep_best_k: int,
                         f"among the {keep_best_k} best by {monitor!r} but {'is' if len(link) == 1 else 'are'} not in "
                         "best/ (a kill between its save and keep_best_k's copy): kept there now")
     drop = [e["number"] for e in out if e["number"] in in_best]
+    drop_unmonitored = unmonitored
     if drop:  # keep_best_k lowered, mode changed, or a kill after a better one was kept: said, never silent
         problems.append(f"{', '.join(f'{_NAME}-{n}' for n in drop)} in best/ {'ranks' if len(drop) == 1 else 'rank'} "
                         f"below the {keep_best_k} best by {monitor!r} ({mode}): removed from best/")
-    return {"best": keep, "link": link, "drop": drop,
-            "unranked": unranked, "problems": problems, "changed": bool(problem) or (entries or []) != keep}
+    return {"best": keep, "link": link, "drop": drop + drop_unmonitored,
+            "unranked": unranked, "problems": problems, "changed": damaged or (entries or []) != keep}
 
 
 def link_into(src_prefix: str, best_dir: str) -> None:

@@ -39,8 +39,17 @@ def _files_inside(directory: str, prefix: str) -> bool:
     return all(_inside(directory, p) for p in [index] + data)
 
 
+def _state_file_is_dir(directory: str) -> bool:
+    """Whether a directory stands where the ``checkpoint`` state file belongs (TensorFlow cannot read it, and logs
+    warnings at every attempt)."""
+    return tf.io.gfile.isdir(os.path.join(directory, "checkpoint"))
+
+
 def _listed_names(directory: str) -> Tuple[List[str], bool]:
-    """``(entries of the state file, the file exists but cannot be parsed)``."""
+    """``(entries of the state file, the file exists but cannot be parsed)``; a directory in its place is such a
+    file (never handed to TensorFlow)."""
+    if _state_file_is_dir(directory):
+        return [], True
     try:
         state = tf.train.get_checkpoint_state(directory)
     except Exception:  # noqa: BLE001 - a torn/garbled state file: fall back to scanning
@@ -115,7 +124,8 @@ def _scan(directory: str) -> Tuple[List[Tuple[int, str]], List[str], bool]:
             problems.append(f"the state file names no usable checkpoint; found {len(found)} by scanning the "
                             "directory")
         elif garbled:  # TensorFlow logs a parse error and ignores the file: its checkpoints would never rotate
-            problems.append(f"the state file {state_file!r} cannot be parsed (the "
+            what = "is a directory, not a file" if _state_file_is_dir(directory) else "cannot be parsed"
+            problems.append(f"the state file {state_file!r} {what} (the "
                             "next ChiefCheckpoint start moves it aside to 'checkpoint.invalid'); found "
                             f"{len(found)} checkpoint(s) by scanning the directory")
         elif found and not listed:
@@ -269,6 +279,8 @@ def _remove_dead_worker_dirs() -> List[str]:
 
 def listed_but_missing(directory: str) -> List[str]:
     """Checkpoints the ``checkpoint`` state file names (in ``directory``) whose ``.index`` file is gone."""
+    if _state_file_is_dir(directory):
+        return []
     try:
         state = tf.train.get_checkpoint_state(directory)
     except Exception:  # noqa: BLE001 - a torn/garbled state file
@@ -437,9 +449,18 @@ class DirectoryMixin:
             candidates = candidates[: self.max_to_keep]
         kept = sorted(candidates)
         names = [os.path.basename(p) for _, p in kept]
-        if exists:  # (kept as a copy: the state file is then replaced in one rename, never missing in between)
+        aside, n = state_file + ".invalid", 1
+        while tf.io.gfile.isdir(aside) or (_state_file_is_dir(self.directory) and tf.io.gfile.exists(aside)):
+            aside, n = f"{state_file}.invalid.{n}", n + 1  # (an earlier one is never overwritten by a directory)
+        if exists and _state_file_is_dir(self.directory):  # moved aside whole (nothing in it is deleted)
+            tf.io.gfile.rename(state_file, aside)
+            if n > 1:  # (otherwise _report_directory_problems said it already, naming 'checkpoint.invalid')
+                warnings.warn(f"ChiefCheckpoint: the state file {state_file!r} is a directory, not a file: moved "
+                              f"aside to {aside!r}; the checkpoints were found by scanning the directory.",
+                              RuntimeWarning, stacklevel=3)
+        elif exists:  # (kept as a copy: the state file is then replaced in one rename, never missing in between)
             with tf.io.gfile.GFile(state_file, "rb") as f:
-                write_atomic(state_file + ".invalid", f.read())
+                write_atomic(aside, f.read())
         if not names:
             remove_entry(state_file)
             return

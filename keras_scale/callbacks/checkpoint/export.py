@@ -227,7 +227,7 @@ def describe_directory(directory: str) -> Dict[str, Any]:
     Example:
         describe_directory("ckpt")["resumes"]   # 'ckpt/ckpt-300'
     """
-    from keras_scale.callbacks.checkpoint.best import BEST_JSON, read_best_json
+    from keras_scale.callbacks.checkpoint.best import BEST_JSON, ranked_in_best
     from keras_scale.callbacks.checkpoint.directory import _verified, unlisted_checkpoints
 
     found, problems, _ = _scan(directory)
@@ -242,10 +242,10 @@ def describe_directory(directory: str) -> Dict[str, Any]:
         row["damaged"] = why
         problems.append(f"{row['prefix']!r} fails its check ({why}): a resumed fit skips it")
     best_dir = os.path.join(directory, _BEST_DIR)
-    best, problem = read_best_json(best_dir)
+    best, _, best_problems = ranked_in_best(best_dir)  # (what fit ranks from: the entries whose files are there)
     best = best or []
-    if problem:
-        problems.append(problem + "; the next ChiefCheckpoint(keep_best_k=...) start rebuilds it from the checkpoints")
+    problems.extend(p + "; the next ChiefCheckpoint(keep_best_k=...) start rebuilds it from the checkpoints"
+                    for p in best_problems)
     for e in best:
         e["prefix"] = os.path.join(best_dir, f"{_NAME}-{e.get('number')}")
     ranked = {e["number"] for e in best}
@@ -346,8 +346,8 @@ def cli(args: Any) -> int:
                     if row["prefix"] == info["resumes"] else "")
             say(f"  {_NAME}-{row['number']:<10} {'saved at ' + where:<33} {_human(row['bytes']):>10}{mark}")
         for e in info["best"]:
-            say(f"  best: {os.path.basename(e['prefix'])} {e.get('monitor')}={e.get('value'):.6g} "
-                  f"(epoch {int(e.get('epoch', 0)) + 1})")
+            epoch = f" (epoch {e['epoch'] + 1})" if isinstance(e.get("epoch"), int) else ""
+            say(f"  best: {os.path.basename(e['prefix'])} {e.get('monitor') or 'value'}={e['value']:.6g}{epoch}")
         for row in info["unlisted"]:  # (what a damaged newest one is: a problem line below)
             say(f"  {_NAME}-{row['number']:<10} not in the state file: kept (keep_every_n_hours, an earlier run); "
                 "a resume never uses it")
