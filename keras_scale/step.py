@@ -618,7 +618,9 @@ class ComposedStep:
         with tf.control_dependencies([s for _, s in snapshot] + [t for pair in logged for t in pair]):
             batch_size = tf.identity(batch_size)
 
+        _LOCAL.metric_logs = None
         grads, trainable, share, loss_bad, pred_bad, stats = self._accumulate(x, y, sample_weight, batch_size)
+        returned, _LOCAL.metric_logs = _LOCAL.metric_logs, None
         if stats is not None:
             self._record_split_logs(stats, batch_size, x, outputs, logged)
         # (the guard's gradient check travels in the all-reduce, see _all_reduce; with several replicas in this
@@ -643,7 +645,7 @@ class ComposedStep:
                 barrier += [tf.identity(v) for v in self._metric_reads()]
             with _GradientsReduced(optimizer), tf.control_dependencies(barrier):
                 optimizer.apply(reduced_grads, trainable)
-            return model.get_metrics_result()
+            return self._with_returned(model.get_metrics_result(), returned)
 
         if self.atomic_update:
             # accum="auto": an OOM anywhere in the step (a metric, the backward pass) must come before the decision,
@@ -676,7 +678,17 @@ class ComposedStep:
             bad = tf.logical_or(bad, grads_bad)
         self._count(bad)
         self._count_bad(tf.cast(bad, tf.int64))  # (adding 0 on a good step: cheaper than the ops in a branch)
-        return self._logs(self._nan_unless_a_step_was_taken(model.get_metrics_result()))
+        return self._logs(self._nan_unless_a_step_was_taken(
+            self._with_returned(model.get_metrics_result(), returned)))
+
+    @staticmethod
+    def _with_returned(logs: Any, returned: Any) -> Any:
+        """The step's logs: the metrics' results plus what the model's ``compute_metrics`` returned beyond them
+        (keras.io's ``return {**logs, "max_abs_err": ...}``), which plain Keras's ``train_step`` returns as is."""
+        if not isinstance(logs, dict) or not isinstance(returned, dict):
+            return logs
+        extra = {key: value for key, value in returned.items() if key not in logs}
+        return {**logs, **extra} if extra else logs
 
     def _forward_state_finite(self) -> tf.Tensor:
         """Whether the model's floating non-trainable variables (BatchNorm statistics, ...) are finite, as this
@@ -957,16 +969,28 @@ class ComposedStep:
             count, loss_bad, pred_bad = tf.constant(0.0), tf.constant(0.0), tf.constant(0.0)
             stats = tf.zeros([self._num_log_stats()])
             deps: List[Any] = []
-            for k in range(num_micro_static):
+            # a compute_metrics of the model's own may return logs of its own: the last (non-empty) micro-batch
+            # runs outside the conds, where what it returns can reach the step's logs
+            peel = overrides(getattr(model, "inner", model), "compute_metrics")
+            for k in range(num_micro_static + (1 if peel else 0)):
+                last = peel and k == num_micro_static
+                if peel and sync_bn and k == num_micro_static - 1:
+                    continue  # (every micro-batch holds a sample: this one is the last, run below)
                 with tf.control_dependencies(deps):  # one micro-batch's activations alive at a time
-                    start, size = _split_bounds(batch_size, num_micro, tf.constant(k, batch_size.dtype))
+                    index = num_micro - 1 if last else tf.constant(k, batch_size.dtype)
+                    start, size = _split_bounds(batch_size, num_micro, index)
                     start = tf.identity(start)
+                if last:
+                    _LOCAL.metric_logs = None  # (made in a cond)
                 grads, c, l_bad, p_bad, st = self._guarded_micro_step(
                     _slice(x, start, size), _slice(y, start, size), _slice(sample_weight, start, size), size,
-                    batch_size, trainable, skip_empty=not sync_bn)
+                    batch_size, trainable, skip_empty=not sync_bn and not last,
+                    before_last=index < num_micro - 1 if peel and not last else None)
                 acc = [a if g is None else (_dense(g) if a is None else a + _dense(g)) for a, g in zip(acc, grads)]
                 count, loss_bad, pred_bad, stats = count + c, loss_bad + l_bad, pred_bad + p_bad, stats + st
                 deps = [a for a in acc if a is not None]
+            if not peel:
+                _LOCAL.metric_logs = None  # (made in a cond)
             return acc, trainable, count if self._masked else None, loss_bad, pred_bad, stats
 
         self.traced_micro_batches = None  # dynamic (tf.while_loop)
@@ -987,16 +1011,25 @@ class ComposedStep:
                     pred_bad + self._pred_bad(y_pred), stats + st)
 
         zeros = [tf.zeros(v.shape, dtype=v.dtype) for v in trainable]
-        _, acc, count, loss_bad, pred_bad, stats = tf.while_loop(
-            lambda k, *_: k < num_micro, body,
+        # a compute_metrics of the model's own may return logs of its own: the last micro-batch runs after the
+        # loop, where what it returns can reach the step's logs (a tensor made in the loop cannot)
+        peel = overrides(getattr(model, "inner", model), "compute_metrics")
+        loop_vars = tf.while_loop(
+            lambda k, *_: k < num_micro - (1 if peel else 0), body,
             [tf.constant(0, batch_size.dtype), zeros, tf.constant(0.0), tf.constant(0.0), tf.constant(0.0),
              tf.zeros([self._num_log_stats()])],
             parallel_iterations=1)
+        _LOCAL.metric_logs = None
+        if peel:
+            loop_vars = body(*loop_vars)
+        _, acc, count, loss_bad, pred_bad, stats = loop_vars
         acc = [None if i in none_grads else a for i, a in enumerate(acc)]
         return acc, trainable, count if self._masked else None, loss_bad, pred_bad, stats
 
-    def _guarded_micro_step(self, x, y, sample_weight, size, batch_size, trainable, skip_empty):
-        """One unrolled micro-batch; an empty one (batch smaller than accum) contributes nothing at all."""
+    def _guarded_micro_step(self, x, y, sample_weight, size, batch_size, trainable, skip_empty,
+                            before_last: Optional[tf.Tensor] = None):
+        """One unrolled micro-batch; an empty one (batch smaller than accum) contributes nothing at all, nor one
+        where ``before_last`` is False (the last micro-batch, run on its own after the others)."""
         def run():
             grads, c, loss, y_pred, stats = self._micro_step(x, y, sample_weight, size, batch_size)
             grads = [tf.zeros(v.shape, v.dtype) if g is None else tf.cast(_dense(g), v.dtype)
@@ -1010,7 +1043,8 @@ class ComposedStep:
             return ([tf.zeros(v.shape, v.dtype) for v in trainable], tf.constant(0.0), tf.constant(0.0),
                     tf.constant(0.0), tf.zeros([self._num_log_stats()]))
 
-        return tf.cond(size > 0, run, empty)
+        runs = size > 0 if before_last is None else tf.logical_and(size > 0, before_last)
+        return tf.cond(runs, run, empty)
 
     def _micro_step(self, x, y, sample_weight, size, batch_size):
         """Forward + backward of one micro-batch: ``grad(f * loss)``, its share ``f`` of the replica's batch, the
@@ -1034,7 +1068,9 @@ class ComposedStep:
             stats = self._log_stats(loss, share, size, y_pred, outputs, before)
         else:
             model._loss_tracker.update_state(keras_loss.unscale_loss_for_distribution(loss), sample_weight=size)
-        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)  # (sums over samples: split-exact)
+        # (sums over samples: split-exact)
+        returned = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        _LOCAL.metric_logs = returned  # (what it returns beyond the metrics' results is logged, as by Keras)
         return grads, share, loss, y_pred, stats
 
     def _num_log_stats(self) -> int:

@@ -257,7 +257,7 @@ def test_then_plain_keras_fit_behaves_as_on_an_untouched_model(model_kind, piece
 # trackers (keras-io's VAE), x wrap / NanGuard / ChiefCheckpoint / ProfileWindow, against plain Keras on the same
 # data (for NanGuard: plain Keras without the non-finite batch): the logs (training and validation), evaluate,
 # predict and the weights. Small models, two epochs of four batches; the plain Keras references are shared.
-OVERRIDES = ("test_step", "predict_step", "compute_metrics", "own_train_step_trackers")
+OVERRIDES = ("test_step", "predict_step", "compute_metrics", "compute_metrics_dict", "own_train_step_trackers")
 OVERRIDE_PIECES = ("wrap", "nan_guard", "checkpoint", "profile_window")
 _O_X = np.random.default_rng(11).normal(size=(80, 3)).astype("float32")
 _O_Y = (_O_X @ np.array([[1.0], [-2.0], [0.5]], "float32") + 0.1).astype("float32")
@@ -298,6 +298,9 @@ class _Overrides(keras.Model):
 
     def compute_metrics(self, x, y, y_pred, sample_weight=None):
         result = super().compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        if self.kind == "compute_metrics_dict":  # keras.io's own dict: a value that is no metric's is logged too
+            # (one the same per micro-batch as per batch: split, a batch statistic is the last micro-batch's)
+            return {**result, "features": tf.cast(tf.shape(x)[-1], "float32") + 0.5}
         if self.kind != "compute_metrics":
             return result
         self.pred_mean.update_state(y_pred)  # (a per-sample mean: the same over micro-batches as over the batch)
