@@ -182,11 +182,12 @@ class AccumulatingModel(keras.Model):
         with self.as_inner():
             return self.inner.get_metrics_result()
 
-    _LENT = ("compiled", "_compile_loss", "_compile_metrics", "_loss_tracker", "loss")
+    # (the optimizer too: a test_step of the model's own may read its learning rate or iterations)
+    _LENT = ("compiled", "_compile_loss", "_compile_metrics", "_loss_tracker", "loss", "optimizer")
 
     def as_inner(self) -> Any:
-        """Context: the inner model holds this model's compilation (loss, metrics, loss tracker; not the optimizer)
-        while its own ``test_step``/``predict_step``/``compute_metrics``/``metrics`` run for this model.
+        """Context: the inner model holds this model's compilation (loss, metrics, loss tracker, optimizer) while
+        its own ``test_step``/``predict_step``/``compute_metrics``/``metrics`` run for this model.
 
         Re-entrant and shared by the replica threads of one trace: the first entry lends, the last exit gives back.
 

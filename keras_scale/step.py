@@ -275,6 +275,27 @@ def check_wrappable(model: keras.Model) -> None:
             f"keras_scale.wrap would drop {type(model).__name__}.compute_loss (the wrapper computes the "
             f"compiled loss). Train the model unwrapped, or move the extra loss terms into a layer's "
             f"add_loss / the compiled loss.")
+    for name in _PUBLIC_LOOPS:
+        owner = _defined_by(model, name)
+        if owner is not None:
+            raise ValueError(
+                f"keras_scale.wrap would bypass {owner.__name__}.{name} (the wrapper runs Keras's own {name}, "
+                f"with the model's train/test/predict steps and compute_metrics kept). Move what it adds into "
+                f"those steps, call it on the unwrapped model (keras_scale.unwrap(wrapped).{name}(...): the same "
+                f"weights), or train the model unwrapped.")
+
+
+# Keras's loops: a model's own version of one is what its users call, which a wrapper's would silently replace
+_PUBLIC_LOOPS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
+
+
+def _defined_by(model: keras.Model, name: str) -> Optional[type]:
+    """The user class of ``model`` that defines ``name`` (None: Keras's or keras_scale's own)."""
+    for cls in type(model).__mro__:
+        if name in vars(cls):
+            module = cls.__module__ or ""
+            return None if module.split(".")[0] in ("keras", "keras_scale", "tf_keras") else cls
+    return None
 
 
 def _split_bounds(batch_size: tf.Tensor, num_micro: tf.Tensor, k: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:

@@ -287,7 +287,8 @@ class _Overrides(keras.Model):
         y_pred = self(x, training=False)
         loss = self.compute_loss(x=x, y=y, y_pred=y_pred, training=False)
         self.max_err.update_state(tf.reduce_max(tf.abs(y_pred - y)))
-        return {"eval_loss": loss, "max_err": self.max_err.result()}
+        # (the optimizer read in it, as keras.io's examples do: lent by a wrapper with its compilation)
+        return {"eval_loss": loss, "max_err": self.max_err.result(), "lr": self.optimizer.learning_rate + 0.0}
 
     def predict_step(self, data):
         if self.kind != "predict_step":

@@ -38,3 +38,35 @@ def test_nan_guard_gives_up_naming_the_rollbacks_it_did():
     with pytest.raises(NanGuardGaveUp, match=r"gave up after 1 rollback \(max_rollbacks=1\)"):
         _model(keras.optimizers.SGD(0.01)).fit(x, Y, batch_size=16, epochs=2, verbose=0, callbacks=[guard])
     assert guard.rollbacks == 1
+
+
+class _Probabilities(keras.Model):
+    def __init__(self):
+        super().__init__(name="probabilities")
+        self.dense = keras.layers.Dense(3, activation="softmax")
+
+    def call(self, x):
+        return self.dense(x)
+
+
+class _ClassIds(_Probabilities):
+    """Its own predict (class ids, not probabilities): what its users call, which a wrapper would bypass."""
+
+    def predict(self, x, **kwargs):
+        return np.argmax(super().predict(x, **kwargs), axis=-1)
+
+
+@pytest.mark.parametrize("method", ["predict", "evaluate", "fit", "train_on_batch", "test_on_batch",
+                                    "predict_on_batch"])
+def test_wrap_refuses_a_model_whose_own_loop_it_would_bypass_and_the_named_fix_keeps_it(method):
+    cls = _ClassIds if method == "predict" else type("Own" + method.title().replace("_", ""), (_Probabilities,), {
+        method: lambda self, *args, **kwargs: getattr(keras.Model, method)(self, *args, **kwargs)})
+    keras.utils.set_random_seed(3)
+    model = cls()
+    model(X[:1])
+    with pytest.raises(ValueError, match=rf"would bypass {cls.__name__}\.{method}.*keras_scale\.unwrap\(wrapped\)"
+                                         rf"\.{method}"):
+        ks.wrap(model, accum=2)
+    if method == "predict":  # the named fix: the model's own predict, on the same weights
+        np.testing.assert_array_equal(model.predict(X, verbose=0),
+                                      np.argmax(model(X).numpy(), axis=-1))
