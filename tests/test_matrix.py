@@ -413,6 +413,26 @@ def _override_cells():
         ("test_step", "wrap"), ("compute_metrics", "nan_guard"), ("own_train_step_trackers", "nan_guard"))]
 
 
+def test_a_test_step_of_its_own_reads_the_optimizer_of_a_wrapper_compiled_after_wrap():
+    # (the override cells compile before wrap: the inner model has the optimizer already)
+    def build():
+        keras.utils.set_random_seed(7)
+        model = _Overrides("test_step")
+        model(_O_X[:1])
+        return model
+
+    plain = build()
+    plain.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    wrapped = ks.wrap(build(), accum=2)
+    wrapped.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    val = (_O_X[_O_VAL], _O_Y[_O_VAL])
+    want = plain.evaluate(*val, batch_size=8, verbose=0, return_dict=True)
+    got = wrapped.evaluate(*val, batch_size=8, verbose=0, return_dict=True)
+    assert sorted(got) == sorted(want)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=2e-5, err_msg=key)
+
+
 @pytest.mark.parametrize("kind,piece,strategy_name", _override_cells())
 def test_a_models_overrides_are_kept_as_plain_keras_keeps_them(kind, piece, strategy_name, tmp_path, mirrored):
     if strategy_name == "mirrored":
