@@ -406,6 +406,9 @@ class ComposedStep:
         # is ready, and `iterations.assign_add` depends on no gradient at all)
         self.atomic_update = False
         self._outer_placed: Any = None
+        # a guarded own train_step: the logs of this epoch's last call whose step was taken, and its skip count
+        # (a skipped step logs them again, as plain Keras without that batch would; NanGuard resets per epoch)
+        self.previous_logs: Optional[Tuple[Any, Any]] = None
         self._state_finite_fn: Optional[Tuple[Tuple[int, ...], Any]] = None
         # updates NanGuard(policy="rollback") discarded (restored to an earlier state), host-side, for ks.Goodput
         self.rolled_back_steps = 0
@@ -574,6 +577,8 @@ class ComposedStep:
         fn = cached[1]
         if self.outer is not None:  # accum="auto": the OOM-retrying wrapper runs the traced function
             fn = self._outer_placed = self.outer(fn)
+        elif self.guard and has_own_train_step(model):
+            fn = self._outer_placed = self._logs_of_taken_steps(fn)
         model.train_function = fn
         return fn
 
@@ -885,6 +890,37 @@ class ComposedStep:
             with tf.control_dependencies([t for t in tf.nest.flatten(logs) if tf.is_tensor(t)]):
                 tf.cond(step_bad, on_bad, lambda: tf.constant(False))
         return self._logs(logs)
+
+    def _logs_of_taken_steps(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``fn`` whose logs, when its (last) step was skipped, are those of the epoch's previous taken step.
+
+        An own ``train_step`` may return raw per-batch values (keras.io's GANs: ``{"d_loss": loss}``), which
+        Keras logs as they come: a skipped batch's would be non-finite, at the epoch's end too, where plain
+        Keras without that batch logs the previous batch's. Eager ops on the returned tensors: no device sync.
+        (With ``steps_per_execution`` > 1 the previous logs are those of the previous call.)
+        """
+        def train_function(iterator: Any) -> Any:
+            logs = fn(iterator)
+            if not isinstance(logs, dict) or SKIPPED_LOG_KEY not in logs:
+                return logs
+            skipped_count = logs[SKIPPED_LOG_KEY]
+            previous = self.previous_logs
+            if previous is not None:
+                before, before_count = previous
+                skipped = tf.convert_to_tensor(skipped_count) > tf.convert_to_tensor(before_count)
+                kept = {}
+                for key, value in logs.items():
+                    old = before.get(key)
+                    if key != SKIPPED_LOG_KEY and old is not None and tf.is_tensor(value) and tf.is_tensor(old) \
+                            and value.dtype == old.dtype and value.shape == old.shape:
+                        value = tf.where(skipped, old, value)
+                    kept[key] = value
+                logs = kept
+            # (the first steps of an epoch, all skipped: their own logs, as Keras gives them)
+            self.previous_logs = (logs, skipped_count)
+            return logs
+
+        return train_function
 
     def _guarded_foreign_apply(self, apply: Callable[[Any], Any], optimizer: Any, grads: Any,
                                trainable_variables: Any) -> Any:
