@@ -577,8 +577,9 @@ class ComposedStep:
         fn = cached[1]
         if self.outer is not None:  # accum="auto": the OOM-retrying wrapper runs the traced function
             fn = self._outer_placed = self.outer(fn)
-        elif self.guard and has_own_train_step(model):
-            fn = self._outer_placed = self._logs_of_taken_steps(fn)
+        elif self.guard and (has_own_train_step(model) or overrides(getattr(model, "inner", model),
+                                                                    "compute_metrics")):
+            fn = self._outer_placed = self._logs_of_taken_steps(fn)  # (see there: the trackers are put back)
         model.train_function = fn
         return fn
 
@@ -613,7 +614,8 @@ class ComposedStep:
                         f"keras_scale.wrap: {type(inner).__name__}.compute_metrics runs once per micro-batch, with "
                         f"that micro-batch's predictions: metrics that average over samples log what plain Keras "
                         f"logs; a statistic of the whole batch (its max, a mean of a per-batch value) is taken per "
-                        f"micro-batch."))
+                        f"micro-batch, and a value it returns beyond the metrics' results is the last "
+                        f"micro-batch's."))
 
     # ---------------------------------------------------------------- the step (replica threads)
     def train_step(self, data: Any) -> Dict[str, Any]:
@@ -894,9 +896,11 @@ class ComposedStep:
     def _logs_of_taken_steps(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """``fn`` whose logs, when its (last) step was skipped, are those of the epoch's previous taken step.
 
-        An own ``train_step`` may return raw per-batch values (keras.io's GANs: ``{"d_loss": loss}``), which
-        Keras logs as they come: a skipped batch's would be non-finite, at the epoch's end too, where plain
-        Keras without that batch logs the previous batch's. Eager ops on the returned tensors: no device sync.
+        An own ``train_step`` may return raw per-batch values (keras.io's GANs: ``{"d_loss": loss}``), and an own
+        ``compute_metrics`` values beyond the metrics, which Keras logs as they come: a skipped batch's would be
+        non-finite, at the epoch's end too, where plain Keras without that batch logs the previous batch's (the
+        trackers are put back on a skip: their results are the previous step's anyway). Eager ops on the
+        returned tensors: no device sync.
         (With ``steps_per_execution`` > 1 the previous logs are those of the previous call.)
         """
         def train_function(iterator: Any) -> Any:

@@ -718,8 +718,24 @@ class _RawLogsStep(keras.Model):
         return {"d_loss": loss}
 
 
+class _RawLogsMetrics(keras.Model):
+    """keras.io's own compute_metrics dict: a raw per-batch value beside the metrics."""
+
+    def __init__(self):
+        super().__init__(name="raw_logs_metrics")
+        self.dense = keras.layers.Dense(1)
+
+    def call(self, x, training=False):
+        return self.dense(x)
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        logs = super().compute_metrics(x, y, y_pred, sample_weight)
+        return {**logs, "d_loss": tf.reduce_mean(tf.square(y_pred - y))}
+
+
 @pytest.mark.parametrize("bad_batch", [5, 0, 2])  # the epoch's last, its first, one in the middle
-def test_a_skipped_own_step_with_raw_logs_logs_what_plain_keras_without_that_batch_logs(bad_batch):
+@pytest.mark.parametrize("model_class", [_RawLogsStep, _RawLogsMetrics])
+def test_a_skipped_step_with_raw_logs_logs_what_plain_keras_without_that_batch_logs(bad_batch, model_class):
     rng = np.random.default_rng(5)
     x = rng.normal(size=(48, 4)).astype("float32")
     y = (x @ rng.normal(size=(4, 1)) + 0.1).astype("float32")
@@ -735,9 +751,9 @@ def test_a_skipped_own_step_with_raw_logs_logs_what_plain_keras_without_that_bat
 
     def run(xx, yy, callbacks):
         keras.utils.set_random_seed(1)
-        model = _RawLogsStep()
+        model = model_class()
         model(xx[:1])
-        model.compile(optimizer=keras.optimizers.SGD(0.05))
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss=None if model_class is _RawLogsStep else "mse")
         batches = Batches()
         history = model.fit(xx, yy, batch_size=8, epochs=2, verbose=0, shuffle=False,
                             callbacks=callbacks + [batches]).history
