@@ -182,11 +182,12 @@ class AccumulatingModel(keras.Model):
         with self.as_inner():
             return self.inner.get_metrics_result()
 
-    _LENT = ("compiled", "_compile_loss", "_compile_metrics", "_loss_tracker", "loss")
+    # (the optimizer too: a test_step of the model's own may read its learning rate or iterations)
+    _LENT = ("compiled", "_compile_loss", "_compile_metrics", "_loss_tracker", "loss", "optimizer")
 
     def as_inner(self) -> Any:
-        """Context: the inner model holds this model's compilation (loss, metrics, loss tracker; not the optimizer)
-        while its own ``test_step``/``predict_step``/``compute_metrics``/``metrics`` run for this model.
+        """Context: the inner model holds this model's compilation (loss, metrics, loss tracker, optimizer) while
+        its own ``test_step``/``predict_step``/``compute_metrics``/``metrics`` run for this model.
 
         Re-entrant and shared by the replica threads of one trace: the first entry lends, the last exit gives back.
 
@@ -398,12 +399,17 @@ def wrap(model: keras.Model, accum: Union[int, str, None] = None, micro_batch_si
 
     Args:
         model: any Keras model (create it inside the strategy scope for multi-device training) whose class does not
-            define its own ``train_step`` or ``compute_loss`` (refused here: the wrapper would replace them). Its
-            other overrides are kept: ``evaluate``/``predict`` run its ``test_step``/``predict_step``, training
-            calls its ``compute_metrics`` (once per micro-batch) and ``call(..., training=True)``, and the logs are
-            its ``metrics`` (its own trackers included), as for the unwrapped model compiled like the wrapper. A
+            define its own ``train_step`` or ``compute_loss``, nor its own ``fit``/``evaluate``/``predict``/
+            ``*_on_batch`` (refused here: the wrapper would replace them). Its other overrides are kept:
+            ``evaluate``/``predict`` run its ``test_step``/``predict_step`` (which may read ``self.optimizer``),
+            training calls its ``compute_metrics`` (once per micro-batch; what it returns beyond the metrics is
+            logged, split: the last micro-batch's) and ``call(..., training=True)``, and the logs are its
+            ``metrics`` (its own trackers included), as for the unwrapped model compiled like the wrapper. A
             model compiled before ``wrap`` passes its compilation on (the same optimizer object, loss,
-            ``loss_weights``, metrics); compiling the wrapper afterwards replaces it.
+            ``loss_weights``, metrics); compiling the wrapper afterwards replaces it. While the wrapper's
+            ``fit``/``evaluate``/``predict`` runs, the inner model holds the wrapper's compilation
+            (:meth:`AccumulatingModel.as_inner`): do not run the inner model's own ``fit``/``evaluate``/
+            ``predict`` in another thread meanwhile.
         accum: split each batch into this many micro-batches; ``"auto"``: start unsplit and split finer
             whenever a step runs out of device memory, retrying the same batch (:mod:`keras_scale.auto_accum`);
             what it learns is the largest micro-batch SIZE that fits: each batch of ``b`` samples per replica

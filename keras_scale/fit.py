@@ -177,6 +177,7 @@ def _is_batched(ds: tf.data.Dataset) -> bool:
     if dataset_is_batched(ds):
         return True
     node: Any = ds
+    root: Any = ds
     while node is not None:
         name = type(node).__name__
         if "Unbatch" in name:
@@ -192,8 +193,32 @@ def _is_batched(ds: tf.data.Dataset) -> bool:
                     "batched): each element pairs a batch with single samples. Batch every component, or zip first "
                     "and batch the zipped dataset (keras_scale.fit then rebatches it to the global batch).")
             return _leading_dims_unknown(ds)
+        root = node
         node = getattr(node, "_input_dataset", None)
+    _refuse_ambiguous_elements(ds, root)
     return _leading_dims_unknown(ds)
+
+
+_SAMPLE_SOURCES = ("_TensorSliceDataset", "RangeDataset", "TFRecordDatasetV2", "TextLineDatasetV2",
+                   "FixedLengthRecordDatasetV2", "_ZipDataset")
+
+
+def _refuse_ambiguous_elements(ds: tf.data.Dataset, root: Any) -> None:
+    """No batch operation in sight and no source that yields samples (``from_generator``): elements whose every
+    component has the same static leading dimension, ``(16, 4)`` and ``(16, 1)``, are a batch of 16 or one sample
+    of 16 steps; refused, with the way to say which."""
+    if any(name in type(root).__name__ for name in _SAMPLE_SOURCES):
+        return
+    shapes = [spec.shape for spec in tf.nest.flatten(ds.element_spec) if getattr(spec, "shape", None) is not None]
+    leading = {shape[0] if shape.rank else None for shape in shapes}
+    if shapes and len(leading) == 1 and None not in leading and next(iter(leading)) > 1:
+        n = next(iter(leading))
+        raise ValueError(
+            f"keras_scale.fit cannot tell whether this dataset's elements ({', '.join(str(tuple(s)) for s in shapes)}"
+            f", e.g. from tf.data.Dataset.from_generator) are batches of {n} or single samples. If they are "
+            f"batches, give the batch dimension as None (output_signature=tf.TensorSpec((None, ...))) or pass "
+            f"dataset.unbatch() (keras_scale.fit batches it to the global batch); if they are samples, batch it "
+            f"yourself: dataset.batch(N) (keras_scale.fit rebatches it to the global batch).")
 
 
 def _leading_dims_unknown(ds: tf.data.Dataset) -> bool:

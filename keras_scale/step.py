@@ -275,6 +275,27 @@ def check_wrappable(model: keras.Model) -> None:
             f"keras_scale.wrap would drop {type(model).__name__}.compute_loss (the wrapper computes the "
             f"compiled loss). Train the model unwrapped, or move the extra loss terms into a layer's "
             f"add_loss / the compiled loss.")
+    for name in _PUBLIC_LOOPS:
+        owner = _defined_by(model, name)
+        if owner is not None:
+            raise ValueError(
+                f"keras_scale.wrap would bypass {owner.__name__}.{name} (the wrapper runs Keras's own {name}, "
+                f"with the model's train/test/predict steps and compute_metrics kept). Move what it adds into "
+                f"those steps, call it on the unwrapped model (keras_scale.unwrap(wrapped).{name}(...): the same "
+                f"weights), or train the model unwrapped.")
+
+
+# Keras's loops: a model's own version of one is what its users call, which a wrapper's would silently replace
+_PUBLIC_LOOPS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
+
+
+def _defined_by(model: keras.Model, name: str) -> Optional[type]:
+    """The user class of ``model`` that defines ``name`` (None: Keras's or keras_scale's own)."""
+    for cls in type(model).__mro__:
+        if name in vars(cls):
+            module = cls.__module__ or ""
+            return None if module.split(".")[0] in ("keras", "keras_scale", "tf_keras") else cls
+    return None
 
 
 def _split_bounds(batch_size: tf.Tensor, num_micro: tf.Tensor, k: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
@@ -385,6 +406,9 @@ class ComposedStep:
         # is ready, and `iterations.assign_add` depends on no gradient at all)
         self.atomic_update = False
         self._outer_placed: Any = None
+        # a guarded own train_step: the logs of this epoch's last call whose step was taken, and its skip count
+        # (a skipped step logs them again, as plain Keras without that batch would; NanGuard resets per epoch)
+        self.previous_logs: Optional[Tuple[Any, Any]] = None
         self._state_finite_fn: Optional[Tuple[Tuple[int, ...], Any]] = None
         # updates NanGuard(policy="rollback") discarded (restored to an earlier state), host-side, for ks.Goodput
         self.rolled_back_steps = 0
@@ -553,6 +577,9 @@ class ComposedStep:
         fn = cached[1]
         if self.outer is not None:  # accum="auto": the OOM-retrying wrapper runs the traced function
             fn = self._outer_placed = self.outer(fn)
+        elif self.guard and (has_own_train_step(model) or overrides(getattr(model, "inner", model),
+                                                                    "compute_metrics")):
+            fn = self._outer_placed = self._logs_of_taken_steps(fn)  # (see there: the trackers are put back)
         model.train_function = fn
         return fn
 
@@ -587,7 +614,8 @@ class ComposedStep:
                         f"keras_scale.wrap: {type(inner).__name__}.compute_metrics runs once per micro-batch, with "
                         f"that micro-batch's predictions: metrics that average over samples log what plain Keras "
                         f"logs; a statistic of the whole batch (its max, a mean of a per-batch value) is taken per "
-                        f"micro-batch."))
+                        f"micro-batch, and a value it returns beyond the metrics' results is the last "
+                        f"micro-batch's."))
 
     # ---------------------------------------------------------------- the step (replica threads)
     def train_step(self, data: Any) -> Dict[str, Any]:
@@ -618,7 +646,9 @@ class ComposedStep:
         with tf.control_dependencies([s for _, s in snapshot] + [t for pair in logged for t in pair]):
             batch_size = tf.identity(batch_size)
 
+        _LOCAL.metric_logs = None
         grads, trainable, share, loss_bad, pred_bad, stats = self._accumulate(x, y, sample_weight, batch_size)
+        returned, _LOCAL.metric_logs = _LOCAL.metric_logs, None
         if stats is not None:
             self._record_split_logs(stats, batch_size, x, outputs, logged)
         # (the guard's gradient check travels in the all-reduce, see _all_reduce; with several replicas in this
@@ -643,7 +673,7 @@ class ComposedStep:
                 barrier += [tf.identity(v) for v in self._metric_reads()]
             with _GradientsReduced(optimizer), tf.control_dependencies(barrier):
                 optimizer.apply(reduced_grads, trainable)
-            return model.get_metrics_result()
+            return self._with_returned(model.get_metrics_result(), returned)
 
         if self.atomic_update:
             # accum="auto": an OOM anywhere in the step (a metric, the backward pass) must come before the decision,
@@ -676,7 +706,17 @@ class ComposedStep:
             bad = tf.logical_or(bad, grads_bad)
         self._count(bad)
         self._count_bad(tf.cast(bad, tf.int64))  # (adding 0 on a good step: cheaper than the ops in a branch)
-        return self._logs(self._nan_unless_a_step_was_taken(model.get_metrics_result()))
+        return self._logs(self._nan_unless_a_step_was_taken(
+            self._with_returned(model.get_metrics_result(), returned)))
+
+    @staticmethod
+    def _with_returned(logs: Any, returned: Any) -> Any:
+        """The step's logs: the metrics' results plus what the model's ``compute_metrics`` returned beyond them
+        (keras.io's ``return {**logs, "max_abs_err": ...}``), which plain Keras's ``train_step`` returns as is."""
+        if not isinstance(logs, dict) or not isinstance(returned, dict):
+            return logs
+        extra = {key: value for key, value in returned.items() if key not in logs}
+        return {**logs, **extra} if extra else logs
 
     def _forward_state_finite(self) -> tf.Tensor:
         """Whether the model's floating non-trainable variables (BatchNorm statistics, ...) are finite, as this
@@ -853,6 +893,39 @@ class ComposedStep:
                 tf.cond(step_bad, on_bad, lambda: tf.constant(False))
         return self._logs(logs)
 
+    def _logs_of_taken_steps(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``fn`` whose logs, when its (last) step was skipped, are those of the epoch's previous taken step.
+
+        An own ``train_step`` may return raw per-batch values (keras.io's GANs: ``{"d_loss": loss}``), and an own
+        ``compute_metrics`` values beyond the metrics, which Keras logs as they come: a skipped batch's would be
+        non-finite, at the epoch's end too, where plain Keras without that batch logs the previous batch's (the
+        trackers are put back on a skip: their results are the previous step's anyway). Eager ops on the
+        returned tensors: no device sync.
+        (With ``steps_per_execution`` > 1 the previous logs are those of the previous call.)
+        """
+        def train_function(iterator: Any) -> Any:
+            logs = fn(iterator)
+            if not isinstance(logs, dict) or SKIPPED_LOG_KEY not in logs:
+                return logs
+            skipped_count = logs[SKIPPED_LOG_KEY]
+            previous = self.previous_logs
+            if previous is not None:
+                before, before_count = previous
+                skipped = tf.convert_to_tensor(skipped_count) > tf.convert_to_tensor(before_count)
+                kept = {}
+                for key, value in logs.items():
+                    old = before.get(key)
+                    if key != SKIPPED_LOG_KEY and old is not None and tf.is_tensor(value) and tf.is_tensor(old) \
+                            and value.dtype == old.dtype and value.shape == old.shape:
+                        value = tf.where(skipped, old, value)
+                    kept[key] = value
+                logs = kept
+            # (the first steps of an epoch, all skipped: their own logs, as Keras gives them)
+            self.previous_logs = (logs, skipped_count)
+            return logs
+
+        return train_function
+
     def _guarded_foreign_apply(self, apply: Callable[[Any], Any], optimizer: Any, grads: Any,
                                trainable_variables: Any) -> Any:
         """``optimizer.apply`` inside a guarded foreign step: apply only when every replica's gradient is finite."""
@@ -957,16 +1030,28 @@ class ComposedStep:
             count, loss_bad, pred_bad = tf.constant(0.0), tf.constant(0.0), tf.constant(0.0)
             stats = tf.zeros([self._num_log_stats()])
             deps: List[Any] = []
-            for k in range(num_micro_static):
+            # a compute_metrics of the model's own may return logs of its own: the last (non-empty) micro-batch
+            # runs outside the conds, where what it returns can reach the step's logs
+            peel = overrides(getattr(model, "inner", model), "compute_metrics")
+            for k in range(num_micro_static + (1 if peel else 0)):
+                last = peel and k == num_micro_static
+                if peel and sync_bn and k == num_micro_static - 1:
+                    continue  # (every micro-batch holds a sample: this one is the last, run below)
                 with tf.control_dependencies(deps):  # one micro-batch's activations alive at a time
-                    start, size = _split_bounds(batch_size, num_micro, tf.constant(k, batch_size.dtype))
+                    index = num_micro - 1 if last else tf.constant(k, batch_size.dtype)
+                    start, size = _split_bounds(batch_size, num_micro, index)
                     start = tf.identity(start)
+                if last:
+                    _LOCAL.metric_logs = None  # (made in a cond)
                 grads, c, l_bad, p_bad, st = self._guarded_micro_step(
                     _slice(x, start, size), _slice(y, start, size), _slice(sample_weight, start, size), size,
-                    batch_size, trainable, skip_empty=not sync_bn)
+                    batch_size, trainable, skip_empty=not sync_bn and not last,
+                    before_last=index < num_micro - 1 if peel and not last else None)
                 acc = [a if g is None else (_dense(g) if a is None else a + _dense(g)) for a, g in zip(acc, grads)]
                 count, loss_bad, pred_bad, stats = count + c, loss_bad + l_bad, pred_bad + p_bad, stats + st
                 deps = [a for a in acc if a is not None]
+            if not peel:
+                _LOCAL.metric_logs = None  # (made in a cond)
             return acc, trainable, count if self._masked else None, loss_bad, pred_bad, stats
 
         self.traced_micro_batches = None  # dynamic (tf.while_loop)
@@ -987,16 +1072,25 @@ class ComposedStep:
                     pred_bad + self._pred_bad(y_pred), stats + st)
 
         zeros = [tf.zeros(v.shape, dtype=v.dtype) for v in trainable]
-        _, acc, count, loss_bad, pred_bad, stats = tf.while_loop(
-            lambda k, *_: k < num_micro, body,
+        # a compute_metrics of the model's own may return logs of its own: the last micro-batch runs after the
+        # loop, where what it returns can reach the step's logs (a tensor made in the loop cannot)
+        peel = overrides(getattr(model, "inner", model), "compute_metrics")
+        loop_vars = tf.while_loop(
+            lambda k, *_: k < num_micro - (1 if peel else 0), body,
             [tf.constant(0, batch_size.dtype), zeros, tf.constant(0.0), tf.constant(0.0), tf.constant(0.0),
              tf.zeros([self._num_log_stats()])],
             parallel_iterations=1)
+        _LOCAL.metric_logs = None
+        if peel:
+            loop_vars = body(*loop_vars)
+        _, acc, count, loss_bad, pred_bad, stats = loop_vars
         acc = [None if i in none_grads else a for i, a in enumerate(acc)]
         return acc, trainable, count if self._masked else None, loss_bad, pred_bad, stats
 
-    def _guarded_micro_step(self, x, y, sample_weight, size, batch_size, trainable, skip_empty):
-        """One unrolled micro-batch; an empty one (batch smaller than accum) contributes nothing at all."""
+    def _guarded_micro_step(self, x, y, sample_weight, size, batch_size, trainable, skip_empty,
+                            before_last: Optional[tf.Tensor] = None):
+        """One unrolled micro-batch; an empty one (batch smaller than accum) contributes nothing at all, nor one
+        where ``before_last`` is False (the last micro-batch, run on its own after the others)."""
         def run():
             grads, c, loss, y_pred, stats = self._micro_step(x, y, sample_weight, size, batch_size)
             grads = [tf.zeros(v.shape, v.dtype) if g is None else tf.cast(_dense(g), v.dtype)
@@ -1010,7 +1104,8 @@ class ComposedStep:
             return ([tf.zeros(v.shape, v.dtype) for v in trainable], tf.constant(0.0), tf.constant(0.0),
                     tf.constant(0.0), tf.zeros([self._num_log_stats()]))
 
-        return tf.cond(size > 0, run, empty)
+        runs = size > 0 if before_last is None else tf.logical_and(size > 0, before_last)
+        return tf.cond(runs, run, empty)
 
     def _micro_step(self, x, y, sample_weight, size, batch_size):
         """Forward + backward of one micro-batch: ``grad(f * loss)``, its share ``f`` of the replica's batch, the
@@ -1034,7 +1129,9 @@ class ComposedStep:
             stats = self._log_stats(loss, share, size, y_pred, outputs, before)
         else:
             model._loss_tracker.update_state(keras_loss.unscale_loss_for_distribution(loss), sample_weight=size)
-        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)  # (sums over samples: split-exact)
+        # (sums over samples: split-exact)
+        returned = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        _LOCAL.metric_logs = returned  # (what it returns beyond the metrics' results is logged, as by Keras)
         return grads, share, loss, y_pred, stats
 
     def _num_log_stats(self) -> int:

@@ -257,7 +257,7 @@ def test_then_plain_keras_fit_behaves_as_on_an_untouched_model(model_kind, piece
 # trackers (keras-io's VAE), x wrap / NanGuard / ChiefCheckpoint / ProfileWindow, against plain Keras on the same
 # data (for NanGuard: plain Keras without the non-finite batch): the logs (training and validation), evaluate,
 # predict and the weights. Small models, two epochs of four batches; the plain Keras references are shared.
-OVERRIDES = ("test_step", "predict_step", "compute_metrics", "own_train_step_trackers")
+OVERRIDES = ("test_step", "predict_step", "compute_metrics", "compute_metrics_dict", "own_train_step_trackers")
 OVERRIDE_PIECES = ("wrap", "nan_guard", "checkpoint", "profile_window")
 _O_X = np.random.default_rng(11).normal(size=(80, 3)).astype("float32")
 _O_Y = (_O_X @ np.array([[1.0], [-2.0], [0.5]], "float32") + 0.1).astype("float32")
@@ -287,7 +287,8 @@ class _Overrides(keras.Model):
         y_pred = self(x, training=False)
         loss = self.compute_loss(x=x, y=y, y_pred=y_pred, training=False)
         self.max_err.update_state(tf.reduce_max(tf.abs(y_pred - y)))
-        return {"eval_loss": loss, "max_err": self.max_err.result()}
+        # (the optimizer read in it, as keras.io's examples do: lent by a wrapper with its compilation)
+        return {"eval_loss": loss, "max_err": self.max_err.result(), "lr": self.optimizer.learning_rate + 0.0}
 
     def predict_step(self, data):
         if self.kind != "predict_step":
@@ -298,6 +299,9 @@ class _Overrides(keras.Model):
 
     def compute_metrics(self, x, y, y_pred, sample_weight=None):
         result = super().compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        if self.kind == "compute_metrics_dict":  # keras.io's own dict: a value that is no metric's is logged too
+            # (one the same per micro-batch as per batch: split, a batch statistic is the last micro-batch's)
+            return {**result, "features": tf.cast(tf.shape(x)[-1], "float32") + 0.5}
         if self.kind != "compute_metrics":
             return result
         self.pred_mean.update_state(y_pred)  # (a per-sample mean: the same over micro-batches as over the batch)
@@ -407,6 +411,26 @@ def _override_cells():
     # under MirroredStrategy (the overrides run in one thread per replica): slow, with make test-slow
     return cells + [pytest.param(kind, piece, "mirrored", marks=pytest.mark.slow) for kind, piece in (
         ("test_step", "wrap"), ("compute_metrics", "nan_guard"), ("own_train_step_trackers", "nan_guard"))]
+
+
+def test_a_test_step_of_its_own_reads_the_optimizer_of_a_wrapper_compiled_after_wrap():
+    # (the override cells compile before wrap: the inner model has the optimizer already)
+    def build():
+        keras.utils.set_random_seed(7)
+        model = _Overrides("test_step")
+        model(_O_X[:1])
+        return model
+
+    plain = build()
+    plain.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    wrapped = ks.wrap(build(), accum=2)
+    wrapped.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    val = (_O_X[_O_VAL], _O_Y[_O_VAL])
+    want = plain.evaluate(*val, batch_size=8, verbose=0, return_dict=True)
+    got = wrapped.evaluate(*val, batch_size=8, verbose=0, return_dict=True)
+    assert sorted(got) == sorted(want)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=2e-5, err_msg=key)
 
 
 @pytest.mark.parametrize("kind,piece,strategy_name", _override_cells())

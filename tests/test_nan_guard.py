@@ -698,3 +698,76 @@ def test_a_first_all_skipped_epoch_logs_nan_which_keras_save_best_only_keeps_as_
                         verbose=0, callbacks=[ks.NanGuard(verbose=0), checkpoint])
     assert np.isnan(history.history["loss"][0]) and np.isfinite(history.history["loss"][1:]).all()
     assert history.history["nan_skipped"][0] == 2 and saves == [0]  # the NaN epoch, and never a later one
+
+
+class _RawLogsStep(keras.Model):
+    """keras.io's GAN style: an own train_step returning a raw per-batch value, no tracker."""
+
+    def __init__(self):
+        super().__init__(name="raw_logs_step")
+        self.dense = keras.layers.Dense(1)
+
+    def call(self, x, training=False):
+        return self.dense(x)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_weights), self.trainable_weights))
+        return {"d_loss": loss}
+
+
+class _RawLogsMetrics(keras.Model):
+    """keras.io's own compute_metrics dict: a raw per-batch value beside the metrics."""
+
+    def __init__(self):
+        super().__init__(name="raw_logs_metrics")
+        self.dense = keras.layers.Dense(1)
+
+    def call(self, x, training=False):
+        return self.dense(x)
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        logs = super().compute_metrics(x, y, y_pred, sample_weight)
+        return {**logs, "d_loss": tf.reduce_mean(tf.square(y_pred - y))}
+
+
+@pytest.mark.parametrize("bad_batch", [5, 0, 2])  # the epoch's last, its first, one in the middle
+@pytest.mark.parametrize("model_class", [_RawLogsStep, _RawLogsMetrics])
+def test_a_skipped_step_with_raw_logs_logs_what_plain_keras_without_that_batch_logs(bad_batch, model_class):
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(48, 4)).astype("float32")
+    y = (x @ rng.normal(size=(4, 1)) + 0.1).astype("float32")
+    bad = x.copy()
+    bad[bad_batch * 8 + 1, 0] = np.nan
+
+    class Batches(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.seen = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.seen.append(float(logs["d_loss"]))
+
+    def run(xx, yy, callbacks):
+        keras.utils.set_random_seed(1)
+        model = model_class()
+        model(xx[:1])
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss=None if model_class is _RawLogsStep else "mse")
+        batches = Batches()
+        history = model.fit(xx, yy, batch_size=8, epochs=2, verbose=0, shuffle=False,
+                            callbacks=callbacks + [batches]).history
+        return history, batches.seen
+
+    keep = np.ones(48, bool)
+    keep[bad_batch * 8:bad_batch * 8 + 8] = False
+    want, want_batches = run(x[keep], y[keep], [])
+    got, got_batches = run(bad, y, [ks.NanGuard(verbose=0)])
+    np.testing.assert_allclose(got["d_loss"], want["d_loss"], rtol=1e-6)
+    assert got["nan_skipped"] == [1.0, 1.0]
+    # each batch's logs: a skipped batch's are the epoch's previous taken batch's (its own, NaN, with none before)
+    expected, taken = [], iter(want_batches)
+    for epoch in range(2):
+        for b in range(6):
+            expected.append((expected[-1] if b else float("nan")) if b == bad_batch else next(taken))
+    np.testing.assert_allclose(got_batches, expected, rtol=1e-6)

@@ -202,6 +202,7 @@ class NanGuard(keras.callbacks.Callback):
         self._epoch = epoch
         self._seen_in_epoch = 0.0
         self._step.epoch_skipped.assign(0)  # host-to-device, no sync
+        self._step.previous_logs = None  # (an own train_step's last taken logs: this epoch's only)
 
     def on_train_batch_end(self, batch: int, logs: Optional[Dict] = None) -> None:
         self._batches += 1
