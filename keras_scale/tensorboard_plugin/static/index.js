@@ -201,6 +201,10 @@ function describe(e) {
   }
 }
 
+// the one x axis of every chart and table (data.py converts the records that count optimizer updates)
+const STEP_NOTE = 'step: batches trained, NaN-skipped steps included (as Keras\'s progress bar and TensorBoard\'s ' +
+  'batch_loss count them)';
+
 function lossChart(loss, incidents, saves, epochs = [], notes = {}) {
   const width = 1000, height = 280, left = 56, right = 16, top = 22, bottom = 28;
   const names = Object.keys(loss);
@@ -268,7 +272,7 @@ function lossChart(loss, incidents, saves, epochs = [], notes = {}) {
       `${(INCIDENT[k] || [0, k])[1]} (${incidents.filter((e) => e.kind === k).length})`)),
     saves.length ? el('span', {}, el('span', {class: 'sw', style: 'background:#1565c0'}), 'checkpoint save') : null);
   const said = names.filter((n) => notes[n]).map((n) => el('div', {class: 'muted note'}, `${n}: ${notes[n]}`));
-  return el('div', {}, chart, keys, ...said);
+  return el('div', {}, chart, keys, ...said, el('div', {class: 'muted note'}, STEP_NOTE));
 }
 
 function incidentTable(incidents) {
@@ -408,7 +412,7 @@ function compareLoss(details) {
   }), el('span', {class: 'muted'}, 'solid: training loss · dashed: val_loss'));
   const trains = [...new Set(curves.filter((c) => !c.dash).map((c) => c.name))];
   const notes = trains.map((n) => el('div', {class: 'muted note'}, `${n}: ${(details.find((d) => d.loss_notes && d.loss_notes[n]) || {loss_notes: {}}).loss_notes[n] || ''}`));
-  return el('div', {}, chart, keys, ...notes);
+  return el('div', {}, chart, keys, ...notes, el('div', {class: 'muted note'}, STEP_NOTE));
 }
 
 // ---------------------------------------------------------------------------------------------- page
