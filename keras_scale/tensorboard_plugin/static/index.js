@@ -83,7 +83,18 @@ function niceTicks(lo, hi, count = 5, integer = false) {
   const first = Math.floor(lo / step + 1e-9), last = Math.ceil(hi / step - 1e-9);
   const ticks = [];
   for (let k = first; k <= last; k++) ticks.push(Number((k * step).toPrecision(12)));
-  return {lo: ticks[0], hi: ticks[ticks.length - 1], ticks};
+  return {lo: ticks[0], hi: ticks[ticks.length - 1], ticks, step};
+}
+// A tick's label: as many decimals as the tick step needs (0.0025 -> 4), so adjacent ticks never read the same
+// ("1.100", "1.105", not "1.1" twice); whole steps print as integers.
+function tickLabel(v, step) {
+  if (typeof v !== 'number' || !Number.isFinite(v)) return 'n/a';
+  let decimals = 0;
+  while (decimals < 12 && Math.abs(step * Math.pow(10, decimals) - Math.round(step * Math.pow(10, decimals))) >
+         1e-6 * step * Math.pow(10, decimals)) decimals++;
+  if (decimals === 0) return Math.round(v).toLocaleString('en-US');
+  const s = v.toLocaleString('en-US', {minimumFractionDigits: decimals, maximumFractionDigits: decimals});
+  return s === '-' + (0).toFixed(decimals) ? (0).toFixed(decimals) : s;
 }
 // Where a checkpoint was taken: Keras's epochs 1-based; a save at batch 0 of epoch e+1 is the end of epoch e.
 function savedAt(epoch, stepInEpoch) {
@@ -224,10 +235,10 @@ function lossChart(loss, incidents, saves, epochs = [], notes = {}) {
   const Y = (v) => top + (height - top - bottom) * (1 - (v - y0) / (y1 - y0));
   for (const v of yAxis.ticks) {
     chart.append(svg('line', {x1: left, x2: width - right, y1: Y(v), y2: Y(v), stroke: '#eee'}));
-    chart.append(svg('text', {x: left - 6, y: Y(v) + 4, 'text-anchor': 'end', class: 'ytick'}, fmt(v)));
+    chart.append(svg('text', {x: left - 6, y: Y(v) + 4, 'text-anchor': 'end', class: 'ytick'}, tickLabel(v, yAxis.step)));
   }
   for (const s of xAxis.ticks) {
-    chart.append(svg('text', {x: X(s), y: height - 8, 'text-anchor': 'middle', class: 'xtick'}, fmt(s)));
+    chart.append(svg('text', {x: X(s), y: height - 8, 'text-anchor': 'middle', class: 'xtick'}, tickLabel(s, xAxis.step)));
   }
   chart.append(svg('text', {x: left - 6, y: height - 8, 'text-anchor': 'end'}, 'step'));
   for (const e of epochs.slice(0, -1)) {  // epoch boundaries: Keras's running loss mean restarts there
@@ -383,9 +394,9 @@ function compareLoss(details) {
   const chart = svg('svg', {width: '100%', viewBox: `0 0 ${width} ${height}`, class: 'sweep-loss'});
   for (const v of yAxis.ticks) {
     chart.append(svg('line', {x1: left, x2: width - right, y1: Y(v), y2: Y(v), stroke: '#eee'}));
-    chart.append(svg('text', {x: left - 6, y: Y(v) + 4, 'text-anchor': 'end'}, fmt(v)));
+    chart.append(svg('text', {x: left - 6, y: Y(v) + 4, 'text-anchor': 'end', class: 'ytick'}, tickLabel(v, yAxis.step)));
   }
-  for (const v of xAxis.ticks) chart.append(svg('text', {x: X(v), y: height - 8, 'text-anchor': 'middle'}, fmt(v)));
+  for (const v of xAxis.ticks) chart.append(svg('text', {x: X(v), y: height - 8, 'text-anchor': 'middle', class: 'xtick'}, tickLabel(v, xAxis.step)));
   chart.append(svg('text', {x: left - 6, y: height - 8, 'text-anchor': 'end'}, 'step'));
   for (const c of curves) {
     const attrs = {points: c.pts.map((p) => `${X(p[0]).toFixed(1)},${Y(p[1]).toFixed(1)}`).join(' '), fill: 'none',
@@ -479,4 +490,4 @@ export async function render() {
 }
 
 // for tests (node): the formatting helpers
-export { fmt, niceTicks, savedAt };
+export { fmt, niceTicks, tickLabel, savedAt };
