@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import keras
@@ -338,7 +339,8 @@ def cli(args: Any) -> int:
         if not info["checkpoints"]:
             below = _checkpoint_dirs_below(args.directory)
             if below:
-                say(f"  the checkpoints are in {' and '.join(below[:3])}: keras-scale checkpoint ls {below[0]}")
+                say(f"  the checkpoints are in {' and '.join(below[:3])}: "
+                    f"keras-scale checkpoint ls {shlex.quote(below[0])}")
         for row in info["checkpoints"]:
             where = saved_at(row["epoch"], row["step_in_epoch"]) if "epoch" in row else "position unknown"
             mark = ("  <- a resumed fit starts here" + (f" ({resumes_at(row['epoch'], row['step_in_epoch'])})"
