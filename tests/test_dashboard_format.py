@@ -58,6 +58,12 @@ def test_adjacent_tick_labels_never_read_the_same(tmp_path):
 
 
 @pytest.mark.skipif(NODE is None, reason="no node here")
+def test_every_run_of_a_large_sweep_gets_its_own_colour(tmp_path):
+    colours = _js(tmp_path, "Array.from({length: 64}, (_, i) => m.runColor(i))")
+    assert len(set(colours)) == 64, colours
+
+
+@pytest.mark.skipif(NODE is None, reason="no node here")
 def test_a_checkpoint_says_where_it_was_taken(tmp_path):
     assert _js(tmp_path, "[m.savedAt(4, 0), m.savedAt(1, 16), m.savedAt(0, 0)]") == [
         "end of epoch 4", "epoch 2, batch 16", "before the first step"]

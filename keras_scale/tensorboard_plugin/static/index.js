@@ -371,6 +371,12 @@ function profileSection(profiles) {
 
 // ---------------------------------------------------------------------------------------------- sweep: runs overlaid
 const RUN_COLORS = ['#1565c0', '#ef6c00', '#2e7d32', '#6a1b9a', '#c62828', '#00838f', '#5d4037', '#ad1457'];
+// run i's colour: the palette, then hues a golden angle apart (never a colour twice, however many runs)
+function runColor(i) {
+  if (i < RUN_COLORS.length) return RUN_COLORS[i];
+  const k = i - RUN_COLORS.length;
+  return `hsl(${((k * 137.508 + 20) % 360).toFixed(1)}, ${k % 2 ? 55 : 75}%, ${[32, 42, 52][k % 3]}%)`;
+}
 
 // The runs' loss curves on one chart (each run one colour; training loss solid, val_loss dashed), each run's
 // incidents as markers of its colour above the curves, and a legend naming the runs.
@@ -378,7 +384,7 @@ function compareLoss(details) {
   const width = 1000, height = 260, left = 56, right = 16, top = 26, bottom = 28;
   const curves = [];
   details.forEach((d, i) => {
-    const color = RUN_COLORS[i % RUN_COLORS.length], label = d.summary.label || d.run;
+    const color = runColor(i), label = d.summary.label || d.run;
     const train = d.loss.batch_loss ? 'batch_loss' : (d.loss['loss (epoch mean)'] ? 'loss (epoch mean)' : null);
     if (train) curves.push({run: label, name: train, pts: d.loss[train], color, dash: null});
     if (d.loss.val_loss) curves.push({run: label, name: 'val_loss', pts: d.loss.val_loss, color, dash: '5 4'});
@@ -406,7 +412,7 @@ function compareLoss(details) {
     if (c.pts.length === 1) chart.append(svg('circle', {cx: X(c.pts[0][0]), cy: Y(c.pts[0][1]), r: 3, fill: c.color}));
   }
   details.forEach((d, i) => {
-    const color = RUN_COLORS[i % RUN_COLORS.length];
+    const color = runColor(i);
     for (const e of d.incidents) {
       if (e.step === null || e.step === undefined) continue;
       const label = (INCIDENT[e.kind] || [0, e.kind])[1], x = X(e.step);
@@ -418,7 +424,7 @@ function compareLoss(details) {
   });
   const keys = el('div', {class: 'legend sweep-legend'}, ...details.map((d, i) => {
     const n = d.incidents.length;
-    return el('span', {class: 'sweep-run'}, el('span', {class: 'sw', style: 'background:' + RUN_COLORS[i % RUN_COLORS.length]}),
+    return el('span', {class: 'sweep-run'}, el('span', {class: 'sw', style: 'background:' + runColor(i)}),
       `${d.summary.label || d.run}` + (n ? ` (${n} incident${n === 1 ? '' : 's'} \u25bc)` : ''));
   }), el('span', {class: 'muted'}, 'solid: training loss · dashed: val_loss'));
   const trains = [...new Set(curves.filter((c) => !c.dash).map((c) => c.name))];
@@ -490,4 +496,4 @@ export async function render() {
 }
 
 // for tests (node): the formatting helpers
-export { fmt, niceTicks, tickLabel, savedAt };
+export { fmt, niceTicks, tickLabel, runColor, savedAt };
