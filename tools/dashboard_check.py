@@ -246,7 +246,7 @@ def check_sweep(chromium: str, logdir: str, names: List[str]) -> List[str]:
         dom = render(chromium, url + "/data/plugin_entry.html?name=keras_scale")
     finally:
         server.shutdown()
-    page = _Text(["sweep-run", "sweep-legend", "ytick"])
+    page = _Text(["sweep-run", "sweep-legend", "sweep-ytick"])
     page.feed(dom)
     failures = []
     if f'data-compared="{len(names)}"' not in dom:
@@ -256,7 +256,7 @@ def check_sweep(chromium: str, logdir: str, names: List[str]) -> List[str]:
         failures.append(f"the sweep's legend names {legend}, expected {names}")
     if not any("incident" in entry for entry in legend):
         failures.append(f"no run of the sweep shows its incidents in the legend: {legend}")
-    failures += _tick_failures("sweep's loss", page.by_class["ytick"])
+    failures += _tick_failures("sweep's loss", page.by_class["sweep-ytick"])
     if "polyline" not in dom.split("sweep-loss", 1)[-1]:
         failures.append("no loss curve drawn in the sweep's chart")
     return failures

@@ -400,9 +400,9 @@ function compareLoss(details) {
   const chart = svg('svg', {width: '100%', viewBox: `0 0 ${width} ${height}`, class: 'sweep-loss'});
   for (const v of yAxis.ticks) {
     chart.append(svg('line', {x1: left, x2: width - right, y1: Y(v), y2: Y(v), stroke: '#eee'}));
-    chart.append(svg('text', {x: left - 6, y: Y(v) + 4, 'text-anchor': 'end', class: 'ytick'}, tickLabel(v, yAxis.step)));
+    chart.append(svg('text', {x: left - 6, y: Y(v) + 4, 'text-anchor': 'end', class: 'sweep-ytick'}, tickLabel(v, yAxis.step)));
   }
-  for (const v of xAxis.ticks) chart.append(svg('text', {x: X(v), y: height - 8, 'text-anchor': 'middle', class: 'xtick'}, tickLabel(v, xAxis.step)));
+  for (const v of xAxis.ticks) chart.append(svg('text', {x: X(v), y: height - 8, 'text-anchor': 'middle', class: 'sweep-xtick'}, tickLabel(v, xAxis.step)));
   chart.append(svg('text', {x: left - 6, y: height - 8, 'text-anchor': 'end'}, 'step'));
   for (const c of curves) {
     const attrs = {points: c.pts.map((p) => `${X(p[0]).toFixed(1)},${Y(p[1]).toFixed(1)}`).join(' '), fill: 'none',
