@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -147,22 +148,24 @@ def command(name: str) -> str:
 
 def where_to_look(out: str) -> str:
     """The closing lines of the demo: commands that run as printed (the venv's scripts when it is not active)."""
-    tensorboard, keras_scale_cmd = command("tensorboard"), command("keras-scale")
+    q = shlex.quote  # a path with a space (or any shell character) still runs as printed
+    raw_tensorboard = command("tensorboard")
+    tensorboard, keras_scale_cmd = q(raw_tensorboard), q(command("keras-scale"))
     lines = [
-        (f"{tensorboard} --logdir {out}", "loss, learning rate per step, NaN counter, host RSS,"),
+        (f"{tensorboard} --logdir {q(out)}", "loss, learning rate per step, NaN counter, host RSS,"),
         ("", "GPU scalars (with a GPU), Profile tab (step-time breakdown)"),
         ("", "keras_scale tab: goodput bars, the NaN skips on the loss"),
         ("", "curve, checkpoint saves, the profile verdict (docs/dashboard.md)"),
-        (f"{keras_scale_cmd} profile-summary {os.path.join(out, 'profile')}", "the profiler verdict, offline"),
-        (f"{keras_scale_cmd} checkpoint ls {os.path.join(out, 'checkpoints')}",
+        (f"{keras_scale_cmd} profile-summary {q(os.path.join(out, 'profile'))}", "the profiler verdict, offline"),
+        (f"{keras_scale_cmd} checkpoint ls {q(os.path.join(out, 'checkpoints'))}",
          "rerun with --resume after a kill: continues at the same step"),
         (f"{keras_scale_cmd} doctor", "drivers, CUDA, GPUs, leftover processes"),
     ]
     width = max(len(cmd) for cmd, _ in lines) + 2
     text = "\n== done. Look at:\n" + "\n".join(f"  {cmd:<{width}}# {why}" for cmd, why in lines)
-    if tensorboard != "tensorboard":
-        text += (f"\n  (or `source {os.path.dirname(tensorboard)}/activate` first, then `tensorboard`, "
-                 "`keras-scale` ... as they are)")
+    if raw_tensorboard != "tensorboard":
+        text += (f"\n  (or `source {q(os.path.join(os.path.dirname(raw_tensorboard), 'activate'))}` first, then "
+                 "`tensorboard`, `keras-scale` ... as they are)")
     return text + "\n"
 
 

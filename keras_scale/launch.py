@@ -164,13 +164,26 @@ class _Pump(threading.Thread):
         return "".join(self.chunks)[-MAX_OUTPUT_CHARS:]
 
 
+def _reader_gone(fd: int) -> bool:
+    """``fd`` is a pipe whose reading end is closed (poll reports an error on it); False for files and terminals."""
+    try:
+        import select
+
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _silence(stream: Any) -> None:
     """Point a closed output stream at /dev/null (its buffered text and later writes go nowhere, no
     ``BrokenPipeError`` at exit), as Python's documentation advises for a reader that stops early."""
     try:
         stream.flush()
-        return  # still open
-    except (BrokenPipeError, ValueError, OSError):
+        if not _reader_gone(stream.fileno()):  # (an empty buffer flushes fine into a pipe nobody reads: `2>&1 | head`)
+            return  # still open
+    except (BrokenPipeError, ValueError, OSError, AttributeError):
         pass
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)

@@ -34,15 +34,41 @@ def say(message: str, verbose: int = 1, incident: bool = False) -> None:
     if incident:
         # Keras's progress bar may be mid-line on stdout (on a terminal, or piped: `python train.py 2>&1 | tee`):
         # start the incident on a line of its own
-        lead = "\n" if getattr(sys.stdout, "isatty", lambda: False)() or _progress_bar_mid_line() else ""
+        global _last_incident_mark
+        mark = _progress_bar_mark()
+        if mark is not None and mark == _last_incident_mark:
+            lead = ""  # the bar printed nothing since our last incident: the cursor is still at a line's start
+        else:
+            lead = "\n" if getattr(sys.stdout, "isatty", lambda: False)() or _progress_bar_mid_line() else ""
         sys.stdout.flush()
         print(lead + message, file=sys.stderr, flush=True)
+        _last_incident_mark = mark
         return
     io_utils = sys.modules.get("keras.src.utils.io_utils")  # Keras loaded: honour its interactive-logging switch
     if io_utils is not None and hasattr(io_utils, "print_msg"):
         io_utils.print_msg(message)
         return
     print(message, flush=True)
+
+
+#: the progress bar's state when the last incident was said (see _progress_bar_mark)
+_last_incident_mark: object = None
+
+
+def _progress_bar_mark() -> object:
+    """(the running ``verbose=1`` progress bar, when it last printed), or None: equal marks mean the bar printed
+    nothing in between."""
+    if "keras" not in sys.modules:
+        return None
+    try:
+        from keras_scale.lifecycle import innermost_fit_callbacks
+
+        bar = getattr(getattr(innermost_fit_callbacks(), "_progbar", None), "progbar", None)
+        if bar is None or getattr(bar, "verbose", 0) != 1:
+            return None
+        return (id(bar), getattr(bar, "_last_update", None))  # Keras sets _last_update when the bar prints
+    except Exception:  # noqa: BLE001 - the progress bar's internals changed: no mark
+        return None
 
 
 def _progress_bar_mid_line() -> bool:

@@ -125,10 +125,15 @@ def test_tensorboard_serves_the_runs_incidents_goodput_checkpoints_and_verdict(d
             if "batch_loss" in page["loss"] or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
-        # the NaN skips, at the updates NanGuard reported, blamed on the inputs
+        # the NaN skips, blamed on the inputs, on the batch axis: the update NanGuard reported plus the steps skipped
+        # so far (this one included); the update count kept beside it
         reports = demo_run["guard"].reports
         nans = [e for e in page["incidents"] if e["kind"] == "nan"]
-        assert [(e["step"], e["source"], e["epoch"]) for e in nans] == [(r.step, "inputs", r.epoch) for r in reports]
+        assert [(e["step"], e["updates"], e["source"], e["epoch"]) for e in nans] == [
+            (r.step + sum(q.bad_steps for q in reports[:i + 1]), r.step, "inputs", r.epoch)
+            for i, r in enumerate(reports)]
+        # the epoch ends at the epoch's last batch, where the epoch-end checkpoint and Keras's batch_loss are
+        assert [e["step"] for e in page["epochs"]] == [20, 40]
         assert len(nans) == 2
         assert "inputs" in nans[0]["details"][0]
         # goodput per epoch: both epochs, their categories adding up to the epoch's wall time
@@ -215,7 +220,8 @@ def test_a_100k_step_run_comes_back_downsampled_with_every_incident(tmp_path):
     assert per_step[-1][0] == num_steps - 1  # (TensorBoard keeps the newest point of its sample)
     assert len(page["gpu"]["lanes"]["0"]["utilisation %"]) <= data.MAX_POINTS
     nans = [e for e in page["incidents"] if e["kind"] == "nan"]
-    assert len(nans) == 3000 and [e["step"] for e in nans] == [7 + 33 * i for i in range(3000)]
+    assert len(nans) == 3000 and [e["updates"] for e in nans] == [7 + 33 * i for i in range(3000)]
+    assert [e["step"] for e in nans] == [7 + 33 * i + i + 1 for i in range(3000)]  # batches: the skips counted
     assert len(page["checkpoints"]["saves"]) == num_steps // 250
     assert len(page["epochs"]) == 100
     assert len(response.data) < 2_000_000  # what the browser parses stays small
@@ -252,8 +258,9 @@ def test_resume_reports_the_redone_steps_and_killed_fits_still_count(tmp_path):
         f.write(json.dumps({"kind": "resume", "step": 32, "pid": -1, "time": time.time() + 1,
                             "path": os.path.join(run, "ckpt-32"), "epoch": 1, "step_in_epoch": 0}) + "\n")
     page = data.run_detail("r", run)
-    assert [(e["kind"], e["step"]) for e in page["incidents"]] == [("nan", 50), ("resume", 32)]
-    assert page["incidents"][1]["redone_steps"] == 18
+    # on the batch axis: the skip at update 50 was batch 51, so batches 33..51 are trained again
+    assert [(e["kind"], e["step"]) for e in page["incidents"]] == [("nan", 51), ("resume", 32)]
+    assert page["incidents"][1]["redone_steps"] == 19
     totals = page["summary"]["totals"]  # no fit_end (killed): its finished epoch counts
     assert totals["wall_s"] == 10.0 and totals["goodput"] == pytest.approx(0.8) and totals["restarts"] is None
     # the resumed fit ends (under `keras-scale launch --max-restarts`, Goodput's summary counts the restarts)

@@ -44,6 +44,26 @@ def test_axis_ticks_are_round_and_cover_the_data(tmp_path):
 
 
 @pytest.mark.skipif(NODE is None, reason="no node here")
+def test_adjacent_tick_labels_never_read_the_same(tmp_path):
+    # a loss that moves in its third or fourth digit, around 1000, tiny and signed ranges: each tick labelled with
+    # the decimals its step needs, so no two labels of an axis are equal and each reads as its tick's value
+    ranges = [[1.1013, 1.1251], [1.0011, 1.0019], [2.3021, 2.3029], [0.5, 0.52], [999.2, 999.9], [999.2, 1000.3],
+              [-0.0007, 0.0004], [1e-5, 3e-5], [0.0712, 2.3141], [0, 290]]
+    axes = _js(tmp_path, f"{json.dumps(ranges)}.map(([lo, hi]) => {{ const t = m.niceTicks(lo, hi, 6); "
+                         "return [t.ticks, t.ticks.map((v) => m.tickLabel(v, t.step))]; })")
+    for (lo, hi), (ticks, labels) in zip(ranges, axes):
+        assert len(set(labels)) == len(labels), (lo, hi, labels)
+        assert [float(t.replace(",", "")) for t in labels] == pytest.approx(ticks, abs=1e-12), (lo, hi, labels)
+    assert axes[0][1][:3] == ["1.100", "1.105", "1.110"] and axes[-1][1][:2] == ["0", "100"]
+
+
+@pytest.mark.skipif(NODE is None, reason="no node here")
+def test_every_run_of_a_large_sweep_gets_its_own_colour(tmp_path):
+    colours = _js(tmp_path, "Array.from({length: 64}, (_, i) => m.runColor(i))")
+    assert len(set(colours)) == 64, colours
+
+
+@pytest.mark.skipif(NODE is None, reason="no node here")
 def test_a_checkpoint_says_where_it_was_taken(tmp_path):
     assert _js(tmp_path, "[m.savedAt(4, 0), m.savedAt(1, 16), m.savedAt(0, 0)]") == [
         "end of epoch 4", "epoch 2, batch 16", "before the first step"]

@@ -43,7 +43,7 @@ def test_a_refresh_parses_only_the_new_records(tmp_path, monkeypatch):
     with open(os.path.join(run, data.STREAM_DIR, data.STREAM_NAME), "a") as f:
         f.write('ep": 7, "time": 9999.0}\n')
     events = data.read_run_events(run)
-    assert events[0]["step"] == 0 and events[-1] == {"kind": "nan", "step": 7, "time": 9999.0}
+    assert events[0]["step"] == 0 and events[-1] == {"kind": "nan", "step": 8, "updates": 7, "time": 9999.0}
     assert counting.calls == 5004
 
 

@@ -40,3 +40,14 @@ def test_an_activated_venv_gets_the_plain_names(monkeypatch):
     for name in ("tensorboard", "keras-scale"):
         if shutil.which(name) and os.path.realpath(shutil.which(name)) == os.path.realpath(os.path.join(bindir, name)):
             assert quickstart.command(name) == name
+
+
+def test_printed_commands_keep_a_path_with_a_space_in_one_argument():
+    import shlex
+
+    text = quickstart.where_to_look("runs/q s")
+    lines = [shlex.split(line.split("  # ")[0]) for line in text.splitlines() if line.startswith("  ")
+             and line.split() and not line.split()[0].startswith(("#", "("))]
+    args = {tuple(words[1:]) for words in lines if words}
+    assert ("checkpoint", "ls", os.path.join("runs/q s", "checkpoints")) in args, text
+    assert ("--logdir", "runs/q s") in args and ("profile-summary", os.path.join("runs/q s", "profile")) in args, text

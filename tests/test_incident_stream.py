@@ -139,12 +139,13 @@ def test_a_damaged_stream_still_shows_its_good_records(tmp_path):
     assert [e["kind"] for e in events.read(run)][0] == "epoch"
     page = data.run_detail("r", run)
     json.dumps(page, allow_nan=False)
-    assert [(e["kind"], e["step"]) for e in page["incidents"]] == [("nan", None), ("nan", 5)]
+    # (the skip at update 5 is batch 6 on the dashboard's batch axis)
+    assert [(e["kind"], e["step"]) for e in page["incidents"]] == [("nan", None), ("nan", 6)]
     assert [e["epoch"] for e in page["epochs"]] == [0]
     assert page["summary"]["totals"]["productive_s"] == 1.0  # the fit's summary, its damaged wall time dropped
 
 
-def test_a_resume_after_nan_skips_is_placed_and_counted_in_optimizer_updates(tmp_path):
+def test_a_resume_after_nan_skips_is_placed_and_counted_in_batches(tmp_path):
     """The stream of a real kill (quickstart: a NaN skip per epoch, 32 batches per epoch, killed after epoch 3's
     end before the save at global batch 96, resumed from ckpt-80): 16 batches are trained again."""
     from keras_scale.tensorboard_plugin import data
@@ -164,6 +165,8 @@ def test_a_resume_after_nan_skips_is_placed_and_counted_in_optimizer_updates(tmp
     os.makedirs(os.path.dirname(events.stream_path(run)))
     with open(events.stream_path(run), "w") as f:
         f.writelines(lines)
-    resume = [e for e in data.run_detail("r", run)["incidents"] if e["kind"] == "resume"][0]
-    # global batch 80 is update 77 (3 skipped before it); the killed process had reached update 93
-    assert (resume["step"], resume["global_batch"], resume["redone_steps"]) == (77, 80, 16)
+    page = data.run_detail("r", run)
+    resume = [e for e in page["incidents"] if e["kind"] == "resume"][0]
+    # on the batch axis: the killed process had reached batch 96 (update 93 plus its 3 skipped steps)
+    assert (resume["step"], resume["redone_steps"]) == (80, 16)
+    assert [e["step"] for e in page["incidents"] if e["kind"] == "nan"] == [6, 38, 70]  # each epoch's 6th batch

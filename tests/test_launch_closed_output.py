@@ -28,6 +28,24 @@ def test_a_reader_that_stops_early_ends_the_launch_quietly():
     assert status == 128 + signal.SIGPIPE, (status, stderr)
 
 
+def test_a_reader_of_stdout_and_stderr_together_that_stops_early_ends_the_launch_with_sigpipe_status():
+    # `keras-scale launch ... 2>&1 | head -3`: stderr is the same closed pipe, so the launcher's closing line must not
+    # hit it (it did: exit status 1 instead of 128 + SIGPIPE)
+    endless = "import itertools\nfor i in itertools.count(): print(i, flush=True)"
+    launch = subprocess.Popen([sys.executable, "-m", "keras_scale", "launch", "--workers", "2", "--", sys.executable,
+                               "-c", endless], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV,
+                              cwd=REPO_ROOT)
+    first = [launch.stdout.readline() for _ in range(3)]
+    launch.stdout.close()
+    try:
+        status = launch.wait(timeout=60)
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+    assert all(line.startswith(b"[worker ") for line in first), first
+    assert status == 128 + signal.SIGPIPE, status
+
+
 def test_keras_scale_without_a_command_prints_its_usage_and_exits_2():
     out = subprocess.run([sys.executable, "-m", "keras_scale"], capture_output=True, text=True, env=ENV,
                          cwd=REPO_ROOT, timeout=60)

@@ -17,8 +17,8 @@ def _fit(poisoned_sample: int, verbose: int, epochs: int = 1, callbacks=None):
     keras.utils.set_random_seed(0)
     x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
     y = (x.sum(axis=1) > 0).astype("int64")
-    if poisoned_sample is not None:
-        x[poisoned_sample, 1] = np.nan
+    for sample in [] if poisoned_sample is None else np.atleast_1d(poisoned_sample):
+        x[sample, 1] = np.nan
     model = ks.wrap(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]), accum=2)
     model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
@@ -32,6 +32,14 @@ def _fit(poisoned_sample: int, verbose: int, epochs: int = 1, callbacks=None):
 def test_an_incident_starts_on_its_own_line_after_a_piped_progress_bar():
     out = _fit(poisoned_sample=20, verbose=1)  # batch 2 of 4: the bar has printed batch 1's line, unended
     assert "NanGuard:" in out
+    for match in re.finditer("NanGuard:", out):
+        assert match.start() == 0 or out[match.start() - 1] == "\n", repr(out[max(0, match.start() - 80):match.end()])
+
+
+def test_two_incidents_in_one_epoch_have_no_empty_line_between_them():
+    out = _fit(poisoned_sample=[20, 52], verbose=1)  # batches 2 and 4 of 4: the bar prints nothing in between
+    assert out.count("NanGuard:") == 2, out
+    assert "\n\nNanGuard:" not in out, repr(out)
     for match in re.finditer("NanGuard:", out):
         assert match.start() == 0 or out[match.start() - 1] == "\n", repr(out[max(0, match.start() - 80):match.end()])
 

@@ -221,9 +221,22 @@ def check_demo(chromium: str, logdir: str, expected: Dict[str, int], screenshot:
     xticks = [float(t.replace(",", "")) for t in page.by_class["xtick"]]
     if not xticks or max(xticks) < expected["steps"] or any(t % 10 for t in xticks):
         failures.append(f"the step axis' ticks are not round or end before the last step: {page.by_class['xtick']}")
+    failures += _tick_failures("loss", page.by_class["ytick"])
     if not any("mean loss since the start of the epoch" in n for n in page.by_class["note"]):
         failures.append(f"no note says what the loss curve is: {page.by_class['note']}")
     return failures
+
+
+def _tick_failures(axis: str, labels: List[str]) -> List[str]:
+    """The y axis' tick labels (in tick order, lowest first) tell adjacent ticks apart: each a number, strictly
+    increasing, none repeated ("1.1, 1.1, 1.11" fails)."""
+    try:
+        values = [float(t.replace(",", "")) for t in labels]
+    except ValueError:
+        return [f"the {axis} axis has a tick label that is not a number: {labels}"]
+    if len(values) < 2 or any(b <= a for a, b in zip(values, values[1:])):
+        return [f"the {axis} axis' tick labels are not distinct and increasing: {labels}"]
+    return []
 
 
 def check_sweep(chromium: str, logdir: str, names: List[str]) -> List[str]:
@@ -233,7 +246,7 @@ def check_sweep(chromium: str, logdir: str, names: List[str]) -> List[str]:
         dom = render(chromium, url + "/data/plugin_entry.html?name=keras_scale")
     finally:
         server.shutdown()
-    page = _Text(["sweep-run", "sweep-legend"])
+    page = _Text(["sweep-run", "sweep-legend", "sweep-ytick"])
     page.feed(dom)
     failures = []
     if f'data-compared="{len(names)}"' not in dom:
@@ -243,6 +256,7 @@ def check_sweep(chromium: str, logdir: str, names: List[str]) -> List[str]:
         failures.append(f"the sweep's legend names {legend}, expected {names}")
     if not any("incident" in entry for entry in legend):
         failures.append(f"no run of the sweep shows its incidents in the legend: {legend}")
+    failures += _tick_failures("sweep's loss", page.by_class["sweep-ytick"])
     if "polyline" not in dom.split("sweep-loss", 1)[-1]:
         failures.append("no loss curve drawn in the sweep's chart")
     return failures

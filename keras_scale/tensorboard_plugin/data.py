@@ -152,6 +152,41 @@ def read_run_events(run_dir: str) -> List[Dict[str, Any]]:
         except OSError:
             continue
     events.sort(key=lambda e: (e.get("time") or 0.0))
+    return _on_batch_axis(events)
+
+
+#: records whose ``step`` is the optimizer update count (NanGuard, Goodput, the LR scheduler, AutoAccum); the others
+#: (ChiefCheckpoint's saves and resumes, GpuMonitor, ProfileWindow) count batches
+_UPDATE_KINDS = ("nan", "epoch", "fit_end", "rollback", "lr_cut", "worker_restart", "oom_resplit")
+
+
+def _count(value: Any, default: int = 0) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
+
+
+def _on_batch_axis(events: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Every record's ``step`` as the batches trained (NaN-skipped and rolled-back steps included): the counter of
+    Keras's progress bar, of ``TensorBoard``'s ``batch_loss`` and of ChiefCheckpoint. Records counted in optimizer
+    updates (fewer by each skipped step and by the steps a rollback discarded) are converted, their update count
+    kept as ``updates``; a resumed process starts from its checkpoint's batch less the skips recorded before it."""
+    offset: Dict[Any, int] = {}  # pid -> batches trained less optimizer updates, so far
+    skips: List[Tuple[int, int]] = []  # (batch of the skip, steps skipped)
+    for e in events:
+        step, pid, kind = e.get("step"), e.get("pid"), e["kind"]
+        if not isinstance(step, int):
+            continue
+        if kind == "resume":
+            offset[pid] = sum(k for batch, k in skips if batch <= step)
+        elif kind in _UPDATE_KINDS:
+            off = offset.get(pid, 0)
+            if kind == "nan":
+                off += _count(e.get("bad_steps"), 1)
+            elif kind == "rollback":
+                off += _count(e.get("discarded_steps"))
+            offset[pid] = off
+            e["updates"], e["step"] = step, step + off
+            if kind == "nan":
+                skips.append((e["step"], _count(e.get("bad_steps"), 1)))
     return events
 
 
@@ -256,44 +291,19 @@ def run_summary(name: str, run_dir: str, events: Optional[List[Dict[str, Any]]] 
 # the run's page
 # --------------------------------------------------------------------------------------------------------------
 
-def _updates_at(global_batch: int, skips: List[Tuple[int, int]]) -> int:
-    """The optimizer updates applied by ``global_batch``: the batch less the NaN-skipped steps before it
-    (``skips``: (update count at the skip, steps skipped), in order; a skip at update ``u`` after ``k`` earlier
-    skipped steps was global batch ``u + k``)."""
-    skipped = 0
-    for update, bad in skips:
-        if update + skipped >= global_batch:
-            break
-        skipped += bad
-    return max(0, global_batch - skipped)
-
-
 def _incidents(events: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     out = []
     last_step_by_pid: Dict[Any, int] = {}
-    skips: List[Tuple[int, int]] = []  # NanGuard's skips so far (update count, steps): they applied no update
     for e in events:
-        step = e.get("step")
-        if e["kind"] == "nan" and isinstance(step, int):
-            bad = e.get("bad_steps")
-            skips.append((step, bad if isinstance(bad, int) and not isinstance(bad, bool) and bad > 0 else 1))
-        if e["kind"] in ("resume", "preemption"):
-            # ChiefCheckpoint's step is a global batch; incidents and epoch ends count optimizer updates (fewer by
-            # the NaN-skipped steps): the marker and the redone steps use updates
-            earlier = [s for pid, s in last_step_by_pid.items() if pid != e.get("pid")]
-            e = dict(e)
-            if isinstance(step, int):
-                e["global_batch"] = step
-                step = e["step"] = _updates_at(step, sorted(skips))
+        step = e.get("step")  # batches trained (read_run_events)
         if e["kind"] == "resume":
+            earlier = [s for pid, s in last_step_by_pid.items() if pid != e.get("pid")]
             if earlier and isinstance(step, int):
                 e["redone_steps"] = max(0, max(earlier) - step)
         if e["kind"] in INCIDENT_KINDS:
             out.append(e)
         if isinstance(step, int):
             pid = e.get("pid")
-            if e["kind"] == "checkpoint":  # a global batch, like the resume's
-                step = _updates_at(step, sorted(skips))
             last_step_by_pid[pid] = max(step, last_step_by_pid.get(pid, step))
     return out
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import keras
@@ -325,6 +326,19 @@ def _checkpoint_dirs_below(directory: str, max_depth: int = 3) -> List[str]:
     return sorted(found, key=lambda p: (p.count(os.sep), p))
 
 
+def _checkpoint_dirs_recorded(log_dir: str) -> List[str]:
+    """The checkpoint directories a run logged in ``log_dir`` (a TensorBoard log directory with keras_scale's
+    ``events.jsonl``) saved into or resumed from, newest first, those still there only."""
+    from keras_scale import events
+
+    found: List[str] = []
+    for e in reversed(events.read(log_dir)):
+        where = e.get("directory") if e.get("kind") in ("checkpoint", "resume") else None
+        if isinstance(where, str) and where not in found and os.path.isdir(where):
+            found.append(where)
+    return found
+
+
 def cli(args: Any) -> int:
     """The work of ``keras-scale checkpoint ls|export`` (arguments parsed by :func:`keras_scale.cli.checkpoint_cli`)."""
     from keras_scale.output import say
@@ -338,7 +352,13 @@ def cli(args: Any) -> int:
         if not info["checkpoints"]:
             below = _checkpoint_dirs_below(args.directory)
             if below:
-                say(f"  the checkpoints are in {' and '.join(below[:3])}: keras-scale checkpoint ls {below[0]}")
+                say(f"  the checkpoints are in {' and '.join(below[:3])}: "
+                    f"keras-scale checkpoint ls {shlex.quote(below[0])}")
+            else:
+                recorded = _checkpoint_dirs_recorded(args.directory)
+                if recorded:
+                    say(f"  the run logged here saved its checkpoints in {' and '.join(recorded[:3])}: "
+                        f"keras-scale checkpoint ls {shlex.quote(recorded[0])}")
         for row in info["checkpoints"]:
             where = saved_at(row["epoch"], row["step_in_epoch"]) if "epoch" in row else "position unknown"
             mark = ("  <- a resumed fit starts here" + (f" ({resumes_at(row['epoch'], row['step_in_epoch'])})"

@@ -83,7 +83,18 @@ function niceTicks(lo, hi, count = 5, integer = false) {
   const first = Math.floor(lo / step + 1e-9), last = Math.ceil(hi / step - 1e-9);
   const ticks = [];
   for (let k = first; k <= last; k++) ticks.push(Number((k * step).toPrecision(12)));
-  return {lo: ticks[0], hi: ticks[ticks.length - 1], ticks};
+  return {lo: ticks[0], hi: ticks[ticks.length - 1], ticks, step};
+}
+// A tick's label: as many decimals as the tick step needs (0.0025 -> 4), so adjacent ticks never read the same
+// ("1.100", "1.105", not "1.1" twice); whole steps print as integers.
+function tickLabel(v, step) {
+  if (typeof v !== 'number' || !Number.isFinite(v)) return 'n/a';
+  let decimals = 0;
+  while (decimals < 12 && Math.abs(step * Math.pow(10, decimals) - Math.round(step * Math.pow(10, decimals))) >
+         1e-6 * step * Math.pow(10, decimals)) decimals++;
+  if (decimals === 0) return Math.round(v).toLocaleString('en-US');
+  const s = v.toLocaleString('en-US', {minimumFractionDigits: decimals, maximumFractionDigits: decimals});
+  return s === '-' + (0).toFixed(decimals) ? (0).toFixed(decimals) : s;
 }
 // Where a checkpoint was taken: Keras's epochs 1-based; a save at batch 0 of epoch e+1 is the end of epoch e.
 function savedAt(epoch, stepInEpoch) {
@@ -201,6 +212,10 @@ function describe(e) {
   }
 }
 
+// the one x axis of every chart and table (data.py converts the records that count optimizer updates)
+const STEP_NOTE = 'step: batches trained, NaN-skipped steps included (as Keras\'s progress bar and TensorBoard\'s ' +
+  'batch_loss count them)';
+
 function lossChart(loss, incidents, saves, epochs = [], notes = {}) {
   const width = 1000, height = 280, left = 56, right = 16, top = 22, bottom = 28;
   const names = Object.keys(loss);
@@ -220,10 +235,10 @@ function lossChart(loss, incidents, saves, epochs = [], notes = {}) {
   const Y = (v) => top + (height - top - bottom) * (1 - (v - y0) / (y1 - y0));
   for (const v of yAxis.ticks) {
     chart.append(svg('line', {x1: left, x2: width - right, y1: Y(v), y2: Y(v), stroke: '#eee'}));
-    chart.append(svg('text', {x: left - 6, y: Y(v) + 4, 'text-anchor': 'end', class: 'ytick'}, fmt(v)));
+    chart.append(svg('text', {x: left - 6, y: Y(v) + 4, 'text-anchor': 'end', class: 'ytick'}, tickLabel(v, yAxis.step)));
   }
   for (const s of xAxis.ticks) {
-    chart.append(svg('text', {x: X(s), y: height - 8, 'text-anchor': 'middle', class: 'xtick'}, fmt(s)));
+    chart.append(svg('text', {x: X(s), y: height - 8, 'text-anchor': 'middle', class: 'xtick'}, tickLabel(s, xAxis.step)));
   }
   chart.append(svg('text', {x: left - 6, y: height - 8, 'text-anchor': 'end'}, 'step'));
   for (const e of epochs.slice(0, -1)) {  // epoch boundaries: Keras's running loss mean restarts there
@@ -268,7 +283,7 @@ function lossChart(loss, incidents, saves, epochs = [], notes = {}) {
       `${(INCIDENT[k] || [0, k])[1]} (${incidents.filter((e) => e.kind === k).length})`)),
     saves.length ? el('span', {}, el('span', {class: 'sw', style: 'background:#1565c0'}), 'checkpoint save') : null);
   const said = names.filter((n) => notes[n]).map((n) => el('div', {class: 'muted note'}, `${n}: ${notes[n]}`));
-  return el('div', {}, chart, keys, ...said);
+  return el('div', {}, chart, keys, ...said, el('div', {class: 'muted note'}, STEP_NOTE));
 }
 
 function incidentTable(incidents) {
@@ -356,6 +371,12 @@ function profileSection(profiles) {
 
 // ---------------------------------------------------------------------------------------------- sweep: runs overlaid
 const RUN_COLORS = ['#1565c0', '#ef6c00', '#2e7d32', '#6a1b9a', '#c62828', '#00838f', '#5d4037', '#ad1457'];
+// run i's colour: the palette, then hues a golden angle apart (never a colour twice, however many runs)
+function runColor(i) {
+  if (i < RUN_COLORS.length) return RUN_COLORS[i];
+  const k = i - RUN_COLORS.length;
+  return `hsl(${((k * 137.508 + 20) % 360).toFixed(1)}, ${k % 2 ? 55 : 75}%, ${[32, 42, 52][k % 3]}%)`;
+}
 
 // The runs' loss curves on one chart (each run one colour; training loss solid, val_loss dashed), each run's
 // incidents as markers of its colour above the curves, and a legend naming the runs.
@@ -363,7 +384,7 @@ function compareLoss(details) {
   const width = 1000, height = 260, left = 56, right = 16, top = 26, bottom = 28;
   const curves = [];
   details.forEach((d, i) => {
-    const color = RUN_COLORS[i % RUN_COLORS.length], label = d.summary.label || d.run;
+    const color = runColor(i), label = d.summary.label || d.run;
     const train = d.loss.batch_loss ? 'batch_loss' : (d.loss['loss (epoch mean)'] ? 'loss (epoch mean)' : null);
     if (train) curves.push({run: label, name: train, pts: d.loss[train], color, dash: null});
     if (d.loss.val_loss) curves.push({run: label, name: 'val_loss', pts: d.loss.val_loss, color, dash: '5 4'});
@@ -379,9 +400,9 @@ function compareLoss(details) {
   const chart = svg('svg', {width: '100%', viewBox: `0 0 ${width} ${height}`, class: 'sweep-loss'});
   for (const v of yAxis.ticks) {
     chart.append(svg('line', {x1: left, x2: width - right, y1: Y(v), y2: Y(v), stroke: '#eee'}));
-    chart.append(svg('text', {x: left - 6, y: Y(v) + 4, 'text-anchor': 'end'}, fmt(v)));
+    chart.append(svg('text', {x: left - 6, y: Y(v) + 4, 'text-anchor': 'end', class: 'sweep-ytick'}, tickLabel(v, yAxis.step)));
   }
-  for (const v of xAxis.ticks) chart.append(svg('text', {x: X(v), y: height - 8, 'text-anchor': 'middle'}, fmt(v)));
+  for (const v of xAxis.ticks) chart.append(svg('text', {x: X(v), y: height - 8, 'text-anchor': 'middle', class: 'sweep-xtick'}, tickLabel(v, xAxis.step)));
   chart.append(svg('text', {x: left - 6, y: height - 8, 'text-anchor': 'end'}, 'step'));
   for (const c of curves) {
     const attrs = {points: c.pts.map((p) => `${X(p[0]).toFixed(1)},${Y(p[1]).toFixed(1)}`).join(' '), fill: 'none',
@@ -391,7 +412,7 @@ function compareLoss(details) {
     if (c.pts.length === 1) chart.append(svg('circle', {cx: X(c.pts[0][0]), cy: Y(c.pts[0][1]), r: 3, fill: c.color}));
   }
   details.forEach((d, i) => {
-    const color = RUN_COLORS[i % RUN_COLORS.length];
+    const color = runColor(i);
     for (const e of d.incidents) {
       if (e.step === null || e.step === undefined) continue;
       const label = (INCIDENT[e.kind] || [0, e.kind])[1], x = X(e.step);
@@ -403,12 +424,12 @@ function compareLoss(details) {
   });
   const keys = el('div', {class: 'legend sweep-legend'}, ...details.map((d, i) => {
     const n = d.incidents.length;
-    return el('span', {class: 'sweep-run'}, el('span', {class: 'sw', style: 'background:' + RUN_COLORS[i % RUN_COLORS.length]}),
+    return el('span', {class: 'sweep-run'}, el('span', {class: 'sw', style: 'background:' + runColor(i)}),
       `${d.summary.label || d.run}` + (n ? ` (${n} incident${n === 1 ? '' : 's'} \u25bc)` : ''));
   }), el('span', {class: 'muted'}, 'solid: training loss · dashed: val_loss'));
   const trains = [...new Set(curves.filter((c) => !c.dash).map((c) => c.name))];
   const notes = trains.map((n) => el('div', {class: 'muted note'}, `${n}: ${(details.find((d) => d.loss_notes && d.loss_notes[n]) || {loss_notes: {}}).loss_notes[n] || ''}`));
-  return el('div', {}, chart, keys, ...notes);
+  return el('div', {}, chart, keys, ...notes, el('div', {class: 'muted note'}, STEP_NOTE));
 }
 
 // ---------------------------------------------------------------------------------------------- page
@@ -475,4 +496,4 @@ export async function render() {
 }
 
 // for tests (node): the formatting helpers
-export { fmt, niceTicks, savedAt };
+export { fmt, niceTicks, tickLabel, runColor, savedAt };
