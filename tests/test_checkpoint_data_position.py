@@ -299,3 +299,21 @@ def test_where_keras_loop_cannot_be_advanced_its_calls_for_trained_batches_train
     assert batches.seen[:5] == [0, 1, 2, 3, 4]  # epoch 6 (index 5) from its first batch: 3 calls skipped
     assert int(resumed.optimizer.iterations.numpy()) == 35
     assert_same(weights(resumed), weights(ref))
+
+
+@pytest.mark.parametrize("resumed_samples", [72, 56])
+def test_a_dataset_that_grew_or_shrank_is_refused_and_read_forward(tmp_path, resumed_samples):
+    """TensorFlow restores a shuffle+batch state saved over 64 samples into the same pipeline over 72 (or 56)
+    without complaint: the resumed epoch would run out early (the new samples never seen in it) or read past the
+    data. The saved state's pipeline fingerprint refuses it: the resume reads forward in the new data, with the
+    warning, and every epoch trains all of the new data's batches."""
+    def data(n):
+        return tf.data.Dataset.from_tensor_slices((X[:n], Y[:n])).shuffle(n, seed=3).batch(8)
+
+    d = str(tmp_path / "ckpt")
+    make_model().fit(data(64), epochs=2, verbose=0, callbacks=[ks.ChiefCheckpoint(d, save_freq=4), StopAfter(4)])
+    assert len(read_checkpoint(list_checkpoints(d)[0][1]).get_tensor(data_position.DATA_STATE_KEY)) > 0
+    resumed = make_model()
+    with pytest.warns(RuntimeWarning, match=r"does not fit this run's data iterator.*reading 4 batches forward"):
+        resumed.fit(data(resumed_samples), epochs=2, verbose=0, callbacks=[ks.ChiefCheckpoint(d, save_freq=4)])
+    assert int(resumed.optimizer.iterations.numpy()) == 2 * resumed_samples // 8

@@ -102,11 +102,11 @@ def test_sigkill_at_random_moments_then_resume_equals_uninterrupted_run(tmp_path
         resumed_from += [l.split(" ", 1)[1] for l in run.lines if l.startswith("STARTED")]
         if kills < 4:
             if attempts % 3 == 2:  # right after a save was issued: with async_save the write is still going on
-                run.wait_for(lambda l: l.startswith("ChiefCheckpoint: saved"), 30)
+                run.wait_for(lambda l: l.startswith("ChiefCheckpoint: sav"), 30)
                 time.sleep(rng.uniform(0.0, 0.02))
             elif attempts % 3 == 1:  # anywhere in a step, a callback or a save, once this run has saved (so that
                 # the reruns resume from different points however slow a loaded machine makes the start-up)
-                run.wait_for(lambda l: l.startswith("ChiefCheckpoint: saved"), 60)
+                run.wait_for(lambda l: l.startswith("ChiefCheckpoint: sav"), 60)
                 time.sleep(rng.uniform(0.05, 0.6))
             else:  # anywhere: start-up, restore, a step, a callback or a save
                 time.sleep(rng.uniform(0.4, 1.2))

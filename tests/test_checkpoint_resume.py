@@ -245,6 +245,8 @@ def test_resume_with_steps_per_epoch_over_finite_data_without_repeat(tmp_path):
 
 
 def test_reshuffling_seeded_pipeline_is_reported_at_resume(tmp_path):
+    """Resumed at an epoch's start, a fresh process's iterator over shuffle(seed) (reshuffled each iteration) draws
+    the first epoch's order, not this epoch's: said at fit start."""
     d = str(tmp_path / "ckpt")
 
     def data(reshuffle):
@@ -252,9 +254,9 @@ def test_reshuffling_seeded_pipeline_is_reported_at_resume(tmp_path):
                                                                   ).batch(BATCH)
 
     fit_kw = dict(epochs=2, verbose=0)
-    make_model().fit(data(True), callbacks=[ks.ChiefCheckpoint(d, save_freq=4), StopAfter(12)], **fit_kw)
+    make_model().fit(data(True), callbacks=[ks.ChiefCheckpoint(d, save_freq="epoch"), StopAfter(10)], **fit_kw)
     with pytest.warns(RuntimeWarning, match=r"reshuffle_each_iteration=True.*not exact"):
-        make_model().fit(data(True), callbacks=[ks.ChiefCheckpoint(d, save_freq=4)], **fit_kw)
+        make_model().fit(data(True), callbacks=[ks.ChiefCheckpoint(d, save_freq="epoch")], **fit_kw)
 
     # reshuffle_each_iteration=False resumes exactly, without a warning
     d2 = str(tmp_path / "ckpt2")
@@ -430,6 +432,19 @@ def test_quiet_by_default_and_verbose_prints_saves(tmp_path, capsys):
     assert "ChiefCheckpoint: saved" in out and out.count("saved") == 2
 
 
+def test_verbose_says_an_async_save_saved_only_once_written_and_the_last_save_ends_its_epoch(tmp_path, capsys):
+    """A background write may still fail: verbose says "saving" when it starts and "saved" once it completed. The
+    save after the last epoch is "at the end of epoch 2", not "at the start of epoch 3" (which never runs)."""
+    d = str(tmp_path / "a")
+    fit(make_model(), [ks.ChiefCheckpoint(d, save_freq="epoch", async_save=True, verbose=1)], epochs=2)
+    lines = [l.strip() for l in capsys.readouterr().out.splitlines() if l.startswith("ChiefCheckpoint: sav")]
+    first, last = os.path.join(d, "ckpt-10"), os.path.join(d, "ckpt-20")
+    assert lines == [f"ChiefCheckpoint: saving {first} (at the end of epoch 1) in the background",
+                     f"ChiefCheckpoint: saved {first} (its background write completed)",
+                     f"ChiefCheckpoint: saving {last} (at the end of epoch 2) in the background",
+                     f"ChiefCheckpoint: saved {last} (its background write completed)"], lines
+
+
 def test_blocked_s_counts_saves_and_is_reset_each_fit(tmp_path):
     d = str(tmp_path / "ckpt")
     ckpt = ks.ChiefCheckpoint(d, save_freq=1, async_save=True)
@@ -441,6 +456,25 @@ def test_blocked_s_counts_saves_and_is_reset_each_fit(tmp_path):
     assert 0 <= ckpt2.blocked_s < first
 
 
+def test_reshuffling_seeded_pipeline_resumed_from_its_saved_position_is_exact_and_not_reported(tmp_path):
+    """Mid-epoch, the checkpoint holds the iterator's state, the shuffle's seeds included: the resumed order is the
+    uninterrupted run's in this epoch and the next (bit-identical weights), so no "not exact" warning."""
+    def data():
+        return tf.data.Dataset.from_tensor_slices((X, Y)).shuffle(80, seed=1).batch(BATCH)
+
+    ref = make_model()
+    ref.fit(data(), epochs=3, verbose=0)
+    d = str(tmp_path / "ckpt")
+    make_model().fit(data(), epochs=3, verbose=0, callbacks=[ks.ChiefCheckpoint(d, save_freq=3), StopAfter(13)])
+    resumed = make_model()
+    import warnings
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        resumed.fit(data(), epochs=3, verbose=0, callbacks=[ks.ChiefCheckpoint(d, save_freq=3)])
+    assert not [w for w in record if "not exact" in str(w.message)], [str(w.message) for w in record]
+    assert_same(weights(resumed), weights(ref))
+
+
 def test_reshuffling_seeded_pipeline_is_reported_with_global_seed_zero(tmp_path):
     """keras.utils.set_random_seed(0) sets the global seed to 0: the op seed (shuffle(seed=1)) must still count."""
     d = str(tmp_path / "ckpt")
@@ -449,10 +483,10 @@ def test_reshuffling_seeded_pipeline_is_reported_with_global_seed_zero(tmp_path)
     def data():
         return tf.data.Dataset.from_tensor_slices((X, Y)).shuffle(80, seed=1).batch(BATCH)
 
-    make_model().fit(data(), epochs=2, verbose=0, callbacks=[ks.ChiefCheckpoint(d, save_freq=4), StopAfter(12)])
+    make_model().fit(data(), epochs=2, verbose=0, callbacks=[ks.ChiefCheckpoint(d, save_freq="epoch"), StopAfter(10)])
     keras.utils.set_random_seed(0)
     with pytest.warns(RuntimeWarning, match=r"reshuffle_each_iteration=True.*not exact"):
-        make_model().fit(data(), epochs=2, verbose=0, callbacks=[ks.ChiefCheckpoint(d, save_freq=4)])
+        make_model().fit(data(), epochs=2, verbose=0, callbacks=[ks.ChiefCheckpoint(d, save_freq="epoch")])
 
 
 def test_two_checkpoints_in_one_fit_are_refused(tmp_path):

@@ -48,7 +48,11 @@ class Hostile(keras.callbacks.Callback):
 
 
 ckpt = ks.ChiefCheckpoint(directory, save_freq="epoch" if when == "train_end" else 4, async_save=mode == "async")
-history = model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[ckpt, Hostile()])
+try:
+    history = model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[ckpt, Hostile()])
+except Exception as e:  # what the caller gets: TensorFlow's error on .original (Keras's filtering drops __cause__)
+    print("RAISED", type(e).__name__, "ORIGINAL", type(getattr(e, "original", None)).__name__, flush=True)
+    raise
 print("DONE", int(model.optimizer.iterations.numpy()), len(history.epoch), flush=True)
 """
 
@@ -83,6 +87,7 @@ def test_a_save_failing_with_efbig_stops_fit_and_the_exit_status_says_so(tmp_pat
     assert result.returncode == 1, out[-3000:]
     assert "DONE" not in result.stdout
     assert "CheckpointSaveError" in out and "EFBIG" in out and "File too large" in out, out[-3000:]
+    assert "RAISED CheckpointSaveError ORIGINAL OutOfRangeError" in result.stdout, result.stdout[-2000:]
     assert "Your input ran out of data" not in out  # Keras never took it for the end of the data
     assert "Exception ignored" not in out  # said by fit, not by an atexit hook after the fact
     batches = _batches(result.stdout)
@@ -115,6 +120,7 @@ def test_save_error_names_the_errno_file_and_fix_and_is_not_a_stop_or_oom():
     err = save_error(tf_error, "saving '/d d/ck [1]/ckpt-8'", "/d d/ck [1]/ckpt-4", 4, "/d d/ck [1]/ckpt-8",
                      "/d d/ck [1]")
     assert isinstance(err, CheckpointSaveError)
+    assert err.original is tf_error  # what TensorFlow raised, kept where the caller finds it
     assert not isinstance(err, (tf.errors.OpError, StopIteration))
     assert err.errno == errno.EFBIG and err.errno_name == "EFBIG"
     assert err.filename == "/d d/ck [1]/ckpt-8.data-00000-of-00001.tempstate1"

@@ -739,6 +739,7 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         self._start_step = 0
         self._preempt_requested: Optional[int] = None
         self._preempting = False
+        self._preemption_prefix: Optional[str] = None  # the checkpoint the preemption save writes
         self._lr_at_start: Optional[float] = None
         self._lr_override: Optional[float] = None
         self._skipped_seen = 0.0
@@ -753,6 +754,8 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
 
     def _save(self, epoch: int, step_in_epoch: int, stream_pos: int) -> Optional[str]:
         started = time.perf_counter()
+        if self._preempting and self._preemption_prefix is None:
+            self._preemption_prefix = self._prefix_for(self._global_step)
         try:
             if self.async_save and self._async_pending is not None:
                 self._wait()  # the previous background write's error is that write's, said as such
@@ -822,7 +825,13 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
             if self.async_save:
                 self._async_pending = path  # complete only once _wait() found it so
             self._start_state = None  # a real checkpoint now exists for restore_latest
-            self._say(f"ChiefCheckpoint: saved {path} ({_describe(epoch, step_in_epoch)})")
+            # a save at an epoch's start is that of the previous epoch's end (the last one starts no epoch)
+            where = f"at the end of epoch {epoch}" if step_in_epoch == 0 and epoch > 0 else \
+                _describe(epoch, step_in_epoch)
+            if self.async_save:  # said saved once its background write completed (_wait): it may still fail
+                self._say(f"ChiefCheckpoint: saving {path} ({where}) in the background")
+            else:
+                self._say(f"ChiefCheckpoint: saved {path} ({where})")
         if self._pending_best is not None:
             self._keep_best(*self._pending_best)
             self._pending_best = None
@@ -867,6 +876,8 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
                 raise error
             if pending is not None and self._chief and not tf.io.gfile.exists(pending + ".index"):
                 raise FileNotFoundError(f"{pending}.index is missing after its background write")
+            if pending is not None:
+                self._say(f"ChiefCheckpoint: saved {pending} (its background write completed)")
         except CheckpointSaveError:
             raise
         except Exception as e:  # noqa: BLE001
@@ -889,8 +900,10 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         except Exception:  # noqa: BLE001 - the directory itself may be what failed
             pass
         if self._preempting:
-            what += (f" (the preemption save after {signal.Signals(self.preempted).name if self.preempted else 'a signal'}"
-                     f"; the process does not exit with the preemption status {self.preemption_exit_code})")
+            signame = signal.Signals(self.preempted).name if self.preempted else "a signal"
+            which = (f"the preemption save after {signame}" if prefix is None or prefix == self._preemption_prefix
+                     else f"an earlier save's write, found failed by the preemption save after {signame}")
+            what += f" ({which}; the process does not exit with the preemption status {self.preemption_exit_code})"
         err = save_error(error, what, newest, step, prefix, self.directory)
         if self._preempting and self._chief:
             log.warning("%s", err)

@@ -20,19 +20,27 @@ Keras's own pipeline for ``fit(x, y)`` on arrays shuffles with a random op (stat
 serialize it by default); its state is saved anyway: the epoch's permutation is part of the iterator's state, so
 the resumed epoch reads exactly the uninterrupted run's batches.
 
+The state carries a fingerprint of the pipeline it was taken from (:func:`pipeline_fingerprint`: its element
+spec, its cardinality, each stage's type and the shapes and scalar values of its tensors, e.g. the number of
+samples of ``from_tensor_slices`` or ``range``): TensorFlow restores a state into a pipeline whose dataset grew or
+shrank without complaint, so :func:`restore_iterator_state` refuses a state whose fingerprint differs
+(:class:`PipelineChanged`).
+
 Example:
     state = iterator_state(iterator)          # bytes, or raises NotSaveable with the reason
     restore_iterator_state(fresh_iterator, state)
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import sys
-from typing import Any, Iterator
+from typing import Any, Iterator, List, Optional
 
 import tensorflow as tf
 
 __all__ = ["MAX_STATE_BYTES", "NotSaveable", "declare_saveable", "iterator_state", "restore_iterator_state", "keras_epoch_iterator",
-           "skip_loop_steps", "DATA_STATE_KEY"]
+           "skip_loop_steps", "DATA_STATE_KEY", "PipelineChanged", "pipeline_fingerprint"]
 
 #: Largest iterator state saved with every checkpoint (bytes); above it the resume replays the data instead.
 MAX_STATE_BYTES = 64 << 20
@@ -64,6 +72,83 @@ class NotSaveable(Exception):
     def __init__(self, reason: str, fix: str) -> None:
         super().__init__(reason)
         self.fix = fix
+
+
+class PipelineChanged(ValueError):
+    """A saved data position was taken from another pipeline than the one it is restored into (e.g. its dataset
+    grew or shrank between runs); ``str()`` says what differs."""
+
+
+#: Prefix of a saved state that carries the pipeline's fingerprint: MAGIC + fingerprint (hex) + b"\n" + state.
+_FINGERPRINT_MAGIC = b"KSDP1:"
+
+
+def _scalar_or_shape(name: str, value: Any) -> Optional[List[Any]]:
+    if not isinstance(value, (tf.Tensor, tf.Variable)) and not hasattr(value, "shape"):
+        return None
+    shape = getattr(value, "shape", None)
+    if shape is None:
+        return None
+    try:
+        dims = [d if d is None else int(d) for d in tf.TensorShape(shape).as_list()]
+    except (ValueError, TypeError):
+        dims = ["?"]
+    if "seed" in name:  # a random seed (drawn per process where not given) is not the pipeline's identity
+        return [name, dims]
+    if dims == [] and isinstance(value, tf.Tensor) and value.dtype.is_integer and hasattr(value, "numpy"):
+        try:
+            return [name, int(value.numpy())]  # range bounds, batch and buffer sizes, take/skip counts
+        except Exception:  # noqa: BLE001 - a symbolic tensor
+            pass
+    return [name, dims]
+
+
+def pipeline_fingerprint(dataset: Any) -> str:
+    """A short hash of ``dataset``'s structure: element spec, cardinality, and per stage its type and the shapes
+    (scalars: the values) of its tensors, random seeds excepted. Equal for the same pipeline built again in
+    another process; differs when the dataset grew or shrank (``from_tensor_slices`` of 72 samples instead of
+    64), a stage was added or removed, or a batch size changed. Cheap (no graph serialized, no data hashed).
+
+    Example:
+        pipeline_fingerprint(tf.data.Dataset.range(64).batch(8)) != pipeline_fingerprint(
+            tf.data.Dataset.range(72).batch(8))   # True
+    """
+    parts: List[Any] = []
+    try:
+        parts.append(int(dataset.cardinality()))
+    except Exception:  # noqa: BLE001
+        parts.append("?")
+    parts.append(repr(getattr(dataset, "element_spec", None)))
+    stack, seen = [dataset], set()
+    while stack:
+        ds = stack.pop()
+        if id(ds) in seen:
+            continue
+        seen.add(id(ds))
+        stage: List[Any] = [type(ds).__name__]
+        for name, value in sorted(vars(ds).items()):
+            if name in ("_variant_tensor_attr", "_graph_attr", "_options_attr") or name.startswith("__"):
+                continue
+            for i, leaf in enumerate(tf.nest.flatten(value) if isinstance(value, (tuple, list, dict)) else [value]):
+                item = _scalar_or_shape(f"{name}.{i}", leaf)
+                if item is not None:
+                    stage.append(item)
+        parts.append(stage)
+        try:
+            children = list(ds._inputs())
+        except Exception:  # noqa: BLE001
+            children = []
+        stack.extend(c for c in children if isinstance(c, tf.data.Dataset))
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
+
+
+def _split_state(state: bytes) -> "tuple[Optional[str], bytes]":
+    """(fingerprint or None for a state saved without one, TensorFlow's serialized iterator state)."""
+    state = bytes(state)
+    if state.startswith(_FINGERPRINT_MAGIC):
+        head, _, rest = state[len(_FINGERPRINT_MAGIC):].partition(b"\n")
+        return head.decode("ascii", "replace"), rest
+    return None, state
 
 
 def _resource(iterator: Any) -> Any:
@@ -117,13 +202,18 @@ def iterator_state(iterator: Any, keras_arrays: bool = False) -> bytes:
             "set options = tf.data.Options(); options.experimental_symbolic_checkpoint = True; "
             "ds = ds.with_options(options) (cursors instead of buffer contents, where the pipeline allows it), or a "
             "smaller shuffle buffer")
+    dataset = getattr(iterator, "_dataset", None)
+    if isinstance(dataset, tf.data.Dataset):
+        data = _FINGERPRINT_MAGIC + pipeline_fingerprint(dataset).encode("ascii") + b"\n" + data
     return data
 
 
 def restore_iterator_state(iterator: Any, state: bytes) -> None:
     """Put ``iterator`` (a fresh ``tf.data`` iterator over the same pipeline) at the position ``state`` was taken at.
 
-    Raises (TensorFlow's error, ``iterator`` unchanged) when the state was taken from another pipeline.
+    Raises (``iterator`` unchanged) when the state was taken from another pipeline: :class:`PipelineChanged` when
+    the pipeline's fingerprint differs (a dataset that grew or shrank, which TensorFlow itself would accept),
+    TensorFlow's error when the state does not parse into it.
 
     Example:
         restore_iterator_state(iter(dataset), state)
@@ -131,8 +221,16 @@ def restore_iterator_state(iterator: Any, state: bytes) -> None:
     from tensorflow.python.ops import gen_dataset_ops
 
     resource = _resource(iterator)
-    variant = tf.io.parse_tensor(state, tf.variant)
+    saved_fingerprint, state = _split_state(state)
     dataset = getattr(iterator, "_dataset", None)
+    if saved_fingerprint is not None and isinstance(dataset, tf.data.Dataset):
+        now = pipeline_fingerprint(dataset)
+        if now != saved_fingerprint:
+            raise PipelineChanged(
+                f"the pipeline differs from the one the position was saved from (fingerprint {now} != "
+                f"{saved_fingerprint}: its length ({int(dataset.cardinality())} batches now), a stage or a "
+                "size changed)")
+    variant = tf.io.parse_tensor(state, tf.variant)
     if isinstance(dataset, tf.data.Dataset):
         # A state that does not fit the pipeline can fail half-way and leave the iterator broken: try a scratch
         # iterator over the same dataset first.

@@ -9,6 +9,7 @@ Example:
         model.fit(ds, epochs=3, callbacks=[ks.ChiefCheckpoint("ckpt")])
     except CheckpointSaveError as e:
         print(e.errno_name, e.filename)   # e.g. EFBIG /ckpt/ckpt-16.data-00000-of-00001.tempstate...
+        print(type(e.original))          # what TensorFlow raised, e.g. tf.errors.OutOfRangeError
 """
 from __future__ import annotations
 
@@ -78,9 +79,11 @@ class CheckpointSaveError(RuntimeError):
 
     Not a ``tf.errors.OutOfRangeError`` nor a ``StopIteration`` (which Keras's ``fit`` reads as the end of the data)
     nor a ``tf.errors.ResourceExhaustedError`` (read as out of memory): whatever TensorFlow raised is its
-    ``__cause__``. Attributes: ``errno`` (``None`` if unknown), ``errno_name`` (``"EFBIG"``...), ``filename`` (the
-    file that failed, as the error named it), ``prefix`` (the checkpoint being written), ``newest_usable`` (the
-    newest complete checkpoint: what a rerun resumes from; ``None``: none).
+    ``original`` attribute (not reliably its ``__cause__``: Keras's traceback filtering re-raises the error
+    ``from None`` on its way out of ``fit``). Attributes: ``original`` (the exception the save met), ``errno``
+    (``None`` if unknown), ``errno_name`` (``"EFBIG"``...), ``filename`` (the file that failed, as the error named
+    it), ``prefix`` (the checkpoint being written), ``newest_usable`` (the newest complete checkpoint: what a rerun
+    resumes from; ``None``: none).
 
     Example:
         >>> e = CheckpointSaveError("saving 'ckpt/ckpt-8' failed", errno=27, prefix="ckpt/ckpt-8")
@@ -89,8 +92,10 @@ class CheckpointSaveError(RuntimeError):
     """
 
     def __init__(self, message: str, errno: Optional[int] = None, filename: Optional[str] = None,
-                 prefix: Optional[str] = None, newest_usable: Optional[str] = None) -> None:
+                 prefix: Optional[str] = None, newest_usable: Optional[str] = None,
+                 original: Optional[BaseException] = None) -> None:
         super().__init__(message)
+        self.original = original
         self.errno = errno
         self.errno_name = _errno.errorcode.get(errno, None) if errno is not None else None
         self.filename = filename
@@ -113,7 +118,8 @@ def save_error(error: BaseException, what: str, newest_usable: Optional[str], ne
     message = (f"ChiefCheckpoint: {what} failed: {cause}" + (f", writing {filename!r}" if filename else "")
                + f". Training stopped (nothing trained from here on could be saved); {newest}. "
                f"Fix: {_FIXES.get(code, _DEFAULT_FIX)}.")
-    return CheckpointSaveError(message, errno=code, filename=filename, prefix=prefix, newest_usable=newest_usable)
+    return CheckpointSaveError(message, errno=code, filename=filename, prefix=prefix, newest_usable=newest_usable,
+                               original=error)
 
 
 class RunCompletedError(RuntimeError):

@@ -257,12 +257,17 @@ class ResumeMixin:
                 position["step_in_epoch"] and (self._skip_calls or self._skip_prefix)))
         if position is not None and (position["epoch"] or self._skip_prefix):
             if any(_reshuffling_seeded_shuffle(ds) for ds in _datasets_of(iterator)):
-                warnings.warn(
+                message = (
                     "ChiefCheckpoint: the data pipeline has shuffle(seed=...) with reshuffle_each_iteration=True: "
                     f"its order in epoch {self._epoch + 1} of this process differs from the uninterrupted run's, so "
                     "the resume is not exact. Fix: shuffle(..., reshuffle_each_iteration=False) over a dataset "
-                    "re-shuffled per epoch with a seed derived from the epoch, or keras_scale.fit's shuffling.",
-                    RuntimeWarning, stacklevel=2)
+                    "re-shuffled per epoch with a seed derived from the epoch, or keras_scale.fit's shuffling.")
+                if (self._skip_calls or self._skip_prefix) and self._resume_data_state:
+                    # The saved iterator state holds the shuffle's seeds and position: restored, the order is the
+                    # uninterrupted run's (this epoch and the next). Said only if the resume reads forward instead.
+                    self._reshuffle_warning = message
+                else:
+                    warnings.warn(message, RuntimeWarning, stacklevel=2)
         if self._start_state_wanted and self._restored_from is None:
             self._start_state = [v.numpy() for v in self._start_variables()]
             self._start_step = self._global_step
@@ -328,6 +333,7 @@ class ResumeMixin:
         self._trained_calls = 0
         self._train_started_at = 0.0
         self._loop_skips = 0  # calls of Keras's loop still to skip (the data position is already set)
+        self._reshuffle_warning: Optional[str] = None  # said if the saved data position is not restored after all
 
     @staticmethod
     def _read_data_state(prefix: str) -> bytes:
@@ -411,8 +417,11 @@ class ResumeMixin:
             self._preread = 0
             how = f"data position restored from the checkpoint in {time.perf_counter() - started:.2f} s (no batch read)"
         else:
+            if self._reshuffle_warning:
+                warnings.warn(self._reshuffle_warning, RuntimeWarning, stacklevel=3)
             self._skip(use, batches)
             how = f"read {batches} batches forward in {time.perf_counter() - started:.2f} s"
+        self._reshuffle_warning = None
         self._say(f"ChiefCheckpoint: {how}")
         self._stream_pos += batches
         self._skip_prefix = 0
