@@ -125,8 +125,10 @@ def test_a_killed_worker_restarts_the_run_which_ends_like_an_uninterrupted_one(t
     resumed = [r for r in records if r["event"] == "resumed"]
     assert len(resumed) == 1 and resumed[0]["lost_s"] > 0
     # killed at the end of batch 2 of epoch 2, resumed from the epoch-1 checkpoint (4 steps): steps 5 and 6 are
-    # trained again; the record counts the 1 whose beat was written (the kill comes before step 6's beat)
-    assert resumed[0]["resumed_step"] == 4 and resumed[0]["redone_steps"] == 1, resumed
+    # trained again. The record counts the steps whose beat was written: the killed worker's beat for step 6 never
+    # is, the surviving worker's is (no per-step collective holds it back since the preemption signal travels
+    # through the coordination service) unless the launcher stops it first: 2, or 1
+    assert resumed[0]["resumed_step"] == 4 and resumed[0]["redone_steps"] in (1, 2), resumed
     done = _done(tmp_path, 2)
     assert done[0]["restarts"] == {"restarts": 1, "restart_lost_s": resumed[0]["lost_s"],
                                    "restart_redone_steps": resumed[0]["redone_steps"]}  # what Goodput reports
