@@ -24,10 +24,11 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -37,7 +38,8 @@ from tensorflow.core.framework import dataset_options_pb2
 from tensorflow.python.framework import config as tf_config
 from tensorflow.python.framework import op_def_registry
 
-__all__ = ["Finding", "PipelineWarning", "BenchmarkResult", "check", "benchmark", "optimize", "pipeline_graph"]
+__all__ = ["Finding", "PipelineWarning", "BenchmarkResult", "check", "benchmark", "optimize", "pipeline_graph",
+           "pipeline_stages", "MAIN_CHAIN"]
 
 AUTOTUNE = -1  # tf.data.AUTOTUNE
 
@@ -148,6 +150,59 @@ class Finding:
 # seconds; over 2 GB the proto cannot be written), so questions asked on every fit() walk the objects instead.
 
 
+#: ``follow`` for :func:`pipeline_stages` along the main chain only (``_input_dataset``).
+MAIN_CHAIN = ("_input_dataset",)
+
+
+def pipeline_stages(dataset: Any, follow: Sequence[str] = ("_inputs",)) -> Iterator[tf.data.Dataset]:
+    """Each stage of the ``tf.data`` pipeline that ends in ``dataset``, once, walking upstream: ``dataset`` first,
+    then depth first towards the sources, a stage before its inputs and, of a stage's several inputs (``zip``,
+    ``concatenate``), the last one's branch first. A stage reached along two paths comes once; ``None`` yields
+    nothing.
+
+    ``follow`` names where a stage's inputs are read, in that order: attributes holding a dataset or a list of
+    datasets, or methods returning them. The default, TensorFlow's ``_inputs()``, reaches every stage (the
+    components of a ``zip``, both sides of a ``concatenate``, a reader's inner datasets); :data:`MAIN_CHAIN`
+    (``("_input_dataset",)``) walks only the main chain, which ends at a source or at the first stage with several
+    inputs. Only ``tf.data.Dataset`` inputs are followed, and one whose inputs cannot be read (a method raising)
+    counts as a source: ``dataset`` itself may be another object (a distributed dataset), yielded alone.
+
+    Reads the Python dataset objects only (no graph serialization), so it is cheap on pipelines holding large
+    in-memory arrays. A caller may stop early (``any(...)`` over the stages).
+
+    Example:
+        >>> both = tf.data.Dataset.zip(tf.data.Dataset.range(3), tf.data.Dataset.range(3).map(lambda v: v))
+        >>> [_kind(type(s).__name__) for s in pipeline_stages(both.batch(2))]
+        ['BatchDataset', 'ZipDataset', 'MapDataset', 'RangeDataset', 'RangeDataset']
+        >>> [_kind(type(s).__name__) for s in pipeline_stages(both.batch(2), follow=MAIN_CHAIN)]
+        ['BatchDataset', 'ZipDataset']
+    """
+    stack, seen = ([] if dataset is None else [dataset]), set()
+    while stack:
+        stage = stack.pop()
+        if id(stage) in seen:
+            continue
+        seen.add(id(stage))
+        yield stage
+        stack.extend(_stage_inputs(stage, follow))
+
+
+def _stage_inputs(stage: Any, follow: Sequence[str]) -> List[tf.data.Dataset]:
+    """The datasets that ``stage`` reads, from its attributes (or methods) named in ``follow``."""
+    found: List[tf.data.Dataset] = []
+    for name in follow:
+        try:
+            value = getattr(stage, name, None)
+            value = value() if callable(value) else value
+        except Exception:  # noqa: BLE001 - a stage whose inputs cannot be read is a source here
+            value = None
+        if not isinstance(value, tf.data.Dataset) and isinstance(value, (list, tuple)):
+            found.extend(v for v in value if isinstance(v, tf.data.Dataset))
+        elif isinstance(value, tf.data.Dataset):
+            found.append(value)
+    return found
+
+
 def dataset_chain(dataset: tf.data.Dataset) -> List[str]:
     """Kinds of the datasets from ``dataset`` back to its source along ``_input_dataset``, outermost first.
 
@@ -158,11 +213,7 @@ def dataset_chain(dataset: tf.data.Dataset) -> List[str]:
         >>> dataset_chain(tf.data.Dataset.range(4).batch(2).prefetch(1))
         ['PrefetchDataset', 'BatchDataset', 'RangeDataset']
     """
-    kinds: List[str] = []
-    while dataset is not None and len(kinds) < 1000:
-        kinds.append(_kind(type(dataset).__name__))
-        dataset = getattr(dataset, "_input_dataset", None)
-    return kinds
+    return [_kind(type(stage).__name__) for stage in itertools.islice(pipeline_stages(dataset, MAIN_CHAIN), 1000)]
 
 
 def dataset_is_batched(dataset: tf.data.Dataset) -> bool:

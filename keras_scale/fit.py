@@ -29,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_scale._validate import check_int
-from keras_scale.data import dataset_is_batched, dataset_is_file_based
+from keras_scale.data import MAIN_CHAIN, dataset_is_batched, dataset_is_file_based, pipeline_stages
 from keras_scale.callbacks.checkpoint import ChiefCheckpoint
 from keras_scale.storage import Storage
 from keras_scale.callbacks.goodput import Goodput
@@ -157,8 +157,7 @@ _BATCH_OPS = ("_BatchDataset", "_ParallelBatchDataset", "_PaddedBatchDataset")
 def _samples_of_batched(ds: tf.data.Dataset) -> Optional[int]:
     """How many samples a batched dataset holds, when tf.data knows: the cardinality of what its outermost batch op
     reads, provided nothing after that op changes the number of elements. ``None`` when unknown."""
-    node: Any = ds
-    while node is not None:
+    for node in pipeline_stages(ds, MAIN_CHAIN):
         name = type(node).__name__
         if name in _BATCH_OPS:
             inner = int(node._input_dataset.cardinality())
@@ -166,7 +165,6 @@ def _samples_of_batched(ds: tf.data.Dataset) -> Optional[int]:
             return inner if inner >= 0 and outer >= 0 and outer == int(node.cardinality()) else None
         if "Batch" in name:  # a rebatch or an unbatch: the count of samples is not visible from here
             return None
-        node = getattr(node, "_input_dataset", None)
     return None
 
 
@@ -176,9 +174,8 @@ def _is_batched(ds: tf.data.Dataset) -> bool:
     with a single sample)."""
     if dataset_is_batched(ds):
         return True
-    node: Any = ds
     root: Any = ds
-    while node is not None:
+    for node in pipeline_stages(ds, MAIN_CHAIN):
         name = type(node).__name__
         if "Unbatch" in name:
             return False
@@ -194,7 +191,6 @@ def _is_batched(ds: tf.data.Dataset) -> bool:
                     "and batch the zipped dataset (keras_scale.fit then rebatches it to the global batch).")
             return _leading_dims_unknown(ds)
         root = node
-        node = getattr(node, "_input_dataset", None)
     _refuse_ambiguous_elements(ds, root)
     return _leading_dims_unknown(ds)
 

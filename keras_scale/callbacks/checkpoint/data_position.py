@@ -39,6 +39,8 @@ from typing import Any, Iterator, List, Optional
 
 import tensorflow as tf
 
+from keras_scale.data import pipeline_stages
+
 __all__ = ["MAX_STATE_BYTES", "NotSaveable", "declare_saveable", "iterator_state", "restore_iterator_state", "keras_epoch_iterator",
            "skip_loop_steps", "DATA_STATE_KEY", "PipelineChanged", "pipeline_fingerprint"]
 
@@ -119,12 +121,7 @@ def pipeline_fingerprint(dataset: Any) -> str:
     except Exception:  # noqa: BLE001
         parts.append("?")
     parts.append(repr(getattr(dataset, "element_spec", None)))
-    stack, seen = [dataset], set()
-    while stack:
-        ds = stack.pop()
-        if id(ds) in seen:
-            continue
-        seen.add(id(ds))
+    for ds in pipeline_stages(dataset):  # the order of the stages is part of the fingerprint
         stage: List[Any] = [type(ds).__name__]
         for name, value in sorted(vars(ds).items()):
             if name in ("_variant_tensor_attr", "_graph_attr", "_options_attr") or name.startswith("__"):
@@ -134,11 +131,6 @@ def pipeline_fingerprint(dataset: Any) -> str:
                 if item is not None:
                     stage.append(item)
         parts.append(stage)
-        try:
-            children = list(ds._inputs())
-        except Exception:  # noqa: BLE001
-            children = []
-        stack.extend(c for c in children if isinstance(c, tf.data.Dataset))
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
 
 

@@ -12,6 +12,7 @@ import keras
 import tensorflow as tf
 
 from keras_scale import events
+from keras_scale.data import pipeline_stages
 from keras_scale.callbacks.checkpoint.names import _EPOCH_LOGS_KEY, log
 from keras_scale.callbacks.checkpoint import format as _io
 from keras_scale.callbacks.checkpoint import data_position as _data
@@ -77,12 +78,8 @@ def _datasets_of(iterator: Any) -> List[Any]:
 
 def _reshuffling_seeded_shuffle(dataset: Any) -> bool:
     """Some ``shuffle(seed=...)`` in the pipeline reshuffles each iteration (TF's default)."""
-    stack, seen = [dataset], set()
-    while stack:
-        ds = stack.pop()
-        if id(ds) in seen:
-            continue
-        seen.add(id(ds))
+    # the inputs named on each stage: the main chain and the sides of a concatenate (not a zip's components)
+    for ds in pipeline_stages(dataset, follow=("_input_dataset", "_input_datasets")):
         if "Shuffle" in type(ds).__name__ and getattr(ds, "_reshuffle_each_iteration", False):
             # an op seed (shuffle(seed=...)) lives in _seed2; _seed is the global seed (0 after set_random_seed(0))
             seeds = [getattr(ds, name, None) for name in ("_seed", "_seed2")]
@@ -92,13 +89,6 @@ def _reshuffling_seeded_shuffle(dataset: Any) -> bool:
                 fixed = any(seed is not None for seed in seeds)
             if fixed:
                 return True
-        for attr in ("_input_dataset",):
-            child = getattr(ds, attr, None)
-            if isinstance(child, tf.data.Dataset):
-                stack.append(child)
-        for child in getattr(ds, "_input_datasets", []) or []:
-            if isinstance(child, tf.data.Dataset):
-                stack.append(child)
     return False
 
 
