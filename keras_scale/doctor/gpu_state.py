@@ -2,7 +2,7 @@
 PCIe link, power limit, throttling, and the links between GPUs."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, List, Optional, Tuple
 
 from keras_scale.doctor.facts import CheckResult, Facts, _no_visible
 
@@ -15,6 +15,11 @@ def _per_gpu(f: Facts, name: str) -> Optional[CheckResult]:
     return None
 
 
+def _reported(f: Facts) -> List[Tuple[Any, Any]]:
+    """``(gpu, health)`` for each visible GPU whose state NVML reported, in the visible order."""
+    return [(g, f.health[g.index]) for g in f.visible_gpus if f.health.get(g.index) is not None]
+
+
 def check_gpu_memory_errors(f: Facts) -> CheckResult:
     """ECC: uncorrectable errors since the driver loaded, failed row remapping, retired pages or remapped rows
     waiting for a GPU reset."""
@@ -22,10 +27,7 @@ def check_gpu_memory_errors(f: Facts) -> CheckResult:
     if no := _per_gpu(f, name):
         return no
     errors, warns = [], []
-    for g in f.visible_gpus:
-        h = f.health.get(g.index)
-        if h is None:
-            continue
+    for g, h in _reported(f):
         if h.ecc_uncorrected_volatile:
             errors.append(f"GPU {g.index}: {h.ecc_uncorrected_volatile} uncorrectable ECC error(s) since the driver "
                           "loaded (results may be wrong; jobs crash with Xid 48/63/64)")
@@ -39,8 +41,7 @@ def check_gpu_memory_errors(f: Facts) -> CheckResult:
         return CheckResult(name, "error", "; ".join(errors + warns) + ".", fix)
     if warns:
         return CheckResult(name, "warn", "; ".join(warns) + ".", fix)
-    read = [f.health[g.index] for g in f.visible_gpus if g.index in f.health]
-    if not any(h.ecc_uncorrected_volatile is not None or h.pages_pending is not None for h in read):
+    if not any(h.ecc_uncorrected_volatile is not None or h.pages_pending is not None for _, h in _reported(f)):
         return CheckResult(name, "ok", "ECC not reported by NVML (a GPU without ECC, or ECC turned off): no memory "
                            "error counts to check.")
     return CheckResult(name, "ok", "No uncorrectable ECC errors, nothing pending.")
@@ -86,9 +87,8 @@ def check_pcie_link(f: Facts) -> CheckResult:
     if no := _per_gpu(f, name):
         return no
     problems, shown = [], []
-    for g in f.visible_gpus:
-        h = f.health.get(g.index)
-        if h is None or h.pcie_width is None:
+    for g, h in _reported(f):
+        if h.pcie_width is None:
             continue
         shown.append(f"GPU {g.index}: gen {h.pcie_gen}/{h.pcie_gen_max} x{h.pcie_width}/x{h.pcie_width_max}")
         if h.pcie_width_max and h.pcie_width < h.pcie_width_max:
@@ -112,9 +112,8 @@ def check_power_limit(f: Facts) -> CheckResult:
     if no := _per_gpu(f, name):
         return no
     low, shown = [], []
-    for g in f.visible_gpus:
-        h = f.health.get(g.index)
-        if h is None or h.power_limit_w is None or not h.power_default_limit_w:
+    for g, h in _reported(f):
+        if h.power_limit_w is None or not h.power_default_limit_w:
             continue
         shown.append(f"GPU {g.index}: {h.power_limit_w:.0f} W")
         if h.power_limit_w < 0.95 * h.power_default_limit_w:
