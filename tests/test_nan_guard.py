@@ -700,15 +700,22 @@ def test_a_first_all_skipped_epoch_logs_nan_which_keras_save_best_only_keeps_as_
     assert history.history["nan_skipped"][0] == 2 and saves == [0]  # the NaN epoch, and never a later one
 
 
-class _RawLogsStep(keras.Model):
-    """keras.io's GAN style: an own train_step returning a raw per-batch value, no tracker."""
+class _OneDense(keras.Model):
+    """A subclassed model of one Dense(1) layer, for the two raw-logs models below."""
 
-    def __init__(self):
-        super().__init__(name="raw_logs_step")
+    def __init__(self, name):
+        super().__init__(name=name)
         self.dense = keras.layers.Dense(1)
 
     def call(self, x, training=False):
         return self.dense(x)
+
+
+class _RawLogsStep(_OneDense):
+    """keras.io's GAN style: an own train_step returning a raw per-batch value, no tracker."""
+
+    def __init__(self):
+        super().__init__(name="raw_logs_step")
 
     def train_step(self, data):
         x, y = data
@@ -718,15 +725,11 @@ class _RawLogsStep(keras.Model):
         return {"d_loss": loss}
 
 
-class _RawLogsMetrics(keras.Model):
+class _RawLogsMetrics(_OneDense):
     """keras.io's own compute_metrics dict: a raw per-batch value beside the metrics."""
 
     def __init__(self):
         super().__init__(name="raw_logs_metrics")
-        self.dense = keras.layers.Dense(1)
-
-    def call(self, x, training=False):
-        return self.dense(x)
 
     def compute_metrics(self, x, y, y_pred, sample_weight=None):
         logs = super().compute_metrics(x, y, y_pred, sample_weight)
