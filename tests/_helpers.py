@@ -1,6 +1,6 @@
 """Helpers shared by the ChiefCheckpoint tests (tests/test_checkpoint*.py; StopAfter by others too): the data, the
-usual compiled model, a graceful stop at an update count, weight comparison, and the environment of training
-subprocesses."""
+usual compiled model (wrapped too), a small model with fixed weights, a graceful stop at an update count, weight comparison, the environment of training
+subprocesses, and a training script for the signal tests."""
 import os
 
 import keras
@@ -13,13 +13,18 @@ X = np.random.RandomState(0).rand(NUM_SAMPLES, 4).astype("float32")
 Y = (X @ np.array([[1.0], [-2.0], [0.5], [3.0]], "float32")).astype("float32")
 
 
-def make_model(width=8, optimizer=None, strategy=None, metrics=None):
+def make_model(width=8, optimizer=None, strategy=None, metrics=None, accum=None):
     """The same initial weights every call; compiled with Adam(1e-2) (or ``optimizer()``), mse and ``metrics``
-    (default ``["mae"]``: every resume test compiles metrics)."""
+    (default ``["mae"]``: every resume test compiles metrics); with ``accum``, the model is ``ks.wrap(model,
+    accum=accum)``, compiled so."""
     keras.utils.set_random_seed(7)
 
     def build():
         m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(width, activation="relu"), keras.layers.Dense(1)])
+        if accum is not None:
+            import keras_scale as ks
+
+            m = ks.wrap(m, accum=accum)
         m.compile(optimizer=optimizer() if optimizer else keras.optimizers.Adam(1e-2), loss="mse",
                   metrics=list(metrics) if metrics is not None else ["mae"])
         return m
@@ -41,6 +46,18 @@ class StopAfter(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if int(self.model.optimizer.iterations.numpy()) >= self.num_steps:
             self.model.stop_training = True
+
+
+def linspace_mlp(bn=False, d=6):
+    """``d`` inputs -> Dense(8, tanh) [-> BatchNormalization] -> Dense(1), weights set to a linspace in [-0.4, 0.4]
+    (the same model in every process, no seed needed); not compiled."""
+    layers = [keras.Input((d,)), keras.layers.Dense(8, activation="tanh")]
+    if bn:
+        layers.append(keras.layers.BatchNormalization())
+    layers.append(keras.layers.Dense(1))
+    model = keras.Sequential(layers)
+    model.set_weights([np.linspace(-0.4, 0.4, w.size, dtype="float32").reshape(w.shape) for w in model.get_weights()])
+    return model
 
 
 def weights(model):
@@ -72,3 +89,34 @@ def load_weights_npz(path):
     """The arrays a subprocess wrote with ``np.savez(out, *weights)``, in order."""
     with np.load(path) as f:
         return [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
+
+
+#: A training script to signal: ``python train.py DIRECTORY [SLEEP_S]`` trains 3 epochs of 20 batches (60 updates)
+#: under a ``ChiefCheckpoint(DIRECTORY, save_freq=1000, verbose=1)`` (it saves on a signal, not on its own before
+#: the end) and prints ``STARTED <checkpoint directory>``, ``BATCH <updates>`` after each batch (then sleeps SLEEP_S
+#: seconds, default 0.05) and ``DONE <updates>`` at the end.
+SIGNALLED_TRAIN_SCRIPT = r"""
+import sys, time
+import numpy as np, keras
+import keras_scale as ks
+
+directory = sys.argv[1]
+sleep_s = float(sys.argv[2]) if len(sys.argv) > 2 else 0.05
+keras.utils.set_random_seed(3)
+x = np.random.RandomState(0).rand(160, 4).astype("float32")
+y = x.sum(1, keepdims=True)
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
+model.compile(optimizer="adam", loss="mse")
+
+
+class Report(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        print("BATCH", int(self.model.optimizer.iterations.numpy()), flush=True)
+        time.sleep(sleep_s)
+
+
+ckpt = ks.ChiefCheckpoint(directory, save_freq=1000, verbose=1)
+print("STARTED", ckpt.directory, flush=True)
+model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[ckpt, Report()])
+print("DONE", int(model.optimizer.iterations.numpy()), flush=True)
+"""

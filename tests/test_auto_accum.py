@@ -14,6 +14,7 @@ import tensorflow as tf
 import keras_scale as ks
 from keras_scale.auto_accum import AutoAccumGaveUp, next_accum
 from keras_scale.callbacks.checkpoint import list_checkpoints
+from tests._helpers import StopAfter
 
 X = np.random.RandomState(0).rand(64, 4).astype("float32")
 Y = (X @ np.array([[1.0], [-2.0], [0.5], [3.0]], "float32")).astype("float32")
@@ -234,18 +235,6 @@ def test_with_nan_guard_and_chief_checkpoint_a_resume_after_an_accum_change_is_e
     assert resumed.accum == 4
     assert int(resumed.optimizer.iterations.numpy()) == int(full.optimizer.iterations.numpy()) == 12
     assert_close(weights(resumed), weights(full), atol=0)
-
-
-class StopAfter(keras.callbacks.Callback):
-    """Stops training gracefully once ``num_steps`` updates were applied: a stand-in for a crash point."""
-
-    def __init__(self, num_steps):
-        super().__init__()
-        self.num_steps = num_steps
-
-    def on_train_batch_end(self, batch, logs=None):
-        if int(self.model.optimizer.iterations.numpy()) >= self.num_steps:
-            self.model.stop_training = True
 
 
 @pytest.mark.parametrize("metrics", [(), ("mae",)])

@@ -507,18 +507,11 @@ def test_wrapped_accumulating_model_resumes_exactly(tmp_path):
     if not hasattr(pytest.importorskip("keras_scale.accumulation"), "wrap"):
         pytest.skip("keras_scale.wrap is not available")
 
-    def model():
-        keras.utils.set_random_seed(7)
-        inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
-        wrapped = ks.wrap(inner, accum=2)
-        wrapped.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
-        return wrapped
-
-    ref = model()
+    ref = make_model(accum=2)
     fit(ref, [])
     d = str(tmp_path / "ckpt")
-    fit(model(), [ks.ChiefCheckpoint(d, save_freq=4, verbose=0), StopAfter(11)])
-    resumed = model()
+    fit(make_model(accum=2), [ks.ChiefCheckpoint(d, save_freq=4, verbose=0), StopAfter(11)])
+    resumed = make_model(accum=2)
     ckpt = ks.ChiefCheckpoint(d, save_freq=4, verbose=0)
     fit(resumed, [ckpt])
     assert ckpt.restored_from.endswith("ckpt-11")

@@ -151,18 +151,11 @@ def test_switching_between_a_schedule_and_a_float_learning_rate_is_refused_with_
 
 
 def test_wrapped_model_with_metrics_resumes_with_exact_metrics(tmp_path):
-    def model():
-        keras.utils.set_random_seed(7)
-        inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
-        wrapped = ks.wrap(inner, accum=2)
-        wrapped.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
-        return wrapped
-
-    ref = model()
+    ref = helpers.make_model(accum=2)
     expected = fit(ref, [], epochs=2).history
     d = str(tmp_path / "ckpt")
-    fit(model(), [ks.ChiefCheckpoint(d, save_freq=4), StopAfter(6)], epochs=2)
-    resumed = model()
+    fit(helpers.make_model(accum=2), [ks.ChiefCheckpoint(d, save_freq=4), StopAfter(6)], epochs=2)
+    resumed = helpers.make_model(accum=2)
     history = fit(resumed, [ks.ChiefCheckpoint(d, save_freq=4)], epochs=2).history
     assert_same(weights(resumed), weights(ref))
     for key in expected:

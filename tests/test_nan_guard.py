@@ -6,6 +6,7 @@ import tensorflow as tf
 
 import keras_scale as ks
 from keras_scale.callbacks.nan_guard import NanGuardGaveUp
+from tests._helpers import linspace_mlp
 
 BATCH = 16
 
@@ -15,16 +16,6 @@ def _data(n=128, d=6, seed=0):
     x = rng.normal(size=(n, d)).astype("float32")
     w = rng.normal(size=(d, 1)).astype("float32")
     return x, (x @ w).astype("float32")
-
-
-def _model(bn=False):
-    layers = [keras.Input((6,)), keras.layers.Dense(8, activation="tanh")]
-    if bn:
-        layers.append(keras.layers.BatchNormalization())
-    layers.append(keras.layers.Dense(1))
-    model = keras.Sequential(layers)
-    model.set_weights([np.linspace(-0.4, 0.4, w.size, dtype="float32").reshape(w.shape) for w in model.get_weights()])
-    return model
 
 
 def _poison(x, batch_index, value=np.nan, count=3):
@@ -41,7 +32,7 @@ def _finite(model):
 def test_skip_nan_input_batch(accum):
     x, y = _data()
     x = _poison(x, batch_index=2)
-    inner = _model()
+    inner = linspace_mlp()
     model = ks.wrap(inner, accum=accum) if accum else inner
     model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
     guard = ks.NanGuard(verbose=0)
@@ -66,11 +57,11 @@ def test_skipped_step_is_exactly_a_no_op():
     """Training with a poisoned batch skipped == training on the data without that batch."""
     x, y = _data()
     bad = _poison(x, batch_index=3)
-    guarded = _model(bn=True)
+    guarded = linspace_mlp(bn=True)
     guarded.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
     guarded.fit(bad, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False, callbacks=[ks.NanGuard(verbose=0)])
     keep = np.r_[0:3 * BATCH, 4 * BATCH:len(x)]
-    reference = _model(bn=True)
+    reference = linspace_mlp(bn=True)
     reference.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
     reference.fit(x[keep], y[keep], batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
     # weights, BatchNorm moving statistics and Adam moments all as if the batch never happened
@@ -83,11 +74,11 @@ def test_skipped_step_is_exactly_a_no_op():
 def test_stop_keeps_the_last_good_weights():
     x, y = _data()
     bad = _poison(x, batch_index=5)
-    model = _model()
+    model = linspace_mlp()
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
     guard = ks.NanGuard(policy="stop", verbose=0)
     model.fit(bad, y, batch_size=BATCH, epochs=3, verbose=0, shuffle=False, callbacks=[guard])
-    reference = _model()
+    reference = linspace_mlp()
     reference.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
     reference.fit(x[:5 * BATCH], y[:5 * BATCH], batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
     assert model.stop_training
@@ -115,7 +106,7 @@ def test_rollback_to_the_snapshot_keeps_earlier_lowering_of_a_float_lr():
     # the learning rate must end at lr * factor**2, not be reset to the snapshot's lr and lowered once
     x, y = _data(n=256)
     x = _poison(_poison(x, 6), 8)
-    model = _model()
+    model = linspace_mlp()
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
     guard = ks.NanGuard(policy="rollback", max_consecutive=1, lr_factor=0.5, snapshot_every_n_steps=5, verbose=0)
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False, callbacks=[guard])
@@ -138,7 +129,7 @@ def test_rollback_restores_from_chief_checkpoint(tmp_path):
 def test_rollback_gives_up_with_a_clear_error():
     x, y = _data()
     x[:] = np.nan  # every step is bad: nothing can help
-    model = _model()
+    model = linspace_mlp()
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     guard = ks.NanGuard(policy="rollback", max_consecutive=1, max_rollbacks=2, verbose=0)
     with pytest.raises(NanGuardGaveUp, match="gave up after 2 rollbacks"):
@@ -149,7 +140,7 @@ def test_rollback_gives_up_with_a_clear_error():
 def test_fp16_overflow_handled_by_loss_scaler_is_not_an_incident():
     x, y = _data()
     y = y * 100.0
-    model = _model()
+    model = linspace_mlp()
     opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=2.0 ** 127)
     model.compile(optimizer=opt, loss="mse")
     guard = ks.NanGuard(verbose=0)
@@ -163,7 +154,7 @@ def test_nan_loss_under_loss_scaling_is_an_incident_with_scale_state():
     x, y = _data()
     y = y.copy()
     y[2 * BATCH] = np.nan
-    model = _model()
+    model = linspace_mlp()
     model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
     guard = ks.NanGuard(verbose=0)
     history = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False, callbacks=[guard])
@@ -179,7 +170,7 @@ def test_all_replicas_take_the_same_decision(mirrored, accum):
     x = x.copy()
     x[4 * BATCH + BATCH - 2, 1] = np.inf
     with mirrored.scope():
-        inner = _model(bn=True)
+        inner = linspace_mlp(bn=True)
         model = ks.wrap(inner, accum=accum) if accum else inner
         model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
     guard = ks.NanGuard(verbose=0)
@@ -213,7 +204,7 @@ def test_gradient_source_is_reported():
 @pytest.mark.parametrize("guard_first", [True, False])
 def test_guard_is_switched_off_after_fit_and_its_count_reaches_tensorboard_in_one_tag(tmp_path, guard_first):
     x, y = _data()
-    model = _model()
+    model = linspace_mlp()
     model.compile(optimizer="sgd", loss="mse")
     guard, board = ks.NanGuard(verbose=0, log_dir=str(tmp_path)), keras.callbacks.TensorBoard(str(tmp_path))
     model.fit(_poison(x, 1), y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False,
@@ -240,7 +231,7 @@ def test_bad_input(kwargs):
 @pytest.mark.parametrize("accum", [None, 4])
 def test_composes_with_xla(accum):
     x, y = _data()
-    inner = _model()
+    inner = linspace_mlp()
     model = ks.wrap(inner, accum=accum) if accum else inner
     model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", jit_compile=True)
     guard = ks.NanGuard(verbose=0)
@@ -263,7 +254,7 @@ def _exploding_model(cls=keras.Sequential):
 
 def test_loss_only_check_skips_a_non_finite_loss_step_like_the_default():
     x, y = _data()
-    model = _model()
+    model = linspace_mlp()
     model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
     guard = ks.NanGuard(verbose=0, check_gradients=False)
     history = model.fit(_poison(x, 2), y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False, callbacks=[guard])
@@ -682,7 +673,7 @@ def test_a_first_all_skipped_epoch_logs_nan_which_keras_save_best_only_keeps_as_
     x, y = _data(32)
     x_bad = np.full_like(x, np.nan)  # the first epoch: every batch non-finite
     ds = tf.data.Dataset.from_tensor_slices((np.concatenate([x_bad, x]), np.concatenate([y, y]))).batch(BATCH)
-    model = _model()
+    model = linspace_mlp()
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     saves = []
 

@@ -14,6 +14,7 @@ import keras_scale as ks
 from keras_scale import lifecycle
 from keras_scale.callbacks.nan_guard import NanGuardGaveUp
 from keras_scale.step import get_step
+from tests._helpers import linspace_mlp
 
 
 def _data(n=64, d=6, seed=0):
@@ -23,17 +24,7 @@ def _data(n=64, d=6, seed=0):
     return x, (x @ w).astype("float32")
 
 
-def _mlp(bn=False, d=6):
-    layers = [keras.Input((d,)), keras.layers.Dense(8, activation="tanh")]
-    if bn:
-        layers.append(keras.layers.BatchNormalization())
-    layers.append(keras.layers.Dense(1))
-    model = keras.Sequential(layers)
-    model.set_weights([np.linspace(-0.4, 0.4, w.size, dtype="float32").reshape(w.shape) for w in model.get_weights()])
-    return model
-
-
-def _compiled(build=_mlp, strategy=None, lr=1e-2, **compile_kwargs):
+def _compiled(build=linspace_mlp, strategy=None, lr=1e-2, **compile_kwargs):
     strategy = strategy or tf.distribute.get_strategy()
     with strategy.scope():
         model = build()
@@ -239,11 +230,11 @@ def test_uneven_per_replica_batches_give_the_global_mean(mirrored, accum):
     """7 samples, batch 4 on 2 replicas: the last batch splits 2/1 (and 1/0): equal to one device."""
     for n in (7, 5):
         x, y = _data(n=n)
-        one = ks.wrap(_mlp(), accum=accum) if accum else _mlp()
+        one = ks.wrap(linspace_mlp(), accum=accum) if accum else linspace_mlp()
         one.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
         one.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False, callbacks=[ks.NanGuard(verbose=0)])
         with mirrored.scope():
-            two = ks.wrap(_mlp(), accum=accum) if accum else _mlp()
+            two = ks.wrap(linspace_mlp(), accum=accum) if accum else linspace_mlp()
             two.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
         two.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False, callbacks=[ks.NanGuard(verbose=0)])
         assert _rel(two.get_weights(), one.get_weights()) < 1e-5, n
@@ -314,7 +305,7 @@ def test_skipped_step_restores_each_replicas_own_batchnorm_statistics(mirrored):
     x, y = _data()
     x_bad = x.copy()
     x_bad[16:18] = np.nan  # batch 1, first replica's half
-    model = _compiled(lambda: _mlp(bn=True), strategy=mirrored)
+    model = _compiled(lambda: linspace_mlp(bn=True), strategy=mirrored)
     bn = [layer for layer in model.layers if isinstance(layer, keras.layers.BatchNormalization)][0]
     model.fit(x[:16], y[:16], batch_size=16, epochs=1, verbose=0, shuffle=False)  # replicas' stats now differ
     before = [v.numpy() for v in bn.moving_mean.value.values]
@@ -331,12 +322,12 @@ def test_unsupported_strategy_and_native_accumulation_are_refused_at_fit_start()
     x, y = _data()
     central = tf.distribute.experimental.CentralStorageStrategy()
     with central.scope():
-        model = _mlp()
+        model = linspace_mlp()
         model.compile(optimizer="sgd", loss="mse")
     with pytest.raises(ValueError, match="CentralStorageStrategy"):
         model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[ks.NanGuard(verbose=0)])
 
-    model = _mlp()
+    model = linspace_mlp()
     model.compile(optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), loss="mse")
     with pytest.raises(ValueError, match="keras_scale.wrap"):
         model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[ks.NanGuard(verbose=0)])
@@ -344,7 +335,7 @@ def test_unsupported_strategy_and_native_accumulation_are_refused_at_fit_start()
 
 def test_sparse_tensor_and_unbatched_inputs_with_wrap_say_what_to_do():
     x, y = _data()
-    model = ks.wrap(_mlp(), accum=2)
+    model = ks.wrap(linspace_mlp(), accum=2)
     model.compile(optimizer="sgd", loss="mse")
     with pytest.raises(ValueError, match="batch your dataset"):
         model.fit(tf.data.Dataset.from_tensor_slices((x, y[:, 0])), epochs=1, verbose=0)
