@@ -16,39 +16,14 @@ import keras_scale as ks
 from keras_scale.callbacks.checkpoint import lock as checkpoint_module  # the lock file and its holder
 from keras_scale.callbacks.checkpoint import list_checkpoints
 from keras_scale.callbacks.checkpoint.lock import _process_start
-from tests._helpers import REPO_ROOT, StopAfter, fit, make_model, subprocess_env
-
-TRAIN_SCRIPT = r"""
-import sys, time
-import numpy as np, keras
-import keras_scale as ks
-
-directory = sys.argv[1]
-keras.utils.set_random_seed(3)
-x = np.random.RandomState(0).rand(160, 4).astype("float32")
-y = x.sum(1, keepdims=True)
-model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
-model.compile(optimizer="adam", loss="mse")
-
-
-class Report(keras.callbacks.Callback):
-    def on_train_batch_end(self, batch, logs=None):
-        print("BATCH", int(self.model.optimizer.iterations.numpy()), flush=True)
-        time.sleep(0.05)
-
-
-ckpt = ks.ChiefCheckpoint(directory, save_freq=1000, verbose=1)
-print("STARTED", ckpt.directory, flush=True)
-model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[ckpt, Report()])
-print("DONE", int(model.optimizer.iterations.numpy()), flush=True)
-"""
+from tests._helpers import REPO_ROOT, SIGNALLED_TRAIN_SCRIPT, StopAfter, fit, make_model, subprocess_env
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_sigterms_50ms_apart_save_and_exit_42(tmp_path):
     script = tmp_path / "train.py"
-    script.write_text(TRAIN_SCRIPT)
+    script.write_text(SIGNALLED_TRAIN_SCRIPT)
     d = str(tmp_path / "ckpt")
     proc = subprocess.Popen([sys.executable, str(script), d], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=subprocess_env())
