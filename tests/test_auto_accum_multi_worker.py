@@ -10,6 +10,8 @@ import keras
 import numpy as np
 import pytest
 
+from tests._helpers import linspace_mlp
+
 pytestmark = pytest.mark.slow
 
 WORKER = r'''
@@ -24,23 +26,7 @@ import keras_scale as ks
 from keras_scale.distribute import patch_keras_multi_worker
 patch_keras_multi_worker()
 
-
-class OomAbove(keras.layers.Layer):
-    """Identity; a real allocator OOM (2^35 floats per sample) when its batch exceeds ``threshold``."""
-
-    def __init__(self, threshold, **kwargs):
-        super().__init__(**kwargs)
-        self.threshold = threshold
-
-    def call(self, x):
-        b = tf.shape(x)[0]
-
-        def allocate():
-            value = tf.random.uniform([]) * 0.0
-            return tf.reduce_sum(tf.fill(tf.reshape(tf.cast(b, tf.int64) * (2 ** 35), [1]), value)) * 0.0
-
-        return x + tf.cond(b > self.threshold, allocate, lambda: tf.constant(0.0))
-
+from tests.test_auto_accum import OomAbove  # identity; a real allocator OOM when its batch exceeds its threshold
 
 rng = np.random.default_rng(0)
 X = rng.normal(size=(128, 6)).astype("float32")
@@ -83,8 +69,7 @@ def test_workers_agree_on_the_new_accum_and_equal_big_batch(run_workers, tmp_pat
     rng = np.random.default_rng(0)
     X = rng.normal(size=(128, 6)).astype("float32")
     Y = (X @ rng.normal(size=(6, 1))).astype("float32")
-    ref = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
-    ref.set_weights([np.linspace(-0.4, 0.4, w.size, dtype="float32").reshape(w.shape) for w in ref.get_weights()])
+    ref = linspace_mlp()
     ref.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
     history = ref.fit(X, Y, batch_size=32, epochs=2, verbose=0, shuffle=False)
     for a, b in zip(ref.get_weights(), outs[0]["weights"]):
@@ -110,21 +95,7 @@ index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
 # "weak0": worker 0's device holds less (it runs out of memory above 2 per replica, the other above 4)
 threshold = 2 if (sys.argv[2:] == ["weak0"] and index == 0) else 4
 
-
-class OomAbove(keras.layers.Layer):
-    def __init__(self, threshold, **kwargs):
-        super().__init__(**kwargs)
-        self.threshold = threshold
-
-    def call(self, x):
-        b = tf.shape(x)[0]
-
-        def allocate():
-            value = tf.random.uniform([]) * 0.0
-            return tf.reduce_sum(tf.fill(tf.reshape(tf.cast(b, tf.int64) * (2 ** 35), [1]), value)) * 0.0
-
-        return x + tf.cond(b > self.threshold, allocate, lambda: tf.constant(0.0))
-
+from tests.test_auto_accum import OomAbove  # identity; a real allocator OOM when its batch exceeds its threshold
 
 rng = np.random.default_rng(0)
 X = rng.normal(size=(41, 6)).astype("float32")
@@ -164,8 +135,7 @@ def _reference_weights(first_uneven):
     rng = np.random.default_rng(0)
     X = rng.normal(size=(41, 6)).astype("float32")
     Y = (X @ rng.normal(size=(6, 1))).astype("float32")
-    ref = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
-    ref.set_weights([np.linspace(-0.4, 0.4, w.size, dtype="float32").reshape(w.shape) for w in ref.get_weights()])
+    ref = linspace_mlp()
     ref.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
     full = tf.data.Dataset.from_tensor_slices((X[:32], Y[:32])).batch(8)
     last = tf.data.Dataset.from_tensor_slices((X[32:], Y[32:])).batch(9)
