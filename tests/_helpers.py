@@ -1,6 +1,6 @@
 """Helpers shared by the ChiefCheckpoint tests (tests/test_checkpoint*.py; StopAfter by others too): the data, the
 usual compiled model (wrapped too), a small model with fixed weights, a graceful stop at an update count, weight comparison, the environment of training
-subprocesses, and a training script for the signal tests."""
+subprocesses, a training script for the signal tests, and the first lines of the 2-worker scripts."""
 import os
 
 import keras
@@ -119,4 +119,22 @@ ckpt = ks.ChiefCheckpoint(directory, save_freq=1000, verbose=1)
 print("STARTED", ckpt.directory, flush=True)
 model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[ckpt, Report()])
 print("DONE", int(model.optimizer.iterations.numpy()), flush=True)
+"""
+
+
+#: The first lines of a multi-worker test script (run by the ``run_workers`` fixture of tests/conftest.py): one thread
+#: per TensorFlow pool, ``strategy``: the ``MultiWorkerMirroredStrategy`` of ``TF_CONFIG`` (made before Keras is
+#: imported), Keras's multi-worker fix applied; ``json``, ``os``, ``sys``, ``tf``, ``np``, ``keras`` and ``ks``
+#: imported. Use: ``WORKER = MULTI_WORKER_PREAMBLE + r'''...'''``.
+MULTI_WORKER_PREAMBLE = r"""
+import json, os, sys
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import tensorflow as tf
+tf.config.threading.set_inter_op_parallelism_threads(1)
+tf.config.threading.set_intra_op_parallelism_threads(1)
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+import numpy as np, keras
+import keras_scale as ks
+from keras_scale.distribute import patch_keras_multi_worker
+patch_keras_multi_worker()
 """

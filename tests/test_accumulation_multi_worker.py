@@ -9,19 +9,11 @@ import keras
 import numpy as np
 import pytest
 
+from tests._helpers import MULTI_WORKER_PREAMBLE
+
 pytestmark = pytest.mark.slow
 
-WORKER = r'''
-import json, os
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import tensorflow as tf
-tf.config.threading.set_inter_op_parallelism_threads(1)
-tf.config.threading.set_intra_op_parallelism_threads(1)
-strategy = tf.distribute.MultiWorkerMirroredStrategy()
-import numpy as np, keras
-import keras_scale as ks
-from keras_scale.distribute import patch_keras_multi_worker
-patch_keras_multi_worker()
+WORKER = MULTI_WORKER_PREAMBLE + r'''
 
 rng = np.random.default_rng(0)
 X = rng.normal(size=(128, 6)).astype("float32")

@@ -10,21 +10,11 @@ import keras
 import numpy as np
 import pytest
 
-from tests._helpers import linspace_mlp
+from tests._helpers import MULTI_WORKER_PREAMBLE, linspace_mlp
 
 pytestmark = pytest.mark.slow
 
-WORKER = r'''
-import json, os
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import tensorflow as tf
-tf.config.threading.set_inter_op_parallelism_threads(1)
-tf.config.threading.set_intra_op_parallelism_threads(1)
-strategy = tf.distribute.MultiWorkerMirroredStrategy()
-import numpy as np, keras
-import keras_scale as ks
-from keras_scale.distribute import patch_keras_multi_worker
-patch_keras_multi_worker()
+WORKER = MULTI_WORKER_PREAMBLE + r'''
 
 from tests.test_auto_accum import OomAbove  # identity; a real allocator OOM when its batch exceeds its threshold
 
@@ -77,18 +67,8 @@ def test_workers_agree_on_the_new_accum_and_equal_big_batch(run_workers, tmp_pat
     np.testing.assert_allclose(history.history["loss"], outs[0]["loss"], rtol=1e-5)
 
 
-UNEVEN = r'''
-import json, os, sys
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import tensorflow as tf
-tf.config.threading.set_inter_op_parallelism_threads(1)
-tf.config.threading.set_intra_op_parallelism_threads(1)
-strategy = tf.distribute.MultiWorkerMirroredStrategy()
-import numpy as np, keras
-import keras_scale as ks
+UNEVEN = MULTI_WORKER_PREAMBLE + r'''
 import keras_scale.auto_accum
-from keras_scale.distribute import patch_keras_multi_worker
-patch_keras_multi_worker()
 keras_scale.auto_accum.AGREE_TIMEOUT_S = 10.0
 first_uneven = sys.argv[1] == "first"
 index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
