@@ -163,9 +163,10 @@ def pipeline_stages(dataset: Any, follow: Sequence[str] = ("_inputs",)) -> Itera
     ``follow`` names where a stage's inputs are read, in that order: attributes holding a dataset or a list of
     datasets, or methods returning them. The default, TensorFlow's ``_inputs()``, reaches every stage (the
     components of a ``zip``, both sides of a ``concatenate``, a reader's inner datasets); :data:`MAIN_CHAIN`
-    (``("_input_dataset",)``) walks only the main chain, which ends at a source or at the first stage with several
-    inputs. Only ``tf.data.Dataset`` inputs are followed, and one whose inputs cannot be read (a method raising)
-    counts as a source: ``dataset`` itself may be another object (a distributed dataset), yielded alone.
+    (``("_input_dataset",)``) walks only the main chain, which goes on through a ``concatenate`` along its first side
+    and ends at a source or at a ``zip``, ``sample_from_datasets`` or ``choose_from_datasets``. Only
+    ``tf.data.Dataset`` inputs are followed, and a stage whose inputs cannot be read (a method raising) counts as a
+    source: ``dataset`` itself may be another object (a distributed dataset), yielded alone.
 
     Reads the Python dataset objects only (no graph serialization), so it is cheap on pipelines holding large
     in-memory arrays. A caller may stop early (``any(...)`` over the stages).
@@ -207,7 +208,8 @@ def dataset_chain(dataset: tf.data.Dataset) -> List[str]:
     """Kinds of the datasets from ``dataset`` back to its source along ``_input_dataset``, outermost first.
 
     Kinds are the op families :func:`check` reads from the graph (``"BatchDataset"``, ``"MapDataset"``, ...).
-    A dataset with several inputs (``zip``, ``concatenate``, ``sample_from_datasets``) ends the chain.
+    A dataset with several inputs ends the chain (``zip``, ``sample_from_datasets``), except ``concatenate``: the
+    chain goes on along its first side.
 
     Example:
         >>> dataset_chain(tf.data.Dataset.range(4).batch(2).prefetch(1))

@@ -485,6 +485,25 @@ def test_dataset_readers_do_not_serialize_the_graph(monkeypatch):
     assert data.dataset_is_batched(ds) and not data.dataset_is_file_based(ds)
 
 
+def test_pipeline_stages_reach_every_stage_once_and_the_main_chain_stops_at_a_zip():
+    # the fingerprint of a saved data position and the seeded-reshuffle check read every stage through this walk
+    def kinds(dataset, **kw):
+        return [data._kind(type(s).__name__) for s in data.pipeline_stages(dataset, **kw)]
+
+    shared = tf.data.Dataset.range(4).map(lambda v: v)
+    assert kinds(tf.data.Dataset.zip(shared, shared)) == ["ZipDataset", "MapDataset", "RangeDataset"]
+    joined = tf.data.Dataset.range(3).shuffle(3, seed=1).concatenate(tf.data.Dataset.range(2).take(1)).batch(2)
+    assert kinds(joined) == ["BatchDataset", "ConcatenateDataset", "TakeDataset", "RangeDataset", "ShuffleDataset",
+                             "RangeDataset"]
+    assert kinds(joined, follow=data.MAIN_CHAIN) == ["BatchDataset", "ConcatenateDataset", "ShuffleDataset",
+                                                      "RangeDataset"]  # a concatenate's first side
+    assert kinds(tf.data.Dataset.zip(shared, shared).batch(2), follow=data.MAIN_CHAIN) == ["BatchDataset",
+                                                                                           "ZipDataset"]
+    assert kinds(joined, follow=("_input_dataset", "_input_datasets")) == kinds(joined)
+    other = object()  # e.g. a distributed dataset: itself, no inputs read
+    assert list(data.pipeline_stages(other)) == [other] and list(data.pipeline_stages(None)) == []
+
+
 def test_dataset_is_file_based_sees_file_readers_and_interleave(tmp_path):
     path = str(tmp_path / "a.tfrecord")
     with tf.io.TFRecordWriter(path) as w:
