@@ -1,6 +1,7 @@
-"""Helpers shared by the ChiefCheckpoint tests (tests/test_checkpoint*.py; StopAfter by others too): the data, the
-usual compiled model (wrapped too), a small model with fixed weights, a graceful stop at an update count, weight comparison, the environment of training
-subprocesses, a training script for the signal tests, and the first lines of the 2-worker scripts."""
+"""Helpers shared by the tests (first by the ChiefCheckpoint tests, tests/test_checkpoint*.py): the data, the usual
+compiled model (wrapped too), a small model with fixed weights, a graceful stop at an update count, weight
+comparison, the environment of training subprocesses, a training script for the signal tests, and the first lines
+of the 2-worker scripts."""
 import os
 
 import keras
