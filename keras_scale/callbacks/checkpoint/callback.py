@@ -815,7 +815,11 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
                 if final:
                     completed["final_weights"] = final
             self._run_config_var.assign(self._run_config_json(completed))
-            path = self._manager.save(checkpoint_number=self._global_step, options=self._options)
+            if self.async_save:
+                with self._copy_lock:  # (the background trace's one run of the copy is done: warmup.py)
+                    path = self._manager.save(checkpoint_number=self._global_step, options=self._options)
+            else:
+                path = self._manager.save(checkpoint_number=self._global_step, options=self._options)
             self._last_saved_step = self._global_step
             self._last_saved_prefix = path
             self._last_saved_completed = completed is not None

@@ -132,10 +132,13 @@ def warm_memory(nbytes: int) -> Optional[threading.Thread]:
     return thread
 
 
-def trace_async_copy(tf_checkpoint: Any) -> Optional[threading.Thread]:
+def trace_async_copy(tf_checkpoint: Any, lock: Optional[Any] = None) -> Optional[threading.Thread]:
     """Trace the copy function of ``tf_checkpoint``'s async writer (TensorFlow's ``AsyncCheckpointHelper``) in a
-    daemon thread, under the distribution strategy of the calling thread; the thread, or ``None`` when there is no
-    initialized async writer (before its first save) or its copy function is traced already.
+    daemon thread, under the distribution strategy of the calling thread, and with ``lock`` (held by every save
+    around its copy) run it once, after the write in flight: its first run sets the function up in TensorFlow's
+    runtime, the other half of a first call's cost. Its copies are overwritten by the next save's before they are
+    written. Returns the thread, or ``None`` when there is no initialized async writer (before its first save) or
+    its copy function is traced already.
 
     Example:
         ckpt.write("ck/a", options=tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True))
@@ -153,18 +156,26 @@ def trace_async_copy(tf_checkpoint: Any) -> Optional[threading.Thread]:
     except Exception:  # noqa: BLE001 - another TensorFlow: trace anyway (get_concrete_function never retraces)
         pass
     strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+    queue = getattr(helper, "_queue", None)
 
-    def trace() -> None:
+    def prepare() -> None:
+        copy.get_concrete_function()
+        if lock is not None and queue is not None:
+            with lock:  # no save copies meanwhile; the write in flight reads the copies: wait for it first
+                queue.join()
+                copy()
+
+    def run() -> None:
         try:
             if strategy is None:
-                copy.get_concrete_function()
+                prepare()
             else:
                 with strategy.scope():
-                    copy.get_concrete_function()
+                    prepare()
         except Exception:  # noqa: BLE001 - a speed-up only: the next save traces it as TensorFlow would
             pass
 
-    thread = threading.Thread(target=trace, name="keras_scale-checkpoint-trace", daemon=True)
+    thread = threading.Thread(target=run, name="keras_scale-checkpoint-trace", daemon=True)
     thread.start()
     return thread
 
@@ -181,6 +192,7 @@ class WarmupMixin:
 
     _warmup: Any = None  # None: not started in this fit; False: nothing to touch; else the thread
     _copy_trace: Any = None  # async_save: (the tf.train.Checkpoint, the thread tracing its writer's copy function)
+    _copy_lock = threading.Lock()  # async saves copy only with it (one per process: saves of two fits never overlap)
 
     def _trace_async_copy_once(self) -> None:
         """After an async save: trace the copy function the next one calls, off the training thread (once per
@@ -190,7 +202,7 @@ class WarmupMixin:
                 self._copy_trace is not None and self._copy_trace[0] is checkpoint):
             return
         try:
-            thread = trace_async_copy(checkpoint)
+            thread = trace_async_copy(checkpoint, self._copy_lock)
         except Exception:  # noqa: BLE001 - a speed-up only
             thread = None
         self._copy_trace = (checkpoint, thread)
