@@ -16,9 +16,11 @@ slow down, or after the first step for a model whose optimizers are built there.
 
 The second one-time cost is ``async_save=True``'s: TensorFlow's async checkpoint copies the variables to host memory
 eagerly at the first save and through a ``tf.function`` (``_copy_to_cpu``, converted by autograph) from the second
-on, so the second save traced it on the training thread (a 15 KB model: 0.23-0.49 s blocked, the other saves 4-130
-ms). :func:`trace_async_copy` traces it in a daemon thread right after the first save; the second save then calls
-the traced function (a save that comes before the trace is done waits for it, it never traces twice).
+on, so the second save traced it, set it up in TensorFlow's runtime at its first run, and paid the full garbage
+collection the trace's garbage set off, all on the training thread (a 15 KB model: a median 397 ms blocked, 45x the
+median save; ``benchmarks/save_blocking.py --async-save``). :func:`trace_async_copy` does both in a daemon thread
+right after the first save (the second save: 4 ms, 1.35x); a save that comes before it is done waits for it, and
+the function is never traced twice.
 
 Example:
     thread = warm_memory(planned_bytes(checkpoint_nbytes(variables), max_to_keep=3, available=available_bytes()))
