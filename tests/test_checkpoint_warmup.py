@@ -126,3 +126,45 @@ def test_a_failure_while_planning_never_stops_the_fit(tmp_path, monkeypatch):
     fit(model, [ks.ChiefCheckpoint(str(tmp_path / "ck"), save_freq=5)], epochs=1)
     for a, b in zip(weights(model), weights(reference)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _async_copy_function(ckpt):
+    """TensorFlow's async writer's copy function (a tf.function), once the first async save initialized it."""
+    helper = getattr(ckpt._checkpoint, "_async_checkpointer_impl", None)
+    return helper._copy_to_cpu if getattr(helper, "_initialized", False) else None
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_no_async_save_traces_tensorflows_copy_function_on_the_training_thread(tmp_path, replicas, request):
+    """TensorFlow's async checkpoint copies the variables eagerly at the first save and through a tf.function from
+    the second on: traced there, on the training thread, with the full garbage collection its garbage set off, the
+    second save blocked 45x the median save (0.4 s for a 15 KB model; benchmarks/save_blocking.py --async-save). It
+    is traced in a background thread after the first save: no save traces it, and the saves still hold the state
+    (the resume test below reads them back)."""
+    strategy = request.getfixturevalue("mirrored") if replicas == 2 else None
+    ckpt = ks.ChiefCheckpoint(str(tmp_path / "ck"), async_save=True)
+    traced_in_save = []
+    real = ckpt._save
+
+    def save(*args):
+        copy = _async_copy_function(ckpt)
+        started = getattr(ckpt, "_copy_trace", None)
+        if started and started[1] is not None:
+            started[1].join(timeout=120)  # (the background trace is not timed here: only what the save itself does)
+        before = copy.experimental_get_tracing_count() if copy is not None else None
+        try:
+            return real(*args)
+        finally:
+            if before is not None:
+                traced_in_save.append(_async_copy_function(ckpt).experimental_get_tracing_count() - before)
+
+    ckpt._save = save  # (ChiefCheckpoint calls self._save)
+    model = make_model(strategy=strategy)
+    fit(model, [ckpt], epochs=4)
+    assert len(traced_in_save) == 3, traced_in_save  # the saves after the first (epochs 2-4: the last at train end)
+    assert traced_in_save == [0, 0, 0]
+    assert _async_copy_function(ckpt).experimental_get_tracing_count() == 1  # traced once, in the background
+    resumed = make_model(strategy=strategy)
+    fit(resumed, [ks.ChiefCheckpoint(str(tmp_path / "ck"))], epochs=4)  # a completed run: its final state back
+    np.testing.assert_array_equal(np.concatenate([w.ravel() for w in weights(resumed)]),
+                                  np.concatenate([w.ravel() for w in weights(model)]))

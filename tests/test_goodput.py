@@ -252,7 +252,10 @@ def test_table_tensorboard_and_ks_fit_default(tmp_path, capsys):
     events = glob.glob(str(tmp_path / "tb" / "train" / "events.*"))
     assert events
     tags = {v.tag for path in events for e in tf.compat.v1.train.summary_iterator(path) for v in e.summary.value}
-    assert {"goodput/goodput", "goodput/input_wait_fraction", "goodput/checkpoint_s"} <= tags
+    assert {"goodput/goodput", "goodput/input_wait_s", "goodput/checkpoint_s"} <= tags
+    # one tag per quantity: the input wait once, in seconds like the other time parts (its fraction is History's)
+    assert [t for t in tags if t.startswith("goodput/input_wait")] == ["goodput/input_wait_s"], sorted(tags)
+    assert "goodput_input_wait_fraction" in history.history
 
 
 # --- 2 replicas, 2 workers -------------------------------------------------------------------------------------

@@ -657,7 +657,9 @@ class Goodput(keras.callbacks.Callback):
     ``flops_per_step``, ``tflops_per_s`` (while stepping), ``mfu`` and ``peak_flops``. Each epoch adds
     ``goodput``, ``goodput_input_wait_fraction``, ``goodput_samples_per_s``, ``goodput_tflops_per_s`` and ``goodput_mfu``
     (those known) to the ``History`` that ``fit`` returns (at its end, not to the epoch logs), and with ``log_dir``
-    the chief writes ``goodput/...`` scalars.
+    the chief writes ``goodput/...`` scalars, one tag per quantity: ``goodput/goodput``, ``goodput/samples_per_s``,
+    ``goodput/tflops_per_s``, ``goodput/mfu`` and each time part in seconds (``goodput/input_wait_s``, ...; the
+    input wait's fraction is History's only).
     Under ``keras-scale launch --max-restarts`` the summary also holds ``restarts``, ``restart_lost_s`` and
     ``restart_redone_steps``, read from the launcher's restart record (:mod:`keras_scale.heartbeat_file`).
     The chief prints a table at the end of fit (unless ``fit(verbose=0)``).
@@ -848,7 +850,11 @@ class Goodput(keras.callbacks.Callback):
                    "goodput_mfu": summary["mfu"]}
         figures = {k: float(v) for k, v in figures.items() if v is not None}
         self._figures.add(figures)  # History gets them at the end of fit; the epoch logs stay Keras's
-        scalars = {f"goodput/{k[len('goodput_'):] if k.startswith('goodput_') else k}": v for k, v in figures.items()}
+        # TensorBoard: one tag per quantity. The input wait is a time part like the others, goodput/input_wait_s
+        # (in seconds, beside productive_s, compile_s, ...); its share of the epoch stays History's
+        # goodput_input_wait_fraction and is not a second chart of the same wait.
+        scalars = {f"goodput/{k[len('goodput_'):] if k.startswith('goodput_') else k}": v for k, v in figures.items()
+                   if k != "goodput_input_wait_fraction"}
         scalars.update({f"goodput/{c}": float(summary[c]) for c in CATEGORIES})
         self._scalars.write(scalars, step=epoch)
         events.record("epoch", training_state.iterations(self.model), log_dir=self.log_dir, epoch=epoch,

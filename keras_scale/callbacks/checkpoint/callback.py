@@ -769,6 +769,8 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
             self.blocked_s += time.perf_counter() - started
         if path:
             events.record("checkpoint", self._global_step, path=path, directory=self.directory, epoch=epoch, step_in_epoch=step_in_epoch, blocked_s=time.perf_counter() - started, async_save=self.async_save, preemption=self._preempting)
+            if self.async_save:  # the next save's copy function, traced in a background thread (warmup.py); started
+                self._trace_async_copy_once()  # last: the trace holds the GIL ~0.1-0.3 s, TF's steps mostly do not
         return path
 
     def _state_poisoned(self) -> bool:
@@ -813,7 +815,11 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
                 if final:
                     completed["final_weights"] = final
             self._run_config_var.assign(self._run_config_json(completed))
-            path = self._manager.save(checkpoint_number=self._global_step, options=self._options)
+            if self.async_save:
+                with self._copy_lock:  # (the background trace's one run of the copy is done: warmup.py)
+                    path = self._manager.save(checkpoint_number=self._global_step, options=self._options)
+            else:
+                path = self._manager.save(checkpoint_number=self._global_step, options=self._options)
             self._last_saved_step = self._global_step
             self._last_saved_prefix = path
             self._last_saved_completed = completed is not None
