@@ -152,7 +152,11 @@ def test_no_new_circle_of_imports(graph):
     assert not gone, f"circles broken, well done: remove {gone} from ALLOWED_CIRCLES in tests/test_lint.py"
 
 
-STEP_AND_WRAP = ("step", "accumulation", "auto_accum", "deferred_update", "state", "lifecycle", "epoch_logs")
+# the composed step is a package: each of its parts (keras_scale/step/*.py) is checked on its own too
+STEP_PARTS = tuple(sorted(f"step.{name[:-3]}" for name in os.listdir(os.path.join(PACKAGE, "step"))
+                          if name.endswith(".py") and name != "__init__.py"))
+STEP_AND_WRAP = ("step", "accumulation", "auto_accum", "deferred_update", "state", "lifecycle", "epoch_logs") \
+    + STEP_PARTS
 
 
 @pytest.mark.parametrize("module", STEP_AND_WRAP)
