@@ -1,12 +1,12 @@
 """THE ORDER of the composed train step: the one file to read for what happens in a step, and in which order.
 
-Each line of :meth:`TrainStepMixin.train_step` hands over to one part (the module that holds it in brackets)::
+Each line of :meth:`TrainStepMixin.train_step` hands over to one part (the module that holds it on the right)::
 
-    snapshot  what a skipped step puts back (BatchNorm statistics, logged numbers)        apply.py
+    snapshot       what a skipped step puts back (BatchNorm statistics, logged numbers)   apply.py
     1. accumulate  split the batch, forward+backward per micro-batch, sum               accumulate.py
                    (a split batch's losses, logged once)                                logs.py
     2. reduce      ONE all-reduce: gradients, loss flag, normaliser (gradient norms)    reduce.py
-       (no guard: apply and return)                                                     apply.py
+                   (no guard: apply, return the logs)                                   apply.py
     3. guard       decide bad/good on reduced values; what a bad step records           guard.py
     4. apply       the update, or skip it and put the snapshot back                     apply.py
     5. logs        the metrics' results (NaN while no step was taken) + nan_skipped     logs.py
