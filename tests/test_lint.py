@@ -152,7 +152,11 @@ def test_no_new_circle_of_imports(graph):
     assert not gone, f"circles broken, well done: remove {gone} from ALLOWED_CIRCLES in tests/test_lint.py"
 
 
-STEP_AND_WRAP = ("step", "accumulation", "auto_accum", "deferred_update", "state", "lifecycle", "epoch_logs")
+# the composed step is a package: each of its parts (keras_scale/step/*.py) is checked on its own too
+STEP_PARTS = tuple(sorted(f"step.{name[:-3]}" for name in os.listdir(os.path.join(PACKAGE, "step"))
+                          if name.endswith(".py") and name != "__init__.py"))
+STEP_AND_WRAP = ("step", "accumulation", "auto_accum", "deferred_update", "state", "lifecycle", "epoch_logs") \
+    + STEP_PARTS
 
 
 @pytest.mark.parametrize("module", STEP_AND_WRAP)
@@ -168,3 +172,16 @@ def test_the_step_and_wrap_import_no_callback(graph, module):
             todo.append(t)
     callbacks = sorted(m for m in seen if m.startswith("keras_scale.callbacks"))
     assert not callbacks, "\n".join(" -> ".join(path[m]) for m in callbacks)
+
+
+STEP_SHARED = {"keras_scale.step.numerics", "keras_scale.step.model_checks", "keras_scale.step.optimizer_switches"}
+
+
+def test_the_step_parts_meet_on_the_step_not_through_imports(graph):
+    """Each part of the composed step (``keras_scale/step/*.py``) reads alone: it imports no other part nor
+    ``composed`` (the parts meet on ``self``), only what they share; ``composed`` alone assembles them."""
+    modules = {f"keras_scale.{m}" for m in STEP_PARTS}
+    assert STEP_SHARED <= modules and "keras_scale.step.train_step" in modules
+    problems = [f"{m} -> {t}" for m in sorted(modules - {"keras_scale.step.composed"})
+                for t in sorted(graph[m] & (modules - STEP_SHARED))]
+    assert not problems, "a part imports another part (call it through self instead):\n" + "\n".join(problems)
