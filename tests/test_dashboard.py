@@ -359,6 +359,7 @@ def test_no_gpu_note_says_why(tmp_path):
 def test_rollback_lr_cut_oom_resplit_and_resume_reach_the_loss_curve(tmp_path):
     from tests import test_auto_accum as auto
     from tests import test_nan_guard as nan
+    from tests._helpers import linspace_mlp
 
     logdir, run = str(tmp_path), str(tmp_path / "incidents")
     # an OOM re-split of accum="auto" (a layer that raises ResourceExhaustedError above 4 samples per call)
@@ -367,7 +368,7 @@ def test_rollback_lr_cut_oom_resplit_and_resume_reach_the_loss_curve(tmp_path):
     changes = model._keras_scale_auto.changes
     # two rollbacks to NanGuard's in-memory snapshot, at two poisoned batches (tests/test_nan_guard.py)
     x, y = nan._data(n=256)
-    model = nan._model()
+    model = linspace_mlp()
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
     guard = ks.NanGuard(policy="rollback", max_consecutive=1, lr_factor=0.5, snapshot_every_n_steps=5, verbose=0,
                         log_dir=run)
