@@ -271,7 +271,7 @@ def test_a_directory_in_place_of_the_state_file_is_moved_aside_and_the_run_resum
     assert "is a directory" in out and "ckpt-12" in out, out
     assert not [r.getMessage() for r in records if "checkpoint" in r.getMessage()], [r.getMessage() for r in records]
     ckpt = ks.ChiefCheckpoint(directory, save_freq=4, max_to_keep=3)
-    with pytest.warns(RuntimeWarning, match="is a directory.*moves it aside to 'checkpoint.invalid'"):
+    with pytest.warns(RuntimeWarning, match="is a directory.*this start moves it aside to 'checkpoint.invalid'"):
         fit(make_model(), [ckpt, StopAfter(13)], epochs=2)
     assert os.path.basename(ckpt.restored_from) == "ckpt-12"
     assert os.path.isdir(os.path.join(state_file + ".invalid", "inside"))

@@ -72,8 +72,9 @@ def _indexed(directory: str) -> Dict[int, str]:
     return found
 
 
-def _scan(directory: str) -> Tuple[List[Tuple[int, str]], List[str], bool]:
-    """``(candidates newest first, problems, from_state_file)``.
+def _scan(directory: str, at_start: bool = False) -> Tuple[List[Tuple[int, str]], List[str], bool]:
+    """``(candidates newest first, problems, from_state_file)``. The problems say what the next ChiefCheckpoint
+    start does about each (``at_start``: what this start, the one reporting them, does).
 
     The ``checkpoint`` state file (updated by TensorFlow only after a write completed) decides which checkpoints
     count. Entries naming files outside ``directory``, or links out of it, are ignored; entries whose ``.index``
@@ -109,15 +110,18 @@ def _scan(directory: str) -> Tuple[List[Tuple[int, str]], List[str], bool]:
         newest = max(found)
         newer, torn = _newer_than(directory, newest)
         problems.extend(f"{p!r} is newer than the newest checkpoint the state file records but fails its check "
-                        f"({why}): a write cut short, removed at the next start" for p, why in torn)
+                        f"({why}): a write cut short, {'removed now' if at_start else 'removed at the next start'}"
+                        for p, why in torn)
         if newer:
             found.update(newer)
             problems.append(
                 f"the state file {state_file!r} names {_NAME}-{newest} as the newest checkpoint, but the complete "
                 f"{', '.join(f'{_NAME}-{n}' for n in sorted(newer))} {'is' if len(newer) == 1 else 'are'} newer "
-                "(written, then killed before being recorded, or an older copy of the state file): adopted -- a "
-                "resume starts from the newest that loads, and the next start records them. To resume from an older "
-                "checkpoint, move the newer ones out of the directory")
+                "(written, then killed before being recorded, or an older copy of the state file): adopted -- "
+                + ("this start resumes from the newest that loads and rewrites the state file to list them"
+                   if at_start else "a resume starts from the newest that loads, and the next start rewrites the "
+                   "state file to list them")
+                + ". To resume from an older checkpoint, move the newer ones out of the directory")
     else:
         found = _indexed(directory)
         if listed and found:
@@ -125,14 +129,47 @@ def _scan(directory: str) -> Tuple[List[Tuple[int, str]], List[str], bool]:
                             "directory")
         elif garbled:  # TensorFlow logs a parse error and ignores the file: its checkpoints would never rotate
             what = "is a directory, not a file" if _state_file_is_dir(directory) else "cannot be parsed"
-            problems.append(f"the state file {state_file!r} {what} (the "
-                            "next ChiefCheckpoint start moves it aside to 'checkpoint.invalid'); found "
-                            f"{len(found)} checkpoint(s) by scanning the directory")
+            problems.append(f"the state file {state_file!r} {what} ("
+                            + ("this start moves it aside to 'checkpoint.invalid'" if at_start else
+                               "the next ChiefCheckpoint start moves it aside to 'checkpoint.invalid'")
+                            + f"); found {len(found)} checkpoint(s) by scanning the directory")
         elif found and not listed:
             problems.append(f"the state file {state_file!r} is missing; found {len(found)} checkpoint(s) by "
-                            "scanning the directory (the next ChiefCheckpoint start writes a new state file listing "
-                            f"the newest of them)")
+                            "scanning the directory ("
+                            + ("this start writes" if at_start else "the next ChiefCheckpoint start writes")
+                            + " a new state file listing the newest of them)")
     return sorted(found.items(), reverse=True), problems, from_state
+
+
+def _names_only(directory: str, prefixes: "set") -> bool:
+    """The state file parses and every entry it names is one of ``prefixes`` (this directory's checkpoints)."""
+    listed, garbled = _listed_names(directory)
+    if garbled or not listed:
+        return False
+    for p in listed:
+        name = os.path.basename(p.rstrip("/"))
+        if not (_inside(directory, p) or _inside(directory, os.path.join(directory, p))):
+            return False
+        if os.path.join(directory, name) not in prefixes:
+            return False
+    return True
+
+
+_MOVED_ASIDE_RE = re.compile(r"^checkpoint\.invalid(\.\d+)?$")
+
+
+def moved_aside(directory: str) -> List[str]:
+    """State files an earlier ChiefCheckpoint start moved aside (``checkpoint.invalid``, ``checkpoint.invalid.1``,
+    ...): unparseable, a directory, or naming other places or missing files. Nothing reads or removes them.
+
+    Example:
+        moved_aside("ckpt")   # ['ckpt/checkpoint.invalid']
+    """
+    try:
+        names = [n.rstrip("/") for n in tf.io.gfile.listdir(directory)]
+    except (tf.errors.OpError, OSError):
+        return []
+    return sorted(os.path.join(directory, n) for n in names if _MOVED_ASIDE_RE.match(n))
 
 
 def _newer_than(directory: str, newest: int) -> Tuple[Dict[int, str], List[Tuple[str, str]]]:
@@ -171,9 +208,10 @@ def _verified(prefix: str) -> Optional[str]:
 
 
 def unlisted_checkpoints(directory: str) -> List[Tuple[int, str]]:
-    """``(number, prefix)`` of complete checkpoints older than the newest candidate that no resume uses: not in the
-    state file (kept forever by ``keep_every_n_hours``, left by an earlier run, or retired by a rotation a kill cut
-    short -- those are also in :func:`orphans`, removed at the next start). Newest first.
+    """``(number, prefix)`` of complete checkpoints older than the newest candidate that no resume uses and that the
+    next start keeps: not in the state file (kept forever by ``keep_every_n_hours``, or left by an earlier run).
+    Checkpoints a rotation was deleting when a kill cut it short (named in ``checkpoint.retiring``) are not among
+    them: they are :func:`orphans`, which the next start deletes. Newest first.
 
     Example:
         unlisted_checkpoints("ckpt")   # [(100, 'ckpt/ckpt-100')]
@@ -183,8 +221,10 @@ def unlisted_checkpoints(directory: str) -> List[Tuple[int, str]]:
     candidates = {n for n, _ in _scan(directory)[0]}
     if not candidates:
         return []
+    retiring, _ = _retiring(directory)
     return sorted(((n, p) for n, p in _indexed(directory).items()
-                   if n not in candidates and n < max(candidates) and _io.is_complete(p)), reverse=True)
+                   if n not in candidates and n < max(candidates) and os.path.basename(p) not in retiring
+                   and _io.is_complete(p)), reverse=True)
 
 
 def _retiring(directory: str) -> Tuple[List[str], bool]:
@@ -430,7 +470,7 @@ class DirectoryMixin:
     def _report_directory_problems(self) -> None:
         if not self._chief:
             return
-        _, problems, _ = _scan(self.directory)
+        _, problems, _ = _scan(self.directory, at_start=True)
         if problems:
             warnings.warn(f"ChiefCheckpoint: {self.directory!r}: " + "; ".join(problems) + ".", RuntimeWarning,
                           stacklevel=3)
@@ -438,8 +478,9 @@ class DirectoryMixin:
     def _sanitize_state_file(self) -> None:
         """The CheckpointManager deletes what the state file lists: make it list only this directory's real
         checkpoints (a state file naming other places, or only missing files, is rewritten; the original is kept
-        as ``checkpoint.invalid``), the complete ones newer than it names included (adopted), and write one when it
-        is missing but checkpoints are there (the newest ``max_to_keep`` become its list, rotated as usual)."""
+        as ``checkpoint.invalid``), the complete ones newer than it names included (adopted: the old file named
+        only real checkpoints, all still listed, so no copy of it is kept), and write one when it is missing but
+        checkpoints are there (the newest ``max_to_keep`` become its list, rotated as usual)."""
         state_file = os.path.join(self.directory, "checkpoint")
         exists = tf.io.gfile.exists(state_file)
         candidates, problems, from_state = _scan(self.directory)
@@ -449,6 +490,8 @@ class DirectoryMixin:
             candidates = candidates[: self.max_to_keep]
         kept = sorted(candidates)
         names = [os.path.basename(p) for _, p in kept]
+        if exists and from_state and _names_only(self.directory, {p for _, p in kept}):
+            exists = False  # stale, not wrong: every entry is still listed; nothing worth keeping a copy of
         aside, n = state_file + ".invalid", 1
         while tf.io.gfile.isdir(aside) or (_state_file_is_dir(self.directory) and tf.io.gfile.exists(aside)):
             aside, n = f"{state_file}.invalid.{n}", n + 1  # (an earlier one is never overwritten by a directory)
