@@ -120,7 +120,7 @@ def load_checkpoint(model: keras.Model, path: Union[str, os.PathLike], step: Opt
         prefix = resolve_checkpoint(path, step)
         try:
             return _load_model_weights(model, variables, prefix)
-        except (tf.errors.NotFoundError, FileNotFoundError) as e:
+        except Exception as e:  # noqa: BLE001 - NotFoundError, or the data file gone before its first read
             if not is_dir or not _gone(prefix):
                 raise
             tried.append(os.path.basename(prefix))
