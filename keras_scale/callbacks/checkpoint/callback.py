@@ -390,6 +390,8 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         self._remove_stale_final()
         peek = self._peek_newest() if self.restore and list_checkpoints(self.directory) else None
         mode, self._completed_record = self._decide_start(peek)
+        if not self.restore:
+            self._start_fresh_beside_checkpoints()  # numbered after them, warned: they rotate out (directory.py)
         if mode == "new":  # a new run from the model as it is, numbered after the newest checkpoint
             self._global_step = self._last_saved_step = peek.number
             self._best = []

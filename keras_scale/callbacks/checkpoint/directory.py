@@ -467,6 +467,30 @@ class DirectoryMixin:
                 out.append(os.path.join(best_dir, name))
         return out
 
+    def _start_fresh_beside_checkpoints(self) -> None:
+        """``restore=False`` in a directory that holds checkpoints: this new run's are numbered after the newest
+        (so a later rerun resumes this run, never the older one), and the chief warns that they rotate the older
+        ones out, naming them (a completed run's included) and how to keep them: another directory."""
+        found = list_checkpoints(self.directory)
+        if not found:
+            return
+        newest, prefix = found[0]
+        self._global_step = self._last_saved_step = newest
+        if not self._chief:
+            return
+        from keras_scale.callbacks.checkpoint.export import _completed
+
+        done = _completed(prefix)
+        what = (f"a completed run (completed at epoch {done['epoch']}, {os.path.basename(prefix)})" if done
+                else "an earlier run")
+        names = ", ".join(os.path.basename(p) for _, p in sorted(found))
+        warnings.warn(
+            f"ChiefCheckpoint(restore=False): {self.directory!r} holds the checkpoints of {what}: {names}. This fit "
+            f"starts a new run from the model as it is; its checkpoints are numbered after {_NAME}-{newest} and, with "
+            f"max_to_keep={self.max_to_keep}, its saves rotate those out (after {self.max_to_keep} save(s) none of "
+            "them is left; a rerun then resumes this new run). To keep them, give this run another directory "
+            "(or copy them elsewhere first).", RuntimeWarning, stacklevel=3)
+
     def _report_directory_problems(self) -> None:
         if not self._chief:
             return
