@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Tuple
 
 import tensorflow as tf
 
-from keras_scale.callbacks.checkpoint.names import _BEST_DIR, _INDEX_RE, _NAME, _PREFIX_RE
+from keras_scale.callbacks.checkpoint.names import _BEST_DIR, _INDEX_RE, _NAME, _PREFIX_RE, _RUN_CONFIG_KEY
 from keras_scale.storage import _is_local
 from keras_scale.callbacks.checkpoint import format as _io
 from keras_scale.callbacks.checkpoint.format import remove_entry
@@ -170,6 +170,26 @@ def moved_aside(directory: str) -> List[str]:
     except (tf.errors.OpError, OSError):
         return []
     return sorted(os.path.join(directory, n) for n in names if _MOVED_ASIDE_RE.match(n))
+
+
+def completed_record(prefix: str) -> Optional[Dict[str, object]]:
+    """``{"epoch", "reason", "prefix"}`` when checkpoint ``prefix`` records that its run completed (the record
+    ChiefCheckpoint writes in a run's last checkpoint, read as a rerun reads it: a damaged record counts as none),
+    else ``None``. ``reason``: ``"epochs"`` (all its epochs trained) or ``"early_stopping"``.
+
+    Example:
+        completed_record("ckpt/ckpt-30")   # {'epoch': 3, 'reason': 'epochs', 'prefix': 'ckpt/ckpt-30'}
+    """
+    try:
+        reader = _io.read_checkpoint(prefix)
+        raw = reader.get_tensor(_RUN_CONFIG_KEY) if reader.has_tensor(_RUN_CONFIG_KEY) else b""
+        config = json.loads(raw.decode() if isinstance(raw, bytes) else raw) if raw else {}
+        done = config.get("completed") if isinstance(config, dict) else None
+        if isinstance(done, dict):
+            return {"epoch": int(done["epoch"]), "reason": str(done.get("reason", "epochs")), "prefix": prefix}
+    except Exception:  # noqa: BLE001 - unreadable or a damaged record: none (as boundaries._Peek reads it)
+        pass
+    return None
 
 
 def _newer_than(directory: str, newest: int) -> Tuple[Dict[int, str], List[Tuple[str, str]]]:
@@ -478,9 +498,7 @@ class DirectoryMixin:
         self._global_step = self._last_saved_step = newest
         if not self._chief:
             return
-        from keras_scale.callbacks.checkpoint.export import _completed
-
-        done = _completed(prefix)
+        done = completed_record(prefix)
         what = (f"a completed run (completed at epoch {done['epoch']}, {os.path.basename(prefix)})" if done
                 else "an earlier run")
         names = ", ".join(os.path.basename(p) for _, p in sorted(found))

@@ -273,7 +273,8 @@ def describe_directory(directory: str) -> Dict[str, Any]:
         describe_directory("ckpt")["resumes"]   # 'ckpt/ckpt-300'
     """
     from keras_scale.callbacks.checkpoint.best import BEST_JSON, ranked_in_best
-    from keras_scale.callbacks.checkpoint.directory import _retiring, _verified, moved_aside, unlisted_checkpoints
+    from keras_scale.callbacks.checkpoint.directory import (_retiring, _verified, completed_record, moved_aside,
+                                                            unlisted_checkpoints)
 
     found, problems, _ = _scan(directory)
     problems = list(problems)
@@ -304,25 +305,8 @@ def describe_directory(directory: str) -> Dict[str, Any]:
     retired = sorted({os.path.join(directory, name) for name in retiring
                       if any(os.path.basename(p).startswith(name + ".") for p in left)})
     return {"directory": directory, "checkpoints": rows, "resumes": resumes,
-            "completed": _completed(resumes) if resumes else None, "unlisted": unlisted, "best": best,
+            "completed": completed_record(resumes) if resumes else None, "unlisted": unlisted, "best": best,
             "problems": problems, "orphans": left, "retired": retired, "moved_aside": moved_aside(directory)}
-
-
-def _completed(prefix: str) -> Optional[Dict[str, Any]]:
-    """``{"epoch", "reason", "prefix"}`` when checkpoint ``prefix`` records that its run completed (the record
-    ChiefCheckpoint writes in a run's last checkpoint; read as a rerun reads it), else ``None``."""
-    from keras_scale.callbacks.checkpoint.boundaries import _json, _Peek
-    from keras_scale.callbacks.checkpoint.names import _RUN_CONFIG_KEY
-
-    try:
-        reader = read_checkpoint(prefix)
-        config = _json(reader.get_tensor(_RUN_CONFIG_KEY)) if reader.has_tensor(_RUN_CONFIG_KEY) else {}
-    except Exception:  # noqa: BLE001 - unreadable: no record (the resume point was verified; this is a race)
-        return None
-    done = _Peek(0, prefix, config, {}, _position(prefix)).completed(None)
-    if done is None:
-        return None
-    return {"epoch": done["epoch"], "reason": done["reason"], "prefix": prefix}
 
 
 def _human(num_bytes: int) -> str:
