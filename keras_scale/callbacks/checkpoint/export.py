@@ -416,7 +416,8 @@ def cli(args: Any) -> int:
                     else "")
             say(f"  the run completed at epoch {done['epoch']} ({how}): a rerun (on_completed='restore', the "
                 f"default) restores its final state from {_NAME}-{done['prefix'].rsplit('-', 1)[1]} and trains 0 "
-                f"epochs{more}; on_completed='restart' or another directory trains anew")
+                f"epochs (with another learning rate it stops: RunCompletedError){more}; on_completed='restart' or "
+                "another directory trains anew")
         for row in info["checkpoints"]:
             where = saved_at(row["epoch"], row["step_in_epoch"]) if "epoch" in row else "position unknown"
             if row["prefix"] == info["resumes"] and done:
