@@ -271,7 +271,7 @@ def test_a_directory_in_place_of_the_state_file_is_moved_aside_and_the_run_resum
     assert "is a directory" in out and "ckpt-12" in out, out
     assert not [r.getMessage() for r in records if "checkpoint" in r.getMessage()], [r.getMessage() for r in records]
     ckpt = ks.ChiefCheckpoint(directory, save_freq=4, max_to_keep=3)
-    with pytest.warns(RuntimeWarning, match="is a directory.*moves it aside to 'checkpoint.invalid'"):
+    with pytest.warns(RuntimeWarning, match="is a directory.*this start moves it aside to 'checkpoint.invalid'"):
         fit(make_model(), [ckpt, StopAfter(13)], epochs=2)
     assert os.path.basename(ckpt.restored_from) == "ckpt-12"
     assert os.path.isdir(os.path.join(state_file + ".invalid", "inside"))
@@ -332,7 +332,7 @@ def test_pattern_characters_in_the_path_are_plain_characters(tmp_path, name, asy
     fit(model, [ckpt])
     assert ckpt.restored_from == os.path.join(directory, "ckpt-16")
     assert_same(weights(model), weights(reference))
-    assert "a resumed fit starts here" in _ls(directory)
+    assert "the completed run's final state" in _ls(directory)  # (the rerun completed the run)
     ks.load_checkpoint(make_model(), directory)
 
 

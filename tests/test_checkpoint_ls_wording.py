@@ -26,8 +26,9 @@ def three_epoch_run(tmp_path_factory):
 def test_ls_says_the_end_of_the_last_epoch_and_where_a_resume_continues(three_epoch_run, capsys):
     assert main(["checkpoint", "ls", str(three_epoch_run / "ckpt")]) == 0
     out = capsys.readouterr().out
-    newest = next(line for line in out.splitlines() if "a resumed fit starts here" in line)
-    assert "saved at the end of epoch 3" in newest and "continues at epoch 4, batch 1" in newest, out
+    newest = next(line for line in out.splitlines() if "<-" in line)  # the run completed there: said, and what next
+    assert "saved at the end of epoch 3" in newest and "the completed run's final state" in newest, out
+    assert "completed at epoch 3" in out and "with a larger epochs= it continues at epoch 4" in out, out
     assert "epoch 4" not in newest.split("<-")[0], out
 
 

@@ -106,7 +106,9 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
             classes). ``"weights_only"``: load only the newest checkpoint's model weights and train with fresh
             optimizer state from epoch 0 (e.g. after changing the optimizer); this run's checkpoints are numbered
             after it and record it, so a rerun after an interruption (same optimizer classes and learning rate)
-            resumes this run in full. ``False``: start fresh.
+            resumes this run in full. ``False``: start a new run from the model as it is; in a directory holding
+            checkpoints (a finished run's too) its checkpoints are numbered after the newest and its saves rotate
+            the older ones out (a ``RuntimeWarning`` at ``fit`` start names them; keep them: another directory).
         keep_every_n_hours: additionally keep one checkpoint per this many hours forever (``None``: off).
         keep_best_k: additionally keep the ``k`` best epoch-end checkpoints by ``monitor`` in ``directory/best``
             (0: off).
@@ -390,6 +392,8 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         self._remove_stale_final()
         peek = self._peek_newest() if self.restore and list_checkpoints(self.directory) else None
         mode, self._completed_record = self._decide_start(peek)
+        if not self.restore:
+            self._start_fresh_beside_checkpoints()  # numbered after them, warned: they rotate out (directory.py)
         if mode == "new":  # a new run from the model as it is, numbered after the newest checkpoint
             self._global_step = self._last_saved_step = peek.number
             self._best = []

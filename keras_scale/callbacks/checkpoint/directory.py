@@ -10,11 +10,11 @@ import time
 import shutil
 import tempfile
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import tensorflow as tf
 
-from keras_scale.callbacks.checkpoint.names import _BEST_DIR, _INDEX_RE, _NAME, _PREFIX_RE
+from keras_scale.callbacks.checkpoint.names import _BEST_DIR, _INDEX_RE, _NAME, _PREFIX_RE, _RUN_CONFIG_KEY
 from keras_scale.storage import _is_local
 from keras_scale.callbacks.checkpoint import format as _io
 from keras_scale.callbacks.checkpoint.format import remove_entry
@@ -45,13 +45,45 @@ def _state_file_is_dir(directory: str) -> bool:
     return tf.io.gfile.isdir(os.path.join(directory, "checkpoint"))
 
 
+def _checkpoint_state(directory: str) -> Any:
+    """``tf.train.get_checkpoint_state(directory)``, read in one piece. TensorFlow's reader takes the file's size
+    and then opens it by name, so a state file replaced (renamed over) in between is read torn (the old size of the
+    new file): "Checkpoint ignored", or ``tf.train.latest_checkpoint`` returning ``None`` beside a training run
+    (TensorFlow's ``read_file_to_string`` tore 51 of 118,491 reads while a thread renamed files of 100 and 300 bytes
+    over it; Python's ``open`` none). A local file is read
+    here through one open file instead, and parsed as TensorFlow does. ``None`` when missing or unparseable."""
+    if not _is_local(directory):
+        return tf.train.get_checkpoint_state(directory)
+    from google.protobuf import text_format
+    from tensorflow.python.checkpoint.checkpoint_management import CheckpointState
+
+    try:
+        with open(os.path.join(directory, "checkpoint"), "rb") as f:
+            content = f.read()
+    except OSError:
+        return None
+    state = CheckpointState()
+    try:
+        text_format.Merge(content.decode("utf-8"), state)
+    except (text_format.ParseError, UnicodeDecodeError):
+        return None
+    if not state.model_checkpoint_path:
+        return None
+    if not os.path.isabs(state.model_checkpoint_path):
+        state.model_checkpoint_path = os.path.join(directory, state.model_checkpoint_path)
+    for i, p in enumerate(state.all_model_checkpoint_paths):
+        if not os.path.isabs(p):
+            state.all_model_checkpoint_paths[i] = os.path.join(directory, p)
+    return state
+
+
 def _listed_names(directory: str) -> Tuple[List[str], bool]:
     """``(entries of the state file, the file exists but cannot be parsed)``; a directory in its place is such a
     file (never handed to TensorFlow)."""
     if _state_file_is_dir(directory):
         return [], True
     try:
-        state = tf.train.get_checkpoint_state(directory)
+        state = _checkpoint_state(directory)
     except Exception:  # noqa: BLE001 - a torn/garbled state file: fall back to scanning
         state = None
     listed = list(state.all_model_checkpoint_paths) if state is not None else []
@@ -72,8 +104,9 @@ def _indexed(directory: str) -> Dict[int, str]:
     return found
 
 
-def _scan(directory: str) -> Tuple[List[Tuple[int, str]], List[str], bool]:
-    """``(candidates newest first, problems, from_state_file)``.
+def _scan(directory: str, at_start: bool = False) -> Tuple[List[Tuple[int, str]], List[str], bool]:
+    """``(candidates newest first, problems, from_state_file)``. The problems say what the next ChiefCheckpoint
+    start does about each (``at_start``: what this start, the one reporting them, does).
 
     The ``checkpoint`` state file (updated by TensorFlow only after a write completed) decides which checkpoints
     count. Entries naming files outside ``directory``, or links out of it, are ignored; entries whose ``.index``
@@ -109,15 +142,18 @@ def _scan(directory: str) -> Tuple[List[Tuple[int, str]], List[str], bool]:
         newest = max(found)
         newer, torn = _newer_than(directory, newest)
         problems.extend(f"{p!r} is newer than the newest checkpoint the state file records but fails its check "
-                        f"({why}): a write cut short, removed at the next start" for p, why in torn)
+                        f"({why}): a write cut short, {'removed now' if at_start else 'removed at the next start'}"
+                        for p, why in torn)
         if newer:
             found.update(newer)
             problems.append(
                 f"the state file {state_file!r} names {_NAME}-{newest} as the newest checkpoint, but the complete "
                 f"{', '.join(f'{_NAME}-{n}' for n in sorted(newer))} {'is' if len(newer) == 1 else 'are'} newer "
-                "(written, then killed before being recorded, or an older copy of the state file): adopted -- a "
-                "resume starts from the newest that loads, and the next start records them. To resume from an older "
-                "checkpoint, move the newer ones out of the directory")
+                "(written, then killed before being recorded, or an older copy of the state file): adopted -- "
+                + ("this start resumes from the newest that loads and rewrites the state file to list them"
+                   if at_start else "a resume starts from the newest that loads, and the next start rewrites the "
+                   "state file to list them")
+                + ". To resume from an older checkpoint, move the newer ones out of the directory")
     else:
         found = _indexed(directory)
         if listed and found:
@@ -125,14 +161,67 @@ def _scan(directory: str) -> Tuple[List[Tuple[int, str]], List[str], bool]:
                             "directory")
         elif garbled:  # TensorFlow logs a parse error and ignores the file: its checkpoints would never rotate
             what = "is a directory, not a file" if _state_file_is_dir(directory) else "cannot be parsed"
-            problems.append(f"the state file {state_file!r} {what} (the "
-                            "next ChiefCheckpoint start moves it aside to 'checkpoint.invalid'); found "
-                            f"{len(found)} checkpoint(s) by scanning the directory")
+            problems.append(f"the state file {state_file!r} {what} ("
+                            + ("this start moves it aside to 'checkpoint.invalid'" if at_start else
+                               "the next ChiefCheckpoint start moves it aside to 'checkpoint.invalid'")
+                            + f"); found {len(found)} checkpoint(s) by scanning the directory")
         elif found and not listed:
             problems.append(f"the state file {state_file!r} is missing; found {len(found)} checkpoint(s) by "
-                            "scanning the directory (the next ChiefCheckpoint start writes a new state file listing "
-                            f"the newest of them)")
+                            "scanning the directory ("
+                            + ("this start writes" if at_start else "the next ChiefCheckpoint start writes")
+                            + " a new state file listing the newest of them)")
     return sorted(found.items(), reverse=True), problems, from_state
+
+
+def _names_only(directory: str, prefixes: "set") -> bool:
+    """The state file parses and every entry it names is one of ``prefixes`` (this directory's checkpoints)."""
+    listed, garbled = _listed_names(directory)
+    if garbled or not listed:
+        return False
+    for p in listed:
+        name = os.path.basename(p.rstrip("/"))
+        if not (_inside(directory, p) or _inside(directory, os.path.join(directory, p))):
+            return False
+        if os.path.join(directory, name) not in prefixes:
+            return False
+    return True
+
+
+_MOVED_ASIDE_RE = re.compile(r"^checkpoint\.invalid(\.\d+)?$")
+
+
+def moved_aside(directory: str) -> List[str]:
+    """State files an earlier ChiefCheckpoint start moved aside (``checkpoint.invalid``, ``checkpoint.invalid.1``,
+    ...): unparseable, a directory, or naming other places or missing files. Nothing reads or removes them.
+
+    Example:
+        moved_aside("ckpt")   # ['ckpt/checkpoint.invalid']
+    """
+    try:
+        names = [n.rstrip("/") for n in tf.io.gfile.listdir(directory)]
+    except (tf.errors.OpError, OSError):
+        return []
+    return sorted(os.path.join(directory, n) for n in names if _MOVED_ASIDE_RE.match(n))
+
+
+def completed_record(prefix: str) -> Optional[Dict[str, object]]:
+    """``{"epoch", "reason", "prefix"}`` when checkpoint ``prefix`` records that its run completed (the record
+    ChiefCheckpoint writes in a run's last checkpoint, read as a rerun reads it: a damaged record counts as none),
+    else ``None``. ``reason``: ``"epochs"`` (all its epochs trained) or ``"early_stopping"``.
+
+    Example:
+        completed_record("ckpt/ckpt-30")   # {'epoch': 3, 'reason': 'epochs', 'prefix': 'ckpt/ckpt-30'}
+    """
+    try:
+        reader = _io.read_checkpoint(prefix)
+        raw = reader.get_tensor(_RUN_CONFIG_KEY) if reader.has_tensor(_RUN_CONFIG_KEY) else b""
+        config = json.loads(raw.decode() if isinstance(raw, bytes) else raw) if raw else {}
+        done = config.get("completed") if isinstance(config, dict) else None
+        if isinstance(done, dict):
+            return {"epoch": int(done["epoch"]), "reason": str(done.get("reason", "epochs")), "prefix": prefix}
+    except Exception:  # noqa: BLE001 - unreadable or a damaged record: none (as boundaries._Peek reads it)
+        pass
+    return None
 
 
 def _newer_than(directory: str, newest: int) -> Tuple[Dict[int, str], List[Tuple[str, str]]]:
@@ -171,9 +260,10 @@ def _verified(prefix: str) -> Optional[str]:
 
 
 def unlisted_checkpoints(directory: str) -> List[Tuple[int, str]]:
-    """``(number, prefix)`` of complete checkpoints older than the newest candidate that no resume uses: not in the
-    state file (kept forever by ``keep_every_n_hours``, left by an earlier run, or retired by a rotation a kill cut
-    short -- those are also in :func:`orphans`, removed at the next start). Newest first.
+    """``(number, prefix)`` of complete checkpoints older than the newest candidate that no resume uses and that the
+    next start keeps: not in the state file (kept forever by ``keep_every_n_hours``, or left by an earlier run).
+    Checkpoints a rotation was deleting when a kill cut it short (named in ``checkpoint.retiring``) are not among
+    them: they are :func:`orphans`, which the next start deletes. Newest first.
 
     Example:
         unlisted_checkpoints("ckpt")   # [(100, 'ckpt/ckpt-100')]
@@ -183,8 +273,10 @@ def unlisted_checkpoints(directory: str) -> List[Tuple[int, str]]:
     candidates = {n for n, _ in _scan(directory)[0]}
     if not candidates:
         return []
+    retiring, _ = _retiring(directory)
     return sorted(((n, p) for n, p in _indexed(directory).items()
-                   if n not in candidates and n < max(candidates) and _io.is_complete(p)), reverse=True)
+                   if n not in candidates and n < max(candidates) and os.path.basename(p) not in retiring
+                   and _io.is_complete(p)), reverse=True)
 
 
 def _retiring(directory: str) -> Tuple[List[str], bool]:
@@ -282,7 +374,7 @@ def listed_but_missing(directory: str) -> List[str]:
     if _state_file_is_dir(directory):
         return []
     try:
-        state = tf.train.get_checkpoint_state(directory)
+        state = _checkpoint_state(directory)
     except Exception:  # noqa: BLE001 - a torn/garbled state file
         return []
     out = []
@@ -427,10 +519,32 @@ class DirectoryMixin:
                 out.append(os.path.join(best_dir, name))
         return out
 
+    def _start_fresh_beside_checkpoints(self) -> None:
+        """``restore=False`` in a directory that holds checkpoints: this new run's are numbered after the newest
+        (so a later rerun resumes this run, never the older one), and the chief warns that they rotate the older
+        ones out, naming them (a completed run's included) and how to keep them: another directory."""
+        found = list_checkpoints(self.directory)
+        if not found:
+            return
+        newest, prefix = found[0]
+        self._global_step = self._last_saved_step = newest
+        if not self._chief:
+            return
+        done = completed_record(prefix)
+        what = (f"a completed run (completed at epoch {done['epoch']}, {os.path.basename(prefix)})" if done
+                else "an earlier run")
+        names = ", ".join(os.path.basename(p) for _, p in sorted(found))
+        warnings.warn(
+            f"ChiefCheckpoint(restore=False): {self.directory!r} holds the checkpoints of {what}: {names}. This fit "
+            f"starts a new run from the model as it is; its checkpoints are numbered after {_NAME}-{newest} and, with "
+            f"max_to_keep={self.max_to_keep}, its saves rotate those out (after {self.max_to_keep} save(s) none of "
+            "them is left; a rerun then resumes this new run). To keep them, give this run another directory "
+            "(or copy them elsewhere first).", RuntimeWarning, stacklevel=3)
+
     def _report_directory_problems(self) -> None:
         if not self._chief:
             return
-        _, problems, _ = _scan(self.directory)
+        _, problems, _ = _scan(self.directory, at_start=True)
         if problems:
             warnings.warn(f"ChiefCheckpoint: {self.directory!r}: " + "; ".join(problems) + ".", RuntimeWarning,
                           stacklevel=3)
@@ -438,8 +552,9 @@ class DirectoryMixin:
     def _sanitize_state_file(self) -> None:
         """The CheckpointManager deletes what the state file lists: make it list only this directory's real
         checkpoints (a state file naming other places, or only missing files, is rewritten; the original is kept
-        as ``checkpoint.invalid``), the complete ones newer than it names included (adopted), and write one when it
-        is missing but checkpoints are there (the newest ``max_to_keep`` become its list, rotated as usual)."""
+        as ``checkpoint.invalid``), the complete ones newer than it names included (adopted: the old file named
+        only real checkpoints, all still listed, so no copy of it is kept), and write one when it is missing but
+        checkpoints are there (the newest ``max_to_keep`` become its list, rotated as usual)."""
         state_file = os.path.join(self.directory, "checkpoint")
         exists = tf.io.gfile.exists(state_file)
         candidates, problems, from_state = _scan(self.directory)
@@ -449,6 +564,8 @@ class DirectoryMixin:
             candidates = candidates[: self.max_to_keep]
         kept = sorted(candidates)
         names = [os.path.basename(p) for _, p in kept]
+        if exists and from_state and _names_only(self.directory, {p for _, p in kept}):
+            exists = False  # stale, not wrong: every entry is still listed; nothing worth keeping a copy of
         aside, n = state_file + ".invalid", 1
         while tf.io.gfile.isdir(aside) or (_state_file_is_dir(self.directory) and tf.io.gfile.exists(aside)):
             aside, n = f"{state_file}.invalid.{n}", n + 1  # (an earlier one is never overwritten by a directory)

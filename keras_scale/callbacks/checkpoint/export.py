@@ -80,6 +80,17 @@ def _keyed(paths: List[str]) -> List[Tuple[str, int]]:
     return out
 
 
+_LOAD_TRIES = 5  # a directory's newest checkpoint rotated away before it was read: choose again, this many times
+
+
+def _gone(prefix: str) -> bool:
+    """Checkpoint ``prefix``'s index file is no longer there (training rotated it away)."""
+    try:
+        return not tf.io.gfile.exists(prefix + ".index")
+    except (tf.errors.OpError, OSError):
+        return True
+
+
 def load_checkpoint(model: keras.Model, path: Union[str, os.PathLike], step: Optional[int] = None) -> str:
     """Load the model weights of a :class:`~keras_scale.ChiefCheckpoint` checkpoint into ``model``, matching
     variables by their path (``layer/kernel``), not by position: a Dropout's seed state or a reordered list of
@@ -89,16 +100,41 @@ def load_checkpoint(model: keras.Model, path: Union[str, os.PathLike], step: Opt
     without them, each name's variables in their order. Every shape and dtype is checked and every tensor read
     (CRC-checked) before the first assignment. Only the model is loaded (not the optimizer); returns the prefix used.
 
+    Safe beside a training run (an evaluator loop): when ``path`` is a directory and its newest checkpoint is
+    rotated away between being chosen and being read, the then newest one is chosen and read instead (up to 5
+    tries; then a ``FileNotFoundError`` naming the directory). Nothing is assigned before a checkpoint was read
+    whole, so a retry never leaves the model half-loaded.
+
     Example:
         model = make_model()
         ks.load_checkpoint(model, "ckpt")      # 'ckpt/ckpt-300'
         model.save_weights("model.weights.h5")
     """
-    prefix = resolve_checkpoint(path, step)
     variables = list(model.variables)
     if not variables:
         raise ValueError("load_checkpoint: the model has no variables yet. Fix: build it first (a keras.Input as "
                          "its first layer, model.build(input_shape), or call it on one batch).")
+    is_dir = tf.io.gfile.isdir(os.fspath(path))
+    tried: List[str] = []
+    for _ in range(_LOAD_TRIES if is_dir else 1):
+        prefix = resolve_checkpoint(path, step)
+        try:
+            return _load_model_weights(model, variables, prefix)
+        except Exception as e:  # noqa: BLE001 - NotFoundError, or the data file gone before its first read
+            if not is_dir or not _gone(prefix):
+                raise
+            tried.append(os.path.basename(prefix))
+            error = e
+    which = f"checkpoint {step}" if step is not None else "its newest checkpoint"
+    raise FileNotFoundError(
+        f"load_checkpoint: {os.fspath(path)!r}: {which} was deleted before it could be read, {len(tried)} times "
+        f"({', '.join(tried)}; training rotates checkpoints away: max_to_keep). Fix: retry, keep more checkpoints "
+        f"(a larger max_to_keep) or save less often. Last error: {type(error).__name__}: "
+        f"{(str(error).splitlines() or [''])[0][:200]}") from error
+
+
+def _load_model_weights(model: keras.Model, variables: List[Any], prefix: str) -> str:
+    """The work of :func:`load_checkpoint` on one checkpoint ``prefix``: everything read, then assigned."""
     reader = read_checkpoint(prefix)
     if not reader.has_tensor(_SIGNATURE_KEY):
         raise CheckpointMismatchError(f"{prefix!r} records no variable paths (not written by ChiefCheckpoint); "
@@ -218,7 +254,15 @@ def _position(prefix: str) -> Dict[str, int]:
 
 def describe_directory(directory: str) -> Dict[str, Any]:
     """What ``keras-scale checkpoint ls`` prints: the committed checkpoints (number, position, bytes), which one a
-    resumed ``fit`` starts from, the kept best ones, problems and orphan files.
+    resumed ``fit`` starts from, whether the run completed there, the kept best ones, problems, orphan files and
+    state files moved aside.
+
+    Keys: ``checkpoints``, ``resumes`` (the prefix a rerun starts from, or ``None``), ``completed`` (``None``, or
+    ``{"epoch", "reason", "prefix"}`` when that checkpoint ends a completed run: ``reason`` is ``"epochs"`` or
+    ``"early_stopping"``; a rerun then restores it and trains 0 epochs), ``unlisted`` (complete checkpoints no
+    resume uses and the next start keeps), ``best``, ``problems``, ``orphans`` (what the next start deletes),
+    ``retired`` (checkpoints among the orphans: a rotation was deleting them when it was killed) and
+    ``moved_aside`` (state files an earlier start moved aside, e.g. ``checkpoint.invalid``; never read or removed).
 
     The resume point is found as ``fit`` finds it: newest first, each checkpoint read whole (every tensor against its
     CRC32C, :func:`keras_scale.callbacks.checkpoint.format.verify_checkpoint`) until one loads; the ones it skips are
@@ -229,7 +273,8 @@ def describe_directory(directory: str) -> Dict[str, Any]:
         describe_directory("ckpt")["resumes"]   # 'ckpt/ckpt-300'
     """
     from keras_scale.callbacks.checkpoint.best import BEST_JSON, ranked_in_best
-    from keras_scale.callbacks.checkpoint.directory import _verified, unlisted_checkpoints
+    from keras_scale.callbacks.checkpoint.directory import (_retiring, _verified, completed_record, moved_aside,
+                                                            unlisted_checkpoints)
 
     found, problems, _ = _scan(directory)
     problems = list(problems)
@@ -255,8 +300,13 @@ def describe_directory(directory: str) -> Dict[str, Any]:
             problems.append(f"{prefix!r} is in best/ but not ranked in {BEST_JSON} (the next ChiefCheckpoint"
                             "(keep_best_k=...) start ranks it by the value it records; it is never deleted unranked)")
     unlisted = [{"number": n, "prefix": p, "bytes": _size(p), **_position(p)} for n, p in unlisted_checkpoints(directory)]
-    return {"directory": directory, "checkpoints": rows, "resumes": resumes, "unlisted": unlisted,
-            "best": best, "problems": problems, "orphans": orphans(directory)}
+    left = orphans(directory)
+    retiring, _ = _retiring(directory)
+    retired = sorted({os.path.join(directory, name) for name in retiring
+                      if any(os.path.basename(p).startswith(name + ".") for p in left)})
+    return {"directory": directory, "checkpoints": rows, "resumes": resumes,
+            "completed": completed_record(resumes) if resumes else None, "unlisted": unlisted, "best": best,
+            "problems": problems, "orphans": left, "retired": retired, "moved_aside": moved_aside(directory)}
 
 
 def _human(num_bytes: int) -> str:
@@ -359,11 +409,24 @@ def cli(args: Any) -> int:
                 if recorded:
                     say(f"  the run logged here saved its checkpoints in {' and '.join(recorded[:3])}: "
                         f"keras-scale checkpoint ls {shlex.quote(recorded[0])}")
+        done = info.get("completed")
+        if done:
+            how = "stopped by EarlyStopping" if done["reason"] == "early_stopping" else "all its epochs trained"
+            more = (f"; with a larger epochs= it continues at epoch {done['epoch'] + 1}" if done["reason"] == "epochs"
+                    else "")
+            say(f"  the run completed at epoch {done['epoch']} ({how}): a rerun (on_completed='restore', the "
+                f"default) restores its final state from {_NAME}-{done['prefix'].rsplit('-', 1)[1]} and trains 0 "
+                f"epochs (with another learning rate it stops: RunCompletedError){more}; on_completed='restart' or "
+                "another directory trains anew")
         for row in info["checkpoints"]:
             where = saved_at(row["epoch"], row["step_in_epoch"]) if "epoch" in row else "position unknown"
-            mark = ("  <- a resumed fit starts here" + (f" ({resumes_at(row['epoch'], row['step_in_epoch'])})"
-                                                          if "epoch" in row else "")
-                    if row["prefix"] == info["resumes"] else "")
+            if row["prefix"] == info["resumes"] and done:
+                mark = "  <- the completed run's final state (a rerun restores it, 0 epochs)"
+            elif row["prefix"] == info["resumes"]:
+                mark = "  <- a resumed fit starts here" + (f" ({resumes_at(row['epoch'], row['step_in_epoch'])})"
+                                                           if "epoch" in row else "")
+            else:
+                mark = ""
             say(f"  {_NAME}-{row['number']:<10} {'saved at ' + where:<33} {_human(row['bytes']):>10}{mark}")
         for e in info["best"]:
             epoch = f" (epoch {e['epoch'] + 1})" if isinstance(e.get("epoch"), int) else ""
@@ -373,9 +436,17 @@ def cli(args: Any) -> int:
                 "a resume never uses it")
         for problem in info["problems"]:
             say(f"  problem: {problem}")
+        retired = [os.path.basename(p) for p in info.get("retired", [])]
+        if retired:
+            say(f"  {', '.join(retired)}: retired by a rotation a kill cut short (no longer in the state file); the "
+                "next ChiefCheckpoint start deletes {}".format("it" if len(retired) == 1 else "them"))
         if info["orphans"]:
-            say(f"  {len(info['orphans'])} orphan file(s) of killed writes (removed at the next start): "
-                  + ", ".join(os.path.basename(p) for p in info["orphans"][:5]))
+            say(f"  {len(info['orphans'])} orphan file(s) of killed writes or rotations (the next ChiefCheckpoint "
+                "start deletes them): " + ", ".join(os.path.basename(p) for p in info["orphans"][:5]))
+        for path in info.get("moved_aside", []):
+            say(f"  {os.path.basename(path)}: a state file an earlier ChiefCheckpoint start could not use and moved "
+                "aside (unparseable, or naming other places or missing files); nothing reads or removes it: delete "
+                "it once you no longer need it")
         return 0
     model = _build_model(args.model)
     prefix = load_checkpoint(model, args.directory, step=args.step)
