@@ -151,11 +151,26 @@ class BoundariesMixin:
         if values is None or not self._chief:
             return None
         model = self.model
-        by_id = {id(v): value for v, value in zip(model.weights, values)}
-        if len(by_id) != len(model.variables) or any(id(v) not in by_id for v in model.variables):
+        weights = list(model.weights)
+        if len(values) != len(weights):
+            warnings.warn(
+                f"ChiefCheckpoint: EarlyStopping holds {len(values)} best weights but the model has {len(weights)} "
+                "(the model changed during fit?): the weights fit returns are not recorded in final/; a rerun of this "
+                "completed run restores its last checkpoint's weights.", RuntimeWarning, stacklevel=3)
             return None
-        variables = {f"model_variables/{i}/.ATTRIBUTES/VARIABLE_VALUE": tf.constant(by_id[id(v)])
+        by_id = {id(v): value for v, value in zip(weights, values)}
+        # model.variables also holds state that is not a weight (a Dropout's or a GAN's SeedGenerator state):
+        # EarlyStopping leaves it as it is, so fit returns it as it is now
+        variables = {f"model_variables/{i}/.ATTRIBUTES/VARIABLE_VALUE":
+                     tf.constant(by_id[id(v)] if id(v) in by_id else v.numpy())
                      for i, v in enumerate(model.variables)}
+        missing = [v.path for v in weights if id(v) not in {id(u) for u in model.variables}]
+        if missing:
+            warnings.warn(
+                f"ChiefCheckpoint: the weights {missing[:5]} are not among the model's variables; the weights fit "
+                "returns are not recorded in final/; a rerun of this completed run restores its last checkpoint's "
+                "weights.", RuntimeWarning, stacklevel=3)
+            return None
         final_dir = os.path.join(self.directory, _FINAL_DIR)
         if os.path.islink(final_dir) or (tf.io.gfile.exists(final_dir) and not tf.io.gfile.isdir(final_dir)):
             warnings.warn(f"ChiefCheckpoint: {final_dir!r} is a link or a file, not ChiefCheckpoint's folder; the "

@@ -406,6 +406,8 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
                     self._load_final_weights(found, done)
             else:
                 self._deferred_restore = self._restored_from = found
+                self._deferred_weights_only = True
+                self._deferred_final = peek.completed(None) if peek is not None and peek.prefix == found else None
             position = self._read_position(found)
             # numbering continues after the checkpoint the weights came from, so this run's checkpoints are newer
             self._global_step = self._last_saved_step = position["global_step"]
@@ -430,6 +432,8 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         self._check_workers_agree(strategy, position["global_step"] if position else -1)
         if position is not None:
             self._resume(position, found)
+        if self._deferred_restore is not None and self._already_complete is not None:
+            self._restore_at_fit_start()  # 0 epochs: no first step to restore before
         self._install_wrapper()
         self._install_final_save_hook()
         self._install_stop_save_hook()
@@ -719,6 +723,8 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         self._validation_cut = False  # a preemption signal cut this epoch's validation short
         self._restored_from: Optional[str] = None
         self._deferred_restore: Optional[str] = None
+        self._deferred_weights_only = False  # the deferred restore is this run's restore="weights_only" start
+        self._deferred_final: Optional[Dict[str, Any]] = None  # ... from a completed run: its final weights too
         self._resume_position: Optional[Dict[str, int]] = None
         self._resume_pending = False
         self._already_complete: Optional[int] = None

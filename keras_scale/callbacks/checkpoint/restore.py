@@ -99,13 +99,17 @@ class RestoreMixin:
                                "files changed since fit start (truncated?). Rerun: the next start checks them and "
                                "falls back to the previous checkpoint.") from e
 
-    def _restore_deferred_now(self, iterator: Any) -> None:
+    def _restore_deferred_now(self, data: Any, when: str = "before the first step") -> None:
+        """Build the model (and every optimizer) from ``data`` (the fit's data iterator, or its element spec) and
+        restore the checkpoint chosen at fit start, the way this fit's start decided (``weights_only`` or in full)."""
         prefix, self._deferred_restore = self._deferred_restore, None
-        self._build_from_data(iterator, f"to restore {prefix!r} before the first step")
+        self._build_from_data(data, f"to restore {prefix!r} {when}")
         self._ensure_built()
         self._build_checkpoint()
-        if self.restore == "weights_only":
+        if self._deferred_weights_only:  # the mode chosen for this run (a rerun of its own run resumes in full)
             self._restore_model_weights(prefix)
+            if self._deferred_final is not None:  # a completed run's final weights (EarlyStopping's best)
+                self._load_final_weights(prefix, self._deferred_final)
             return
         reader = _io.read_checkpoint(prefix)
         self._check_signature(prefix, reader)
@@ -113,6 +117,27 @@ class RestoreMixin:
         self._restored_from = prefix
         self._say(f"ChiefCheckpoint: restored {prefix}")
         self._reconcile_learning_rate(prefix)
+
+    def _restore_at_fit_start(self) -> None:
+        """A fit that trains 0 epochs (a rerun of a completed run) has no first step to restore before: a model
+        built by its first step (no ``keras.Input``, a subclassed model, a GAN whose optimizers build at their first
+        ``apply``) is built now from the spec of the fit's data, as Keras builds it before the first step, and the
+        checkpoint restored (nothing is read from the data, nothing trains)."""
+        from keras_scale.callbacks.checkpoint import data_position as _data
+
+        prefix = self._deferred_restore
+        epoch_iterator = _data.keras_epoch_iterator(self.model)
+        dataset = getattr(epoch_iterator, "_distributed_dataset", None)
+        spec = getattr(dataset, "element_spec", None)
+        if spec is None:
+            self._deferred_restore = None
+            raise RuntimeError(
+                f"ChiefCheckpoint: the run in {self.directory!r} is complete and this fit trains 0 epochs, but the "
+                f"model has no variables yet (it is built by its first step) and the data of this fit could not be "
+                f"found to build it, so {prefix!r} cannot be restored. Fix: build the model before fit "
+                "(keras.Input(...) as its first layer, or model.build(input_shape)), or load the state with "
+                "keras_scale.load_checkpoint.")
+        self._restore_deferred_now(spec, "at fit start (this fit trains 0 epochs)")
 
     def _restore_model_weights(self, prefix: str) -> None:
         """``restore="weights_only"``: the model's variables from ``prefix``; optimizers, counters, metrics and the

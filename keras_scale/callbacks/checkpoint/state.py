@@ -267,7 +267,7 @@ class StateMixin:
         from keras_scale.step import has_own_train_step
 
         model = self.model
-        spec = getattr(iterator, "element_spec", None)
+        spec = getattr(iterator, "element_spec", iterator)  # (an iterator, or already its element spec)
         try:
             if training_state._has_call(model) and not has_own_train_step(model):
                 model._symbolic_build(data_batch=spec)
