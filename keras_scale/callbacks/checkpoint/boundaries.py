@@ -26,6 +26,7 @@ import keras
 import tensorflow as tf
 
 from keras_scale import state as training_state
+from keras_scale.schedules import learning_rate_variable
 from keras_scale.distribute import chief_print
 from keras_scale.callbacks.checkpoint.names import _NAME, _RUN_CONFIG_KEY, _SIGNATURE_KEY, log
 from keras_scale.callbacks.checkpoint import format as _io
@@ -69,13 +70,45 @@ def _json(raw: Any) -> Dict[str, Any]:
 
 
 
+def other_learning_rates(model: keras.Model) -> Dict[str, Optional[float]]:
+    """The float learning rate (``None``: a schedule) of every optimizer ``model`` trains with but
+    ``model.optimizer``, by its path in :func:`keras_scale.state.optimizers` (a GAN's ``d_optimizer``...)."""
+    out: Dict[str, Optional[float]] = {}
+    for path, opt in training_state.optimizers(model).items():
+        if path != "optimizer":
+            var = learning_rate_variable(opt)
+            out[path] = float(var.numpy()) if var is not None else None
+    return out
+
+
 class BoundariesMixin:
     """Part of :class:`ChiefCheckpoint` (a mixin: it uses the callback's own state)."""
 
     # ---------------------------------------------------------------------------------------- what a run records
+    def _start_config(self) -> Dict[str, Any]:
+        """The learning rates this run's script set: ``learning_rate`` (``model.optimizer``'s, the key it always had)
+        and ``learning_rates`` (every other optimizer the model trains with, by path: a GAN's ``d_optimizer`` and
+        ``g_optimizer``), ``None`` for a schedule."""
+        config: Dict[str, Any] = {"learning_rate": self._lr_at_start}
+        if self._other_lrs_at_start:
+            config["learning_rates"] = dict(self._other_lrs_at_start)
+        return config
+
     def _run_config_json(self, completed: Optional[Dict[str, Any]] = None) -> str:
-        return json.dumps({"learning_rate": self._lr_at_start, "weights_from": self._weights_from,
-                           "completed": completed})
+        return json.dumps({**self._start_config(), "weights_from": self._weights_from, "completed": completed})
+
+    def _lr_changes(self, config: Dict[str, Any]) -> List[Tuple[str, Any, Any]]:
+        """``(optimizer path, learning rate its run started with, this fit's)`` for every optimizer whose recorded
+        starting learning rate differs from this fit's (a record without an optimizer's value compares nothing)."""
+        out: List[Tuple[str, Any, Any]] = []
+        if "learning_rate" in config and config.get("learning_rate") != self._lr_at_start:
+            out.append(("optimizer", config.get("learning_rate"), self._lr_at_start))
+        recorded = config.get("learning_rates")
+        if isinstance(recorded, dict):
+            for path, mine in (self._other_lrs_at_start or {}).items():
+                if path in recorded and recorded[path] != mine:
+                    out.append((path, recorded[path], mine))
+        return out
 
     def _peek_newest(self) -> Optional[_Peek]:
         for number, prefix in list_checkpoints(self.directory):
@@ -263,15 +296,20 @@ class BoundariesMixin:
             # what was asked (more epochs): routine news, like a resume
             self._say(f"{head}; epochs={epochs} continues it from that checkpoint at epoch {done['epoch'] + 1}.")
             return True, None
-        started, mine = peek.config.get("learning_rate"), self._lr_at_start
-        if "learning_rate" in peek.config and started != mine:
+        changes = self._lr_changes(peek.config)
+        if changes:
             def show(lr: Any) -> str:
                 return "a schedule" if lr is None else f"{float(lr):g}"
 
+            def name(path: str) -> str:
+                return "learning_rate" if path == "optimizer" else f"{path}'s learning_rate"
+
+            was = ", ".join(f"{name(p)} {show(a)}" for p, a, _ in changes)
+            now = ", ".join(f"{show(b)}" + ("" if p == "optimizer" else f" ({p})") for p, _, b in changes)
             raise RunCompletedError(
-                f"{head} with learning_rate {show(started)}; this fit sets {show(mine)}: a different configuration "
+                f"{head} with {was}; this fit sets {now}: a different configuration "
                 f"would not be trained (restoring the completed run trains 0 epochs). To train it, {options}; to get "
-                f"the completed run back, set the learning rate as it was ({show(started)}).")
+                f"the completed run back, set the learning rate as it was ({', '.join(show(a) for _, a, _ in changes)}).")
         more = " (a larger epochs= continues it)" if done["reason"] == "epochs" else ""
         self._announce(f"{head}: restoring its final state and training 0 epochs. To train again{more}, {options}.")
         return True, done
@@ -282,7 +320,7 @@ class BoundariesMixin:
         source = peek.config.get("weights_from")
         if not isinstance(source, int) or isinstance(source, bool) or peek.number <= source:
             return False
-        if peek.config.get("learning_rate") != self._lr_at_start:
+        if peek.config.get("learning_rate") != self._lr_at_start or self._lr_changes(peek.config):
             return False
         theirs = {p: e.get("class") for p, e in (peek.signature.get("optimizers") or {}).items()
                   if isinstance(e, dict)}
