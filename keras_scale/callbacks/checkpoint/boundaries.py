@@ -3,7 +3,7 @@ rerun of a completed run (``on_completed``), a second ``fit`` of the same callba
 telling its own interrupted run (resumed in full) from a new start.
 
 What a checkpoint records about its run is one small JSON string saved with it (``keras_scale_run_config``): the
-learning rate the script set, the checkpoint a ``weights_only`` run took its weights from, and, in the checkpoint
+learning rate the script set for every optimizer the model trains with, the checkpoint a ``weights_only`` run took its weights from, and, in the checkpoint
 that ends a completed run, ``completed`` (the epoch, why, and the file of the weights ``fit`` returned when they
 differ from the checkpoint's). It is written in the same save as the state it describes, so a kill at any moment
 leaves a checkpoint and its record in step.
