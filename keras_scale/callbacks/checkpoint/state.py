@@ -267,7 +267,8 @@ class StateMixin:
         from keras_scale.step import has_own_train_step
 
         model = self.model
-        spec = getattr(iterator, "element_spec", iterator)  # (an iterator, or already its element spec)
+        is_iterator = hasattr(iterator, "get_next") or hasattr(iterator, "__next__")
+        spec = getattr(iterator, "element_spec", None) if is_iterator else iterator  # (or already the spec)
         try:
             if training_state._has_call(model) and not has_own_train_step(model):
                 model._symbolic_build(data_batch=spec)
