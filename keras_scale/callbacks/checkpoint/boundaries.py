@@ -3,7 +3,7 @@ rerun of a completed run (``on_completed``), a second ``fit`` of the same callba
 telling its own interrupted run (resumed in full) from a new start.
 
 What a checkpoint records about its run is one small JSON string saved with it (``keras_scale_run_config``): the
-learning rate the script set, the checkpoint a ``weights_only`` run took its weights from, and, in the checkpoint
+learning rate the script set for every optimizer the model trains with, the checkpoint a ``weights_only`` run took its weights from, and, in the checkpoint
 that ends a completed run, ``completed`` (the epoch, why, and the file of the weights ``fit`` returned when they
 differ from the checkpoint's). It is written in the same save as the state it describes, so a kill at any moment
 leaves a checkpoint and its record in step.
@@ -26,6 +26,7 @@ import keras
 import tensorflow as tf
 
 from keras_scale import state as training_state
+from keras_scale.schedules import learning_rate_variable
 from keras_scale.distribute import chief_print
 from keras_scale.callbacks.checkpoint.names import _NAME, _RUN_CONFIG_KEY, _SIGNATURE_KEY, log
 from keras_scale.callbacks.checkpoint import format as _io
@@ -69,13 +70,45 @@ def _json(raw: Any) -> Dict[str, Any]:
 
 
 
+def other_learning_rates(model: keras.Model) -> Dict[str, Optional[float]]:
+    """The float learning rate (``None``: a schedule) of every optimizer ``model`` trains with but
+    ``model.optimizer``, by its path in :func:`keras_scale.state.optimizers` (a GAN's ``d_optimizer``...)."""
+    out: Dict[str, Optional[float]] = {}
+    for path, opt in training_state.optimizers(model).items():
+        if path != "optimizer":
+            var = learning_rate_variable(opt)
+            out[path] = float(var.numpy()) if var is not None else None
+    return out
+
+
 class BoundariesMixin:
     """Part of :class:`ChiefCheckpoint` (a mixin: it uses the callback's own state)."""
 
     # ---------------------------------------------------------------------------------------- what a run records
+    def _start_config(self) -> Dict[str, Any]:
+        """The learning rates this run's script set: ``learning_rate`` (``model.optimizer``'s, the key it always had)
+        and ``learning_rates`` (every other optimizer the model trains with, by path: a GAN's ``d_optimizer`` and
+        ``g_optimizer``), ``None`` for a schedule."""
+        config: Dict[str, Any] = {"learning_rate": self._lr_at_start}
+        if self._other_lrs_at_start:
+            config["learning_rates"] = dict(self._other_lrs_at_start)
+        return config
+
     def _run_config_json(self, completed: Optional[Dict[str, Any]] = None) -> str:
-        return json.dumps({"learning_rate": self._lr_at_start, "weights_from": self._weights_from,
-                           "completed": completed})
+        return json.dumps({**self._start_config(), "weights_from": self._weights_from, "completed": completed})
+
+    def _lr_changes(self, config: Dict[str, Any]) -> List[Tuple[str, Any, Any]]:
+        """``(optimizer path, learning rate its run started with, this fit's)`` for every optimizer whose recorded
+        starting learning rate differs from this fit's (a record without an optimizer's value compares nothing)."""
+        out: List[Tuple[str, Any, Any]] = []
+        if "learning_rate" in config and config.get("learning_rate") != self._lr_at_start:
+            out.append(("optimizer", config.get("learning_rate"), self._lr_at_start))
+        recorded = config.get("learning_rates")
+        if isinstance(recorded, dict):
+            for path, mine in (self._other_lrs_at_start or {}).items():
+                if path in recorded and recorded[path] != mine:
+                    out.append((path, recorded[path], mine))
+        return out
 
     def _peek_newest(self) -> Optional[_Peek]:
         for number, prefix in list_checkpoints(self.directory):
@@ -151,11 +184,26 @@ class BoundariesMixin:
         if values is None or not self._chief:
             return None
         model = self.model
-        by_id = {id(v): value for v, value in zip(model.weights, values)}
-        if len(by_id) != len(model.variables) or any(id(v) not in by_id for v in model.variables):
+        weights = list(model.weights)
+        if len(values) != len(weights):
+            warnings.warn(
+                f"ChiefCheckpoint: EarlyStopping holds {len(values)} best weights but the model has {len(weights)} "
+                "(the model changed during fit?): the weights fit returns are not recorded in final/; a rerun of this "
+                "completed run restores its last checkpoint's weights.", RuntimeWarning, stacklevel=3)
             return None
-        variables = {f"model_variables/{i}/.ATTRIBUTES/VARIABLE_VALUE": tf.constant(by_id[id(v)])
+        by_id = {id(v): value for v, value in zip(weights, values)}
+        # model.variables also holds state that is not a weight (a Dropout's or a GAN's SeedGenerator state):
+        # EarlyStopping leaves it as it is, so fit returns it as it is now
+        variables = {f"model_variables/{i}/.ATTRIBUTES/VARIABLE_VALUE":
+                     tf.constant(by_id[id(v)] if id(v) in by_id else v.numpy())
                      for i, v in enumerate(model.variables)}
+        missing = [v.path for v in weights if id(v) not in {id(u) for u in model.variables}]
+        if missing:
+            warnings.warn(
+                f"ChiefCheckpoint: the weights {missing[:5]} are not among the model's variables; the weights fit "
+                "returns are not recorded in final/; a rerun of this completed run restores its last checkpoint's "
+                "weights.", RuntimeWarning, stacklevel=3)
+            return None
         final_dir = os.path.join(self.directory, _FINAL_DIR)
         if os.path.islink(final_dir) or (tf.io.gfile.exists(final_dir) and not tf.io.gfile.isdir(final_dir)):
             warnings.warn(f"ChiefCheckpoint: {final_dir!r} is a link or a file, not ChiefCheckpoint's folder; the "
@@ -248,15 +296,20 @@ class BoundariesMixin:
             # what was asked (more epochs): routine news, like a resume
             self._say(f"{head}; epochs={epochs} continues it from that checkpoint at epoch {done['epoch'] + 1}.")
             return True, None
-        started, mine = peek.config.get("learning_rate"), self._lr_at_start
-        if "learning_rate" in peek.config and started != mine:
+        changes = self._lr_changes(peek.config)
+        if changes:
             def show(lr: Any) -> str:
                 return "a schedule" if lr is None else f"{float(lr):g}"
 
+            def name(path: str) -> str:
+                return "learning_rate" if path == "optimizer" else f"{path}'s learning_rate"
+
+            was = ", ".join(f"{name(p)} {show(a)}" for p, a, _ in changes)
+            now = ", ".join(f"{show(b)}" + ("" if p == "optimizer" else f" ({p})") for p, _, b in changes)
             raise RunCompletedError(
-                f"{head} with learning_rate {show(started)}; this fit sets {show(mine)}: a different configuration "
+                f"{head} with {was}; this fit sets {now}: a different configuration "
                 f"would not be trained (restoring the completed run trains 0 epochs). To train it, {options}; to get "
-                f"the completed run back, set the learning rate as it was ({show(started)}).")
+                f"the completed run back, set the learning rate as it was ({', '.join(show(a) for _, a, _ in changes)}).")
         more = " (a larger epochs= continues it)" if done["reason"] == "epochs" else ""
         self._announce(f"{head}: restoring its final state and training 0 epochs. To train again{more}, {options}.")
         return True, done
@@ -267,7 +320,7 @@ class BoundariesMixin:
         source = peek.config.get("weights_from")
         if not isinstance(source, int) or isinstance(source, bool) or peek.number <= source:
             return False
-        if peek.config.get("learning_rate") != self._lr_at_start:
+        if peek.config.get("learning_rate") != self._lr_at_start or self._lr_changes(peek.config):
             return False
         theirs = {p: e.get("class") for p, e in (peek.signature.get("optimizers") or {}).items()
                   if isinstance(e, dict)}

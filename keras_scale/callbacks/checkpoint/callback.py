@@ -23,13 +23,15 @@ import keras
 import tensorflow as tf
 
 from keras_scale import events, lifecycle
+from keras_scale import state as training_state
+from keras_scale.schedules import learning_rate_variable
 from keras_scale._validate import check_int
 from keras_scale.distribute import chief_print, is_chief
 from keras_scale.callbacks.checkpoint.names import _BEST_DIR, _NAME, _REF_ATTR, log
 from keras_scale.callbacks.checkpoint import format as _io
 from keras_scale.storage import Storage
 from keras_scale.callbacks.checkpoint.best import BestMixin
-from keras_scale.callbacks.checkpoint.boundaries import ON_COMPLETED, BoundariesMixin
+from keras_scale.callbacks.checkpoint.boundaries import ON_COMPLETED, BoundariesMixin, other_learning_rates
 from keras_scale.callbacks.checkpoint.directory import DirectoryMixin, list_checkpoints
 from keras_scale.callbacks.checkpoint.errors import CheckpointSaveError, save_error
 from keras_scale.callbacks.checkpoint.hooks import _hook_method, _unhook
@@ -287,9 +289,15 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         if found is not None:
             step = self._read_position(found)["global_step"]
             if restore_keras_scale_state:
-                self._run_config_var.assign(json.dumps({"learning_rate": self._lr_at_start}))
+                self._run_config_var.assign(json.dumps(self._start_config()))
                 if self._lr_override is not None and found == self._restored_from and lr is not None:
                     lr.assign(self._lr_override)  # the checkpoint resumed from predates this run's learning rate
+                if found == self._restored_from:
+                    optimizers = training_state.optimizers(self.model)
+                    for path, value in self._other_lr_overrides.items():
+                        var = learning_rate_variable(optimizers.get(path))
+                        if var is not None:
+                            var.assign(value)
         elif self._start_state is not None:
             for var, value in zip(self._start_variables(), self._start_state):
                 var.assign(value)
@@ -366,6 +374,7 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         self._check_state = bool(step is not None and step.loss_only)
         lr = _lr_variable(model)
         self._lr_at_start = float(lr.numpy()) if lr is not None else None  # as this run's script sets it
+        self._other_lrs_at_start = other_learning_rates(model)  # (a GAN's d_optimizer, g_optimizer...)
         self._fit_thread = threading.get_ident()
         self.blocked_s = 0.0
         self._warned_poisoned = False
@@ -410,6 +419,8 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
                     self._load_final_weights(found, done)
             else:
                 self._deferred_restore = self._restored_from = found
+                self._deferred_weights_only = True
+                self._deferred_final = peek.completed(None) if peek is not None and peek.prefix == found else None
             position = self._read_position(found)
             # numbering continues after the checkpoint the weights came from, so this run's checkpoints are newer
             self._global_step = self._last_saved_step = position["global_step"]
@@ -434,6 +445,8 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         self._check_workers_agree(strategy, position["global_step"] if position else -1)
         if position is not None:
             self._resume(position, found)
+        if self._deferred_restore is not None and self._already_complete is not None:
+            self._restore_at_fit_start()  # 0 epochs: no first step to restore before
         self._install_wrapper()
         self._install_final_save_hook()
         self._install_stop_save_hook()
@@ -723,6 +736,8 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         self._validation_cut = False  # a preemption signal cut this epoch's validation short
         self._restored_from: Optional[str] = None
         self._deferred_restore: Optional[str] = None
+        self._deferred_weights_only = False  # the deferred restore is this run's restore="weights_only" start
+        self._deferred_final: Optional[Dict[str, Any]] = None  # ... from a completed run: its final weights too
         self._resume_position: Optional[Dict[str, int]] = None
         self._resume_pending = False
         self._already_complete: Optional[int] = None
@@ -746,6 +761,8 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         self._preemption_prefix: Optional[str] = None  # the checkpoint the preemption save writes
         self._lr_at_start: Optional[float] = None
         self._lr_override: Optional[float] = None
+        self._other_lrs_at_start: Dict[str, Optional[float]] = {}
+        self._other_lr_overrides: Dict[str, float] = {}  # other optimizers' learning rates changed between runs
         self._skipped_seen = 0.0
         self._finalize_hook: Optional[Tuple[Any, str, Any]] = None  # what _hook_method installed
         self._stop_hook: Optional[Tuple[Any, str, Any]] = None

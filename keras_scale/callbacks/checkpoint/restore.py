@@ -12,7 +12,9 @@ from keras_scale.callbacks.checkpoint.names import (
     _EPOCH_SKIPPED_KEY, _METRIC_KEY, _POSITION, _RUN_CONFIG_KEY, _SIGNATURE_KEY, CheckpointMismatchError)
 from keras_scale.callbacks.checkpoint import format as _io
 from keras_scale.callbacks.checkpoint.directory import list_checkpoints
-from keras_scale.callbacks.checkpoint.state import _lr_variable, _metric_variables
+from keras_scale import state as training_state
+from keras_scale.callbacks.checkpoint.state import _metric_variables
+from keras_scale.schedules import learning_rate_variable
 
 
 class RestoreMixin:
@@ -99,13 +101,17 @@ class RestoreMixin:
                                "files changed since fit start (truncated?). Rerun: the next start checks them and "
                                "falls back to the previous checkpoint.") from e
 
-    def _restore_deferred_now(self, iterator: Any) -> None:
+    def _restore_deferred_now(self, data: Any, when: str = "before the first step") -> None:
+        """Build the model (and every optimizer) from ``data`` (the fit's data iterator, or its element spec) and
+        restore the checkpoint chosen at fit start, the way this fit's start decided (``weights_only`` or in full)."""
         prefix, self._deferred_restore = self._deferred_restore, None
-        self._build_from_data(iterator, f"to restore {prefix!r} before the first step")
+        self._build_from_data(data, f"to restore {prefix!r} {when}")
         self._ensure_built()
         self._build_checkpoint()
-        if self.restore == "weights_only":
+        if self._deferred_weights_only:  # the mode chosen for this run (a rerun of its own run resumes in full)
             self._restore_model_weights(prefix)
+            if self._deferred_final is not None:  # a completed run's final weights (EarlyStopping's best)
+                self._load_final_weights(prefix, self._deferred_final)
             return
         reader = _io.read_checkpoint(prefix)
         self._check_signature(prefix, reader)
@@ -113,6 +119,27 @@ class RestoreMixin:
         self._restored_from = prefix
         self._say(f"ChiefCheckpoint: restored {prefix}")
         self._reconcile_learning_rate(prefix)
+
+    def _restore_at_fit_start(self) -> None:
+        """A fit that trains 0 epochs (a rerun of a completed run) has no first step to restore before: a model
+        built by its first step (no ``keras.Input``, a subclassed model, a GAN whose optimizers build at their first
+        ``apply``) is built now from the spec of the fit's data, as Keras builds it before the first step, and the
+        checkpoint restored (nothing is read from the data, nothing trains)."""
+        from keras_scale.callbacks.checkpoint import data_position as _data
+
+        prefix = self._deferred_restore
+        epoch_iterator = _data.keras_epoch_iterator(self.model)
+        dataset = getattr(epoch_iterator, "_distributed_dataset", None)
+        spec = getattr(dataset, "element_spec", None)
+        if spec is None:
+            self._deferred_restore = None
+            raise RuntimeError(
+                f"ChiefCheckpoint: the run in {self.directory!r} is complete and this fit trains 0 epochs, but the "
+                f"model has no variables yet (it is built by its first step) and the data of this fit could not be "
+                f"found to build it, so {prefix!r} cannot be restored. Fix: build the model before fit "
+                "(keras.Input(...) as its first layer, or model.build(input_shape)), or load the state with "
+                "keras_scale.load_checkpoint.")
+        self._restore_deferred_now(spec, "at fit start (this fit trains 0 epochs)")
 
     def _restore_model_weights(self, prefix: str) -> None:
         """``restore="weights_only"``: the model's variables from ``prefix``; optimizers, counters, metrics and the
@@ -129,36 +156,56 @@ class RestoreMixin:
 
     def _reconcile_learning_rate(self, prefix: str) -> None:
         """A learning rate changed in the script between runs is used, with a warning naming both values; one changed
-        during training (ReduceLROnPlateau, NanGuard's rollback) is resumed as saved."""
-        self._run_config_var.assign(json.dumps({"learning_rate": self._lr_at_start}))  # the read overwrote it
-        var, new = _lr_variable(self.model), self._lr_at_start
-        if var is None or new is None:
-            return
-        restored = float(var.numpy())
+        during training (ReduceLROnPlateau, NanGuard's rollback) is resumed as saved. For every optimizer the model
+        trains with (a GAN's ``d_optimizer`` and ``g_optimizer`` too)."""
+        self._run_config_var.assign(json.dumps(self._start_config()))  # the read overwrote it
         try:
             raw = _io.read_checkpoint(prefix).get_tensor(_RUN_CONFIG_KEY)
-            started = json.loads(raw.decode() if isinstance(raw, bytes) else raw).get("learning_rate")
-        except Exception:  # noqa: BLE001 - written by an older version: the run's starting value is unknown
-            started = None
+            config = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+            config = config if isinstance(config, dict) else {}
+        except Exception:  # noqa: BLE001 - written by an older version: the run's starting values are unknown
+            config = {}
+        recorded = config.get("learning_rates")
+        recorded = recorded if isinstance(recorded, dict) else {}
+        optimizers = training_state.optimizers(self.model)
+        for path, new in [("optimizer", self._lr_at_start)] + list((self._other_lrs_at_start or {}).items()):
+            var = learning_rate_variable(optimizers.get(path))
+            started = config.get("learning_rate") if path == "optimizer" else recorded.get(path)
+            if self._reconcile_one(prefix, path, var, new, started):
+                if path == "optimizer":
+                    self._lr_override = new
+                else:
+                    self._other_lr_overrides[path] = new
+
+    @staticmethod
+    def _reconcile_one(prefix: str, path: str, var: Any, new: Optional[float], started: Any) -> bool:
+        """One optimizer's learning rate after a restore; True when this run's (changed) value replaced the saved."""
+        if var is None or new is None:
+            return False
+        restored = float(var.numpy())
+        which = "the optimizer's learning_rate" if path == "optimizer" else f"{path}'s learning_rate"
+        assign = ("model.optimizer.learning_rate" if path == "optimizer"
+                  else "model." + path.replace("/", ".") + ".learning_rate")
         if started is None:
             if restored != new:
                 warnings.warn(
-                    f"ChiefCheckpoint: the optimizer's learning_rate is {new:g} in this run but {restored:g} in "
+                    f"ChiefCheckpoint: {which} is {new:g} in this run but {restored:g} in "
                     f"{prefix!r}, which does not record the value its run started with; the checkpoint's {restored:g} "
                     "is restored (as keras.callbacks.BackupAndRestore does; a callback such as ReduceLROnPlateau may "
                     "have set it). To train with a new value, assign it after the restore, e.g. "
-                    f"model.optimizer.learning_rate.assign({new:g}) in the on_train_begin of a callback listed after "
-                    "ChiefCheckpoint.", RuntimeWarning, stacklevel=3)
-            return
+                    f"{assign}.assign({new:g}) in the on_train_begin of a callback listed after "
+                    "ChiefCheckpoint.", RuntimeWarning, stacklevel=4)
+            return False
         if float(started) == new:
-            return  # unchanged in the script: the saved value (possibly lowered during training) continues
+            return False  # unchanged in the script: the saved value (possibly lowered during training) continues
         var.assign(new)
-        self._lr_override = new
+        name = "learning_rate" if path == "optimizer" else f"{path}'s learning_rate"
         warnings.warn(
-            f"ChiefCheckpoint: learning_rate changed between runs: this run starts with {new:g}; the run in "
+            f"ChiefCheckpoint: {name} changed between runs: this run starts with {new:g}; the run in "
             f"{prefix!r} was started with {float(started):g} and was at {restored:g} when saved. Using this run's "
             f"{new:g} (everything else resumes exactly). To continue with the checkpoint's value, pass the "
-            f"learning rate as before ({float(started):g}).", RuntimeWarning, stacklevel=3)
+            f"learning rate as before ({float(started):g}).", RuntimeWarning, stacklevel=4)
+        return True
 
     def _restore_epoch_skipped(self, prefix: str, mid_epoch: bool) -> None:
         """The resumed epoch's NaN-skipped count continues from the saved one (a fresh epoch starts at 0)."""

@@ -123,7 +123,7 @@ class StateMixin:
             self._signature = tf.Variable("", dtype=tf.string, trainable=False, name="ks_signature")
             self._epoch_logs_var = tf.Variable("", dtype=tf.string, trainable=False, name="ks_epoch_logs")
             # what this run's script set (not what training made of it): tells a deliberate change at the next resume
-            self._run_config_var = tf.Variable(json.dumps({"learning_rate": self._lr_at_start}), dtype=tf.string,
+            self._run_config_var = tf.Variable(json.dumps(self._start_config()), dtype=tf.string,
                                                trainable=False, name="ks_run_config")
             # the data iterator's position (data_position.py; b"": none saved, a resume reads the data forward)
             self._data_state_var = tf.Variable(b"", dtype=tf.string, trainable=False, name="ks_data_iterator")
@@ -267,7 +267,8 @@ class StateMixin:
         from keras_scale.step import has_own_train_step
 
         model = self.model
-        spec = getattr(iterator, "element_spec", None)
+        is_iterator = hasattr(iterator, "get_next") or hasattr(iterator, "__next__")
+        spec = getattr(iterator, "element_spec", None) if is_iterator else iterator  # (or already the spec)
         try:
             if training_state._has_call(model) and not has_own_train_step(model):
                 model._symbolic_build(data_batch=spec)
