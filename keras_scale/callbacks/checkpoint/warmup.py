@@ -163,7 +163,11 @@ def copy_may_communicate(strategy: Any) -> bool:
         if any(kind in name for kind in ("MultiWorker", "Collective", "TPU", "ParameterServer", "CentralStorage")):
             return True
         extended = getattr(strategy, "extended", None)
-        if len(tuple(getattr(extended, "worker_devices", ()) or ())) > 1:
+        try:
+            devices = tuple(getattr(extended, "worker_devices", ()) or ())
+        except RuntimeError:  # the default strategy: no devices of its own
+            devices = ()
+        if len(devices) > 1:
             return True
         resolver = getattr(extended, "_cluster_resolver", None)
         if resolver is not None and resolver.cluster_spec().as_dict():
