@@ -451,6 +451,7 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         self._install_final_save_hook()
         self._install_stop_save_hook()
         self._warmup = None
+        self._copy_trace_closed = False  # (async_save: the background copy thread may start again, warmup.py)
         self._warm_up_once()  # the first saves' memory, touched in the background (warmup.py)
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -550,6 +551,7 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
             self._consider_best(int(epoch), logs)
 
     def on_train_end(self, logs=None):
+        self._end_async_copy()  # no background copy thread runs on into the process's exit (warmup.py)
         self._agree_at_train_end()  # multi-worker: a signal after the last step boundary ends every worker with 42
         # The final state is always saved, so a finished, stopped or preempted run resumes with nothing lost.
         try:

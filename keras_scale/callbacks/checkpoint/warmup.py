@@ -27,13 +27,15 @@ Example:
 """
 from __future__ import annotations
 
+import atexit
 import threading
+import time
 from typing import Any, Dict, List, Optional
 
 import numpy as np
 
 __all__ = ["WarmupMixin", "MAX_WARM_BYTES", "PAGE_BYTES", "checkpoint_nbytes", "planned_bytes", "available_bytes", "warm_memory",
-           "trace_async_copy"]
+           "trace_async_copy", "join_async_copy", "copy_may_communicate", "COPY_JOIN_TIMEOUT_S"]
 
 MAX_WARM_BYTES = 2 * 2**30  # never touch more than this, whatever the checkpoint
 PAGE_BYTES = 4096  # one write per page is what makes the machine back it
@@ -134,13 +136,97 @@ def warm_memory(nbytes: int) -> Optional[threading.Thread]:
     return thread
 
 
+#: The background copy threads still running (:func:`join_async_copy` waits for them; so does the process's exit).
+_copy_threads: List[threading.Thread] = []
+_exit_hook_registered = [False]
+COPY_JOIN_TIMEOUT_S = 60.0  # how long a fit's end or the process's exit waits for a background trace/run of the copy
+_COLLECTIVE_OPS = ("Collective", "Nccl")  # op types that talk to other replicas or workers
+
+
+def copy_may_communicate(strategy: Any) -> bool:
+    """Whether TensorFlow's async copy function, traced or run under ``strategy``, may hold an op that talks to other
+    devices or workers (a collective, an NCCL all-reduce): any strategy with more than one replica in sync, any
+    multi-worker, TPU or parameter-server strategy. Such a function must be traced and run on the training thread,
+    in step with the other workers' (a background trace took a collective instance key out of turn: "Collective
+    instance 141 expected type 0 and data_type 1 but got ... data_type 9").
+
+    Example:
+        copy_may_communicate(tf.distribute.get_strategy())           # False: the default strategy
+        copy_may_communicate(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))   # True
+    """
+    if strategy is None:
+        return False
+    try:
+        if int(getattr(strategy, "num_replicas_in_sync", 1)) != 1:
+            return True
+        name = type(strategy).__name__
+        if any(kind in name for kind in ("MultiWorker", "Collective", "TPU", "ParameterServer", "CentralStorage")):
+            return True
+        extended = getattr(strategy, "extended", None)
+        try:
+            devices = tuple(getattr(extended, "worker_devices", ()) or ())
+        except RuntimeError:  # the default strategy: no devices of its own
+            devices = ()
+        if len(devices) > 1:
+            return True
+        resolver = getattr(extended, "_cluster_resolver", None)
+        if resolver is not None and resolver.cluster_spec().as_dict():
+            return True
+    except Exception:  # noqa: BLE001 - a strategy we cannot read: assume the worst
+        return True
+    return False
+
+
+def _graph_communicates(concrete: Any) -> bool:
+    """Whether a traced function's graph (or a function it calls) holds a collective or NCCL op."""
+    graphs = [concrete.graph]
+    graphs += [f.graph for f in getattr(concrete.graph, "_functions", {}).values() if hasattr(f, "graph")]
+    return any(op.type.startswith(_COLLECTIVE_OPS) for graph in graphs for op in graph.get_operations())
+
+
+def join_async_copy(timeout_s: float = COPY_JOIN_TIMEOUT_S) -> bool:
+    """Wait (at most ``timeout_s`` seconds in all) for the background threads of :func:`trace_async_copy`; whether
+    none is left running. Called at a fit's end, before the preemption save's exit, and at the process's exit (before
+    Python's clean-up: a thread inside TensorFlow then aborted the process, "FATAL: exception not rethrown", exit
+    status 134 instead of 0 or 42).
+
+    Example:
+        trace_async_copy(ckpt)
+        join_async_copy()    # nothing of ours runs inside TensorFlow any more
+    """
+    deadline = time.monotonic() + timeout_s
+    for thread in list(_copy_threads):
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    _copy_threads[:] = [t for t in _copy_threads if t.is_alive()]
+    return not _copy_threads
+
+
+def _register_exit_hook() -> None:
+    """Join the background copy threads when the process exits: Python's threading shutdown hooks run before the
+    atexit handlers (TensorFlow's among them) and before the interpreter stops threads inside C++ code."""
+    if _exit_hook_registered[0]:
+        return
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is not None:
+            register(join_async_copy)
+        else:  # (another Python: atexit handlers run last-registered first, after TensorFlow's: the latest we can)
+            atexit.register(join_async_copy)
+        _exit_hook_registered[0] = True
+    except RuntimeError:  # the interpreter is shutting down already
+        pass
+
+
 def trace_async_copy(tf_checkpoint: Any, lock: Optional[Any] = None) -> Optional[threading.Thread]:
     """Trace the copy function of ``tf_checkpoint``'s async writer (TensorFlow's ``AsyncCheckpointHelper``) in a
     daemon thread, under the distribution strategy of the calling thread, and with ``lock`` (held by every save
     around its copy) run it once, after the write in flight: its first run sets the function up in TensorFlow's
     runtime, the other half of a first call's cost. Its copies are overwritten by the next save's before they are
-    written. Returns the thread, or ``None`` when there is no initialized async writer (before its first save) or
-    its copy function is traced already.
+    written. Returns the thread, or ``None`` when there is no initialized async writer (before its first save), its
+    copy function is traced already, or the strategy has more than one replica or worker
+    (:func:`copy_may_communicate`: the copy then goes through collectives, which must run in step on the training
+    thread). The thread is joined at the process's exit (:func:`join_async_copy`); it does not run a traced
+    function holding a collective op.
 
     Example:
         ckpt.write("ck/a", options=tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True))
@@ -158,10 +244,14 @@ def trace_async_copy(tf_checkpoint: Any, lock: Optional[Any] = None) -> Optional
     except Exception:  # noqa: BLE001 - another TensorFlow: trace anyway (get_concrete_function never retraces)
         pass
     strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+    if copy_may_communicate(strategy):
+        return None
     queue = getattr(helper, "_queue", None)
 
     def prepare() -> None:
-        copy.get_concrete_function()
+        concrete = copy.get_concrete_function()
+        if _graph_communicates(concrete):
+            return  # (never run out of step with the training thread's collectives)
         if lock is not None and queue is not None:
             with lock:  # no save copies meanwhile; the write in flight reads the copies: wait for it first
                 queue.join()
@@ -177,7 +267,9 @@ def trace_async_copy(tf_checkpoint: Any, lock: Optional[Any] = None) -> Optional
         except Exception:  # noqa: BLE001 - a speed-up only: the next save traces it as TensorFlow would
             pass
 
+    _register_exit_hook()
     thread = threading.Thread(target=run, name="keras_scale-checkpoint-trace", daemon=True)
+    _copy_threads[:] = [t for t in _copy_threads if t.is_alive()] + [thread]
     thread.start()
     return thread
 
@@ -194,20 +286,36 @@ class WarmupMixin:
 
     _warmup: Any = None  # None: not started in this fit; False: nothing to touch; else the thread
     _copy_trace: Any = None  # async_save: (the tf.train.Checkpoint, the thread tracing its writer's copy function)
+    _copy_trace_closed = False  # set at the fit's end (no more background copies), reset at its start
     _copy_lock = threading.Lock()  # async saves copy only with it (one per process: saves of two fits never overlap)
 
     def _trace_async_copy_once(self) -> None:
         """After an async save: trace the copy function the next one calls, off the training thread (once per
-        ``tf.train.Checkpoint``: a fit builds a new one)."""
+        ``tf.train.Checkpoint``: a fit builds a new one). Not after the fit's last save (at its end, the preemption
+        save: no save of this checkpoint follows, and the process may exit next), nor where the copy may talk to
+        other replicas or workers (:func:`copy_may_communicate`)."""
         checkpoint = getattr(self, "_checkpoint", None)
         if not getattr(self, "async_save", False) or checkpoint is None or (
                 self._copy_trace is not None and self._copy_trace[0] is checkpoint):
             return
+        if self._copy_trace_closed or getattr(self, "_preempting", False):
+            return
         try:
-            thread = trace_async_copy(checkpoint, self._copy_lock)
+            model = getattr(self, "model", None)
+            if copy_may_communicate(getattr(model, "distribute_strategy", None)):
+                thread = None
+            else:
+                thread = trace_async_copy(checkpoint, self._copy_lock)
         except Exception:  # noqa: BLE001 - a speed-up only
             thread = None
         self._copy_trace = (checkpoint, thread)
+
+    def _end_async_copy(self) -> None:
+        """At the fit's end, before its last save: start no more background copy threads and wait (at most
+        :data:`COPY_JOIN_TIMEOUT_S`) for the one running, so none is inside TensorFlow when the process exits."""
+        self._copy_trace_closed = True
+        if self._copy_trace is not None and self._copy_trace[1] is not None:
+            join_async_copy()
 
     def _warm_up_once(self) -> None:
         from keras_scale import state as training_state
