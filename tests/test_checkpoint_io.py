@@ -284,7 +284,7 @@ def test_checkpoint_cli_lists_and_exports(tmp_path):
     fit(trained, [ckpt], epochs=2)
     out = _cli("ls", d)
     assert out.returncode == 0, out.stderr
-    assert "ckpt-20" in out.stdout and "a resumed fit starts here" in out.stdout and "best: ckpt-" in out.stdout
+    assert "ckpt-20" in out.stdout and "the completed run's final state" in out.stdout and "best: ckpt-" in out.stdout
     (tmp_path / "factory.py").write_text(
         "import keras\n"
         "def make():\n"
