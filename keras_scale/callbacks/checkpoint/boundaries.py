@@ -26,7 +26,7 @@ import keras
 import tensorflow as tf
 
 from keras_scale import state as training_state
-from keras_scale.schedules import learning_rate_variable
+from keras_scale.schedules import ScaledSchedule, inner_optimizer, learning_rate_variable
 from keras_scale.distribute import chief_print
 from keras_scale.callbacks.checkpoint.names import _NAME, _RUN_CONFIG_KEY, _SIGNATURE_KEY, log
 from keras_scale.callbacks.checkpoint import format as _io
@@ -81,6 +81,66 @@ def other_learning_rates(model: keras.Model) -> Dict[str, Optional[float]]:
     return out
 
 
+def _schedule_of(optimizer: Any) -> Any:
+    """The schedule the script gave ``optimizer`` (``None``: a float learning rate), unwrapped from the
+    :class:`~keras_scale.schedules.ScaledSchedule` that ReduceLROnPlateau/NanGuard put around a schedule to lower it."""
+    schedule = getattr(inner_optimizer(optimizer), "_learning_rate", None)
+    while isinstance(schedule, ScaledSchedule):
+        schedule = schedule.schedule
+    return schedule if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule) else None
+
+
+def schedule_descriptor(schedule: Any) -> str:
+    """A stable text naming ``schedule`` and its configuration: ``"<ClassName> <json of its config>"``, or the class
+    name alone when it cannot be serialized (its multiplier, lowered during training, is not part of it).
+
+    Example:
+        >>> schedule_descriptor(keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9))[:16]
+        'ExponentialDecay'
+    """
+    name = type(schedule).__name__
+    try:
+        config = keras.saving.serialize_keras_object(schedule)
+        config = config.get("config", config) if isinstance(config, dict) else config
+        return f"{name} {json.dumps(config, sort_keys=True)}"
+    except Exception:  # noqa: BLE001 - no get_config (or not JSON): compared by class only
+        return name
+
+
+def schedule_descriptors(model: keras.Model) -> Dict[str, str]:
+    """:func:`schedule_descriptor` of every optimizer ``model`` trains with whose learning rate is a schedule, by its
+    path in :func:`keras_scale.state.optimizers` (``"optimizer"`` for ``model.optimizer``)."""
+    out: Dict[str, str] = {}
+    for path, opt in training_state.optimizers(model).items():
+        schedule = _schedule_of(opt)
+        if schedule is not None:
+            out[path] = schedule_descriptor(schedule)
+    return out
+
+
+def short_schedule(descriptor: Any, other: Any = None) -> str:
+    """A short form of a schedule descriptor for messages: its class name and the fields that differ from
+    ``other``'s (all its fields when ``other`` is of another class or not given, up to a few)."""
+    if not isinstance(descriptor, str):
+        return "a float" if descriptor is not None else "a schedule"
+    name, _, raw = descriptor.partition(" ")
+    try:
+        mine = json.loads(raw) if raw else None
+    except ValueError:
+        mine = None
+    theirs = None
+    if isinstance(other, str) and other.partition(" ")[0] == name:
+        try:
+            theirs = json.loads(other.partition(" ")[2] or "null")
+        except ValueError:
+            theirs = None
+    if not isinstance(mine, dict):
+        return name
+    keys = [k for k in sorted(mine) if not isinstance(theirs, dict) or theirs.get(k) != mine.get(k)]
+    shown = ", ".join(f"{k}={json.dumps(mine[k])[:40]}" for k in keys[:4]) + (", ..." if len(keys) > 4 else "")
+    return f"{name}({shown})"
+
+
 class BoundariesMixin:
     """Part of :class:`ChiefCheckpoint` (a mixin: it uses the callback's own state)."""
 
@@ -92,6 +152,7 @@ class BoundariesMixin:
         config: Dict[str, Any] = {"learning_rate": self._lr_at_start}
         if self._other_lrs_at_start:
             config["learning_rates"] = dict(self._other_lrs_at_start)
+        config["schedules"] = dict(getattr(self, "_schedules_at_start", None) or {})
         return config
 
     def _run_config_json(self, completed: Optional[Dict[str, Any]] = None) -> str:
@@ -108,7 +169,19 @@ class BoundariesMixin:
             for path, mine in (self._other_lrs_at_start or {}).items():
                 if path in recorded and recorded[path] != mine:
                     out.append((path, recorded[path], mine))
+        out.extend(self._schedule_changes(config))
         return out
+
+    def _schedule_changes(self, config: Dict[str, Any]) -> List[Tuple[str, str, str]]:
+        """``(optimizer path, schedule descriptor its run started with, this fit's)`` for every optimizer with a
+        schedule in both (a schedule against a float is a learning-rate change already; a record without
+        ``schedules``, written by an older version, compares nothing)."""
+        recorded = config.get("schedules")
+        if not isinstance(recorded, dict):
+            return []
+        mine = getattr(self, "_schedules_at_start", None) or {}
+        return [(path, recorded[path], new) for path, new in mine.items()
+                if isinstance(recorded.get(path), str) and recorded[path] != new]
 
     def _peek_newest(self) -> Optional[_Peek]:
         for number, prefix in list_checkpoints(self.directory):
@@ -298,18 +371,20 @@ class BoundariesMixin:
             return True, None
         changes = self._lr_changes(peek.config)
         if changes:
-            def show(lr: Any) -> str:
+            def show(lr: Any, other: Any = None) -> str:
+                if isinstance(lr, str):
+                    return short_schedule(lr, other)
                 return "a schedule" if lr is None else f"{float(lr):g}"
 
             def name(path: str) -> str:
                 return "learning_rate" if path == "optimizer" else f"{path}'s learning_rate"
 
-            was = ", ".join(f"{name(p)} {show(a)}" for p, a, _ in changes)
-            now = ", ".join(f"{show(b)}" + ("" if p == "optimizer" else f" ({p})") for p, _, b in changes)
+            was = ", ".join(f"{name(p)} {show(a, b)}" for p, a, b in changes)
+            now = ", ".join(f"{show(b, a)}" + ("" if p == "optimizer" else f" ({p})") for p, a, b in changes)
             raise RunCompletedError(
                 f"{head} with {was}; this fit sets {now}: a different configuration "
                 f"would not be trained (restoring the completed run trains 0 epochs). To train it, {options}; to get "
-                f"the completed run back, set the learning rate as it was ({', '.join(show(a) for _, a, _ in changes)}).")
+                f"the completed run back, set the learning rate as it was ({', '.join(show(a, b) for _, a, b in changes)}).")
         more = " (a larger epochs= continues it)" if done["reason"] == "epochs" else ""
         self._announce(f"{head}: restoring its final state and training 0 epochs. To train again{more}, {options}.")
         return True, done

@@ -31,7 +31,8 @@ from keras_scale.callbacks.checkpoint.names import _BEST_DIR, _NAME, _REF_ATTR, 
 from keras_scale.callbacks.checkpoint import format as _io
 from keras_scale.storage import Storage
 from keras_scale.callbacks.checkpoint.best import BestMixin
-from keras_scale.callbacks.checkpoint.boundaries import ON_COMPLETED, BoundariesMixin, other_learning_rates
+from keras_scale.callbacks.checkpoint.boundaries import (ON_COMPLETED, BoundariesMixin, other_learning_rates,
+                                                         schedule_descriptors)
 from keras_scale.callbacks.checkpoint.directory import DirectoryMixin, list_checkpoints
 from keras_scale.callbacks.checkpoint.errors import CheckpointSaveError, save_error
 from keras_scale.callbacks.checkpoint.hooks import _hook_method, _unhook
@@ -375,6 +376,7 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         lr = _lr_variable(model)
         self._lr_at_start = float(lr.numpy()) if lr is not None else None  # as this run's script sets it
         self._other_lrs_at_start = other_learning_rates(model)  # (a GAN's d_optimizer, g_optimizer...)
+        self._schedules_at_start = schedule_descriptors(model)  # the schedules as the script set them (code)
         self._fit_thread = threading.get_ident()
         self.blocked_s = 0.0
         self._warned_poisoned = False
@@ -764,6 +766,7 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
         self._lr_at_start: Optional[float] = None
         self._lr_override: Optional[float] = None
         self._other_lrs_at_start: Dict[str, Optional[float]] = {}
+        self._schedules_at_start: Dict[str, str] = {}
         self._other_lr_overrides: Dict[str, float] = {}  # other optimizers' learning rates changed between runs
         self._skipped_seen = 0.0
         self._finalize_hook: Optional[Tuple[Any, str, Any]] = None  # what _hook_method installed

@@ -176,6 +176,15 @@ class RestoreMixin:
                     self._lr_override = new
                 else:
                     self._other_lr_overrides[path] = new
+        from keras_scale.callbacks.checkpoint.boundaries import short_schedule
+
+        for path, started, new in self._schedule_changes(config):  # a schedule is code: this run's is used
+            name = "the optimizer's learning-rate schedule" if path == "optimizer" else f"{path}'s learning-rate schedule"
+            warnings.warn(
+                f"ChiefCheckpoint: {name} changed between runs: this run sets {short_schedule(new, started)}; the run "
+                f"in {prefix!r} was started with {short_schedule(started, new)}. Using this run's schedule (it is "
+                "code; everything else resumes exactly, the step it is evaluated at included). To continue the run "
+                "as it was, pass the schedule as before.", RuntimeWarning, stacklevel=4)
 
     @staticmethod
     def _reconcile_one(prefix: str, path: str, var: Any, new: Optional[float], started: Any) -> bool:
