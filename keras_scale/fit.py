@@ -744,7 +744,10 @@ def _build(model_or_builder: Any, plan: _Plan, sync_bn: Any, jit_compile: Any, l
                                verbose=0 if plan.verbose == 0 else 1)
             else:
                 wrapped = wrap(model, accum=plan.accum)
-            _compile_like(wrapped, model)
+            # the same optimizer object as the model's (a LossScaleOptimizer under mixed_float16: the wrapper is
+            # created outside the builder's dtype policy, so compiling it with the raw optimizer would train without
+            # loss scaling, beside a second, unused LossScaleOptimizer around the same optimizer)
+            wrapped.compile(**{**_raw_compile_kwargs(model), "optimizer": model.optimizer})
             wrapped.jit_compile = model.jit_compile
         model = wrapped
     return model

@@ -1,0 +1,42 @@
+"""``ks.fit(build_fn, accum=2, precision="mixed_float16", checkpoint_dir=...)`` trains with one optimizer, the
+model's LossScaleOptimizer, and its checkpoints name it by a stable path. Before, the accumulating wrapper was
+compiled with the raw optimizer outside the builder's dtype policy: it trained without loss scaling, beside an unused
+second LossScaleOptimizer around the same optimizer, listed under the inner model's auto-generated name
+(``sequential/optimizer``), so a second ``ks.fit`` in the same process (``sequential_1``) raised
+CheckpointMismatchError instead of restoring the completed run."""
+import keras
+import numpy as np
+
+import keras_scale as ks
+from keras_scale import state as training_state
+from keras_scale.accumulation import unwrap
+
+X = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+Y = X[:, :1].copy()
+
+
+def build():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])  # auto-named
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    return model
+
+
+def ks_fit(d):
+    return ks.fit(build, X, Y, global_batch_size=8, epochs=2, accum=2, precision="mixed_float16", checkpoint_dir=d,
+                  default_callbacks=False, verbose=0)
+
+
+def test_mixed_precision_accumulation_trains_with_one_loss_scale_optimizer_and_reruns_in_one_process(tmp_path):
+    d = str(tmp_path / "ckpt")
+    first = ks_fit(d)
+    model = first.model
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)  # loss scaling is on
+    assert model.optimizer is unwrap(model).optimizer  # one optimizer object, shared with the inner model
+    assert list(training_state.optimizers(model)) == ["optimizer"]
+    updates = int(model.optimizer.iterations.numpy())  # 8 steps, less those the loss scale found overflowing
+    assert 0 < updates <= 8
+    again = ks_fit(d)  # the same call again in this process (the inner model is now "sequential_1")
+    assert again.epoch == [1]  # the completed run restored: 0 epochs trained
+    assert int(again.model.optimizer.iterations.numpy()) == updates
+    for a, b in zip(model.weights, again.model.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
