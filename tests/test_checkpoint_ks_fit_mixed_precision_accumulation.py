@@ -6,10 +6,12 @@ second LossScaleOptimizer around the same optimizer, listed under the inner mode
 CheckpointMismatchError instead of restoring the completed run."""
 import keras
 import numpy as np
+import pytest
 
 import keras_scale as ks
 from keras_scale import state as training_state
 from keras_scale.accumulation import unwrap
+from keras_scale.callbacks.checkpoint import CheckpointMismatchError
 
 X = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
 Y = X[:, :1].copy()
@@ -40,3 +42,21 @@ def test_mixed_precision_accumulation_trains_with_one_loss_scale_optimizer_and_r
     assert int(again.model.optimizer.iterations.numpy()) == updates
     for a, b in zip(model.weights, again.model.weights):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_a_checkpoint_of_the_earlier_two_optimizer_layout_says_why_it_does_not_resume(tmp_path):
+    """A run checkpointed by the earlier layout (bare Adam on the wrapper, an unused LossScaleOptimizer on the inner
+    model) cannot resume under loss scaling: the error says so and how to continue from its weights."""
+    d = str(tmp_path / "ckpt")
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        inner = build()
+    finally:
+        keras.config.set_dtype_policy(previous)
+    old = ks.wrap(inner, accum=2)
+    old.compile(optimizer=inner.optimizer.inner_optimizer, loss="mse")  # what ks.fit compiled the wrapper with
+    assert sorted(training_state.optimizers(old)) == ["optimizer", f"{inner.name}/optimizer"]
+    old.fit(X, Y, batch_size=8, epochs=1, verbose=0, callbacks=[ks.ChiefCheckpoint(d)])
+    with pytest.raises(CheckpointMismatchError, match=r"earlier keras_scale.*without loss scaling.*restore='weights_only'"):
+        ks_fit(d)

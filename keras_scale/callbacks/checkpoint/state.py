@@ -245,9 +245,18 @@ class StateMixin:
             return  # written by an older version: the variable check below is all there is
         ours = mine["optimizers"]
         if set(theirs) != set(ours):
+            extra = [p for p in set(theirs) - set(ours) if isinstance(theirs[p], dict)
+                     and str(theirs[p].get("class", "")).startswith("LossScaleOptimizer")]
+            why = ""
+            if extra and str(ours.get("optimizer", {}).get("class", "")).startswith("LossScaleOptimizer") and \
+                    not str((theirs.get("optimizer") or {}).get("class", "")).startswith("LossScaleOptimizer"):
+                why = (f" It was written by an earlier keras_scale whose ks.fit(..., accum=..., "
+                       f"precision='mixed_float16') trained the wrapper's optimizer without loss scaling ({extra[0]!r} "
+                       "was a second, unused LossScaleOptimizer); this version trains with loss scaling, so that run "
+                       "cannot resume exactly: continue from its weights with restore='weights_only'.")
             raise CheckpointMismatchError(
                 f"checkpoint {prefix!r} holds the optimizers {sorted(theirs)}, this model trains with {sorted(ours)}: "
-                f"restoring would leave an optimizer's state behind or fresh. {fix} To start from its model weights "
+                f"restoring would leave an optimizer's state behind or fresh.{why} {fix} To start from its model weights "
                 f"only, pass ChiefCheckpoint(..., restore='weights_only').")
         for path in ours:
             a, b = theirs[path].get("class"), ours[path]["class"]
