@@ -58,5 +58,6 @@ def test_a_checkpoint_of_the_earlier_two_optimizer_layout_says_why_it_does_not_r
     old.compile(optimizer=inner.optimizer.inner_optimizer, loss="mse")  # what ks.fit compiled the wrapper with
     assert sorted(training_state.optimizers(old)) == ["optimizer", f"{inner.name}/optimizer"]
     old.fit(X, Y, batch_size=8, epochs=1, verbose=0, callbacks=[ks.ChiefCheckpoint(d)])
-    with pytest.raises(CheckpointMismatchError, match=r"earlier keras_scale.*without loss scaling.*restore='weights_only'"):
+    with pytest.raises(CheckpointMismatchError,
+                       match=r"earlier keras_scale.*without loss scaling.*restore='weights_only'"):
         ks_fit(d)

@@ -179,7 +179,8 @@ class RestoreMixin:
         from keras_scale.callbacks.checkpoint.boundaries import short_schedule
 
         for path, started, new in self._schedule_changes(config):  # a schedule is code: this run's is used
-            name = "the optimizer's learning-rate schedule" if path == "optimizer" else f"{path}'s learning-rate schedule"
+            name = ("the optimizer's learning-rate schedule" if path == "optimizer"
+                    else f"{path}'s learning-rate schedule")
             warnings.warn(
                 f"ChiefCheckpoint: {name} changed between runs: this run sets {short_schedule(new, started)}; the run "
                 f"in {prefix!r} was started with {short_schedule(started, new)}. Using this run's schedule (it is "

@@ -256,8 +256,8 @@ class StateMixin:
                        "cannot resume exactly: continue from its weights with restore='weights_only'.")
             raise CheckpointMismatchError(
                 f"checkpoint {prefix!r} holds the optimizers {sorted(theirs)}, this model trains with {sorted(ours)}: "
-                f"restoring would leave an optimizer's state behind or fresh.{why} {fix} To start from its model weights "
-                f"only, pass ChiefCheckpoint(..., restore='weights_only').")
+                f"restoring would leave an optimizer's state behind or fresh.{why} {fix} To start from its model "
+                f"weights only, pass ChiefCheckpoint(..., restore='weights_only').")
         for path in ours:
             a, b = theirs[path].get("class"), ours[path]["class"]
             if a != b:
