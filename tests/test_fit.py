@@ -444,3 +444,15 @@ def test_mirrored_strategy_probe_prints_no_eager_overhead_warning():
                          env=dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="0"))
     assert out.returncode == 0 and "trained" in out.stdout, out.stderr[-2000:]
     assert "eagerly has significant overhead" not in out.stderr + out.stdout
+
+
+def test_sync_bn_under_mixed_precision_keeps_loss_scaling(mirrored):
+    """The synchronized-BatchNorm copy is compiled outside the builder's dtype policy: with the model's raw
+    optimizer it would train mixed_float16 without loss scaling (Keras wraps an optimizer in a LossScaleOptimizer
+    only when the compiled model's own policy is mixed_float16). It trains with the builder's LossScaleOptimizer."""
+    result = ks.fit(build(batchnorm=True), X, Y, per_replica_batch_size=4, epochs=1, strategy=mirrored,
+                    shuffle=False, verbose=0, precision="mixed_float16")
+    assert any(layer.synchronized for layer in result.model.layers
+               if isinstance(layer, keras.layers.BatchNormalization))
+    assert isinstance(result.model.optimizer, keras.optimizers.LossScaleOptimizer), type(result.model.optimizer)
+    assert int(result.model.optimizer.iterations.numpy()) > 0
