@@ -405,8 +405,10 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
             self._start_fresh_beside_checkpoints()  # numbered after them, warned: they rotate out (directory.py)
         if mode == "new":  # a new run from the model as it is, numbered after the newest checkpoint
             self._global_step = self._last_saved_step = peek.number
-            self._best = []
             self._weights_from = None
+        if mode == "new" or not self.restore:  # keep_best_k ranks the new run only: the old run's best/ set aside
+            self._set_best_aside(self._global_step, "on_completed='restart'" if self.restore
+                                 else "restore=False")
         elif mode == "weights_only" and peek is not None:
             found = self._newest_readable()
         if mode == "weights_only" and found is not None:

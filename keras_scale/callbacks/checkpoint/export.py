@@ -272,7 +272,7 @@ def describe_directory(directory: str) -> Dict[str, Any]:
     Example:
         describe_directory("ckpt")["resumes"]   # 'ckpt/ckpt-300'
     """
-    from keras_scale.callbacks.checkpoint.best import BEST_JSON, ranked_in_best
+    from keras_scale.callbacks.checkpoint.best import BEST_JSON, EARLIER_RUN_PREFIX, ranked_in_best
     from keras_scale.callbacks.checkpoint.directory import (_retiring, _verified, completed_record, moved_aside,
                                                             unlisted_checkpoints)
 
@@ -299,6 +299,11 @@ def describe_directory(directory: str) -> Dict[str, Any]:
         if number not in ranked:
             problems.append(f"{prefix!r} is in best/ but not ranked in {BEST_JSON} (the next ChiefCheckpoint"
                             "(keep_best_k=...) start ranks it by the value it records; it is never deleted unranked)")
+    earlier_best = []  # best/earlier-run-to-ckpt-N/: an earlier run's best checkpoints, set aside by a new run
+    for name in (sorted(tf.io.gfile.listdir(best_dir)) if tf.io.gfile.isdir(best_dir) else []):
+        if name.startswith(EARLIER_RUN_PREFIX):
+            aside = os.path.join(best_dir, name.rstrip("/"))
+            earlier_best.append({"directory": aside, "checkpoints": sorted(n for n, _ in list_checkpoints(aside))})
     unlisted = [{"number": n, "prefix": p, "bytes": _size(p), **_position(p)} for n, p in unlisted_checkpoints(directory)]
     left = orphans(directory)
     retiring, _ = _retiring(directory)
@@ -306,6 +311,7 @@ def describe_directory(directory: str) -> Dict[str, Any]:
                       if any(os.path.basename(p).startswith(name + ".") for p in left)})
     return {"directory": directory, "checkpoints": rows, "resumes": resumes,
             "completed": completed_record(resumes) if resumes else None, "unlisted": unlisted, "best": best,
+            "earlier_best": earlier_best,
             "problems": problems, "orphans": left, "retired": retired, "moved_aside": moved_aside(directory)}
 
 
@@ -431,6 +437,10 @@ def cli(args: Any) -> int:
         for e in info["best"]:
             epoch = f" (epoch {e['epoch'] + 1})" if isinstance(e.get("epoch"), int) else ""
             say(f"  best: {os.path.basename(e['prefix'])} {e.get('monitor') or 'value'}={e['value']:.6g}{epoch}")
+        for aside in info.get("earlier_best", []):
+            say(f"  best of an earlier run (set aside when a new run started; kept, never ranked): "
+                f"{os.path.relpath(aside['directory'], info['directory'])}/ "
+                f"({', '.join(f'{_NAME}-{n}' for n in aside['checkpoints']) or 'no checkpoint'})")
         for row in info["unlisted"]:  # (what a damaged newest one is: a problem line below)
             say(f"  {_NAME}-{row['number']:<10} not in the state file: kept (keep_every_n_hours, an earlier run); "
                 "a resume never uses it")
