@@ -357,6 +357,16 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
             model._initial_epoch = None
 
     def on_train_begin(self, logs=None):
+        try:
+            self._on_train_begin(logs)
+        except BaseException:  # (RunCompletedError, a mismatch...): Keras calls no on_train_end; nothing is left held
+            try:
+                self._active_cleanup()  # the lock, the signal handlers, the hooks installed so far
+            except Exception:  # noqa: BLE001 - the first error is the one to see; the lock goes in any case
+                self._release_lock()
+            raise
+
+    def _on_train_begin(self, logs=None):
         model = self.model
         self._find_callback_list()
         ref = getattr(model, _REF_ATTR, None)
