@@ -127,7 +127,11 @@ def _scan(directory: str, at_start: bool = False) -> Tuple[List[Tuple[int, str]]
         m = _PREFIX_RE.match(name)
         # get_checkpoint_state joins relative entries with the directory already; older files may not
         if not m or not (_inside(directory, p) or _inside(directory, os.path.join(directory, p))):
-            problems.append(f"the state file names {p!r}, which is not a checkpoint of this directory (ignored)")
+            problems.append(f"the state file names {p!r}, which is not a checkpoint of this directory (ignored; "
+                            + ("this start keeps" if at_start else "the next ChiefCheckpoint start keeps")
+                            + " a copy of the state file as 'checkpoint.invalid' and rewrites it to list only "
+                            "this directory's checkpoints, or removes it when there are none; nothing there is read "
+                            "or deleted)")
             continue
         prefix = os.path.join(directory, name)
         if not tf.io.gfile.exists(prefix + ".index"):

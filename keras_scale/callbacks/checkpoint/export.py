@@ -50,8 +50,20 @@ def resolve_checkpoint(path: Union[str, os.PathLike], step: Optional[int] = None
             raise FileNotFoundError(f"no checkpoint {step} in {path!r} (it has {[n for n, _ in found] or 'none'}). "
                                     "Fix: pass one of those steps, or none for the newest.")
         if not found:
-            raise FileNotFoundError(f"{path!r} holds no checkpoint (no ckpt-N.index recorded or found). Fix: pass "
-                                    "the directory given to ChiefCheckpoint, or a checkpoint prefix such as "
+            in_best = [n for n, _ in (list_checkpoints(best) if tf.io.gfile.isdir(best) else [])]
+            final = os.path.join(path, _FINAL_DIR)
+            in_final = [n for n, _ in (list_checkpoints(final) if tf.io.gfile.isdir(final) else [])]
+            hint = ""
+            if in_best:
+                hint += (f" Its best/ holds {', '.join(f'{_NAME}-{n}' for n in in_best)} (keep_best_k): pass "
+                         f"{best!r} (the newest of them), step={in_best[0]}, or a prefix such as "
+                         f"{os.path.join(best, f'{_NAME}-{in_best[0]}')!r}.")
+            if in_final:
+                hint += (f" Its final/ holds {', '.join(f'{_NAME}-{n}' for n in in_final)} (a completed run's final "
+                         "weights), which load only beside the checkpoint of the same number in the directory (it "
+                         "records their variable paths), now gone.")
+            raise FileNotFoundError(f"{path!r} holds no checkpoint (no ckpt-N.index recorded or found).{hint} "
+                                    "Fix: pass the directory given to ChiefCheckpoint, or a checkpoint prefix such as "
                                     f"{os.path.join(path, _NAME + '-100')!r}.")
         return found[0][1]
     if path.endswith(".index"):
