@@ -48,6 +48,7 @@ def test_a_new_run_ranks_only_its_own_best_checkpoints_and_a_rerun_keeps_them(tm
     assert all(os.path.exists(os.path.join(d, "best", f"ckpt-{n}.index")) for n in (70, 80))
     info = describe_directory(d)
     assert not info["problems"]
+    assert info["earlier_best"] == [{"directory": aside, "checkpoints": [50, 60]}]
     capsys.readouterr()
     assert main(["checkpoint", "ls", d]) == 0
     listing = capsys.readouterr().out
