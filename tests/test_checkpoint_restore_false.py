@@ -40,3 +40,21 @@ def test_a_rerun_after_restore_false_resumes_the_new_run_not_the_finished_one(tm
 def test_restore_false_in_an_empty_directory_says_nothing(tmp_path, recwarn):
     fit(make_model(), [ks.ChiefCheckpoint(str(tmp_path / "ckpt"), restore=False)], epochs=1)
     assert not [w for w in recwarn if "restore=False" in str(w.message)]
+
+
+def test_restore_false_with_keep_every_n_hours_says_which_old_checkpoints_stay(tmp_path):
+    """Before: "after 1 save(s) none of them is left" while keep_every_n_hours kept them (and this run's) for good.
+    Now the warning says they leave the state file and which files keep_every_n_hours keeps, and all of that holds."""
+    directory = str(tmp_path / "ckpt")
+    hours = 1e-9  # (every rotated checkpoint is older than the interval: each is kept)
+    fit(make_model(), [ks.ChiefCheckpoint(directory, max_to_keep=1, keep_every_n_hours=hours)], epochs=3)
+    with pytest.warns(RuntimeWarning) as caught:
+        fit(make_model(), [ks.ChiefCheckpoint(directory, max_to_keep=1, keep_every_n_hours=hours, restore=False)],
+            epochs=2)
+    said = [str(w.message) for w in caught if "restore=False" in str(w.message)]
+    assert len(said) == 1 and "none of them is left" not in said[0]
+    assert "rotate those out of the state file" in said[0]
+    assert "keep_every_n_hours=1e-09 keeps the files of one checkpoint per 1e-09 hour(s)" in said[0]
+    assert "(kept so already: ckpt-10, ckpt-20)" in said[0]
+    indexed = sorted(int(n[5:-6]) for n in os.listdir(directory) if n.endswith(".index"))
+    assert indexed == [10, 20, 30, 40, 50]  # the old ones kept, as said

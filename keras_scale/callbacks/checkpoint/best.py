@@ -20,6 +20,8 @@ from keras_scale.callbacks.checkpoint.format import is_complete, read_checkpoint
 from keras_scale.storage import _is_local, write_atomic
 
 BEST_JSON = "best.json"
+#: best/<this><step>/: an earlier run's best checkpoints, set aside when a new run started after ckpt-<step>
+EARLIER_RUN_PREFIX = "earlier-run-to-ckpt-"
 
 
 def read_best_json(best_dir: str) -> Tuple[Optional[List[Dict[str, Any]]], Optional[str]]:
@@ -104,6 +106,23 @@ def _numbers_in(directory: str) -> Dict[int, str]:
             if _files_inside(directory, prefix):
                 out[int(m.group(1))] = prefix
     return out
+
+
+def new_run_start(best_dir: str) -> int:
+    """The step the newest run in the directory was numbered after, as ``best/earlier-run-to-ckpt-<step>/`` (set
+    aside when it started) records it; ``-1`` when no run set an earlier one's best checkpoints aside. Checkpoints
+    numbered up to it are an earlier run's: ``keep_best_k`` never ranks them.
+
+    Example:
+        new_run_start("ckpt/best")   # 48
+    """
+    try:
+        names = tf.io.gfile.listdir(best_dir)
+    except (tf.errors.OpError, OSError):
+        return -1
+    steps = [int(n.rstrip("/")[len(EARLIER_RUN_PREFIX):]) for n in names
+             if n.startswith(EARLIER_RUN_PREFIX) and n.rstrip("/")[len(EARLIER_RUN_PREFIX):].isdigit()]
+    return max(steps, default=-1)
 
 
 def ranked_in_best(best_dir: str) -> Tuple[Optional[List[Dict[str, Any]]], Dict[int, str], List[str]]:
@@ -197,8 +216,9 @@ def reconcile_best(directory: str, monitor: str, mode: str, keep_best_k: int,
                         f"not ranked in {BEST_JSON} (a kill before it was written, or a damaged file): ranked by the "
                         "value each checkpoint records")
     link: Dict[int, str] = {}
+    run_start = new_run_start(best_dir)
     for number, prefix in sorted(candidates):
-        if number in ranked or number in in_best:
+        if number in ranked or number in in_best or number <= run_start:  # (an earlier run's: never ranked)
             continue
         try:
             found = epoch_end_value(prefix, monitor)
@@ -317,6 +337,39 @@ class BestMixin:
             warnings.warn(f"ChiefCheckpoint: keep_best_k could not bring {best_dir!r} up to date ({e}); training "
                           "goes on, the best checkpoints are ranked again at the next start.", RuntimeWarning,
                           stacklevel=3)
+
+    def _set_best_aside(self, after_step: int, why: str) -> None:
+        """Chief, at the start of a new run (``restore=False``, ``on_completed="restart"``): move the earlier run's
+        ``best/`` checkpoints and ``best.json`` into ``best/earlier-run-to-ckpt-<after_step>/`` (nothing deleted;
+        hard links where possible), so ``keep_best_k`` ranks the new run only and no later start ranks them again."""
+        self._best = []
+        best_dir = self._best_dir()
+        if not self._chief or not tf.io.gfile.isdir(best_dir) or (_is_local(best_dir) and os.path.islink(best_dir)):
+            return
+        numbers = sorted(_numbers_in(best_dir))
+        has_json = tf.io.gfile.exists(os.path.join(best_dir, BEST_JSON))
+        if not numbers and not has_json:
+            return
+        aside = os.path.join(best_dir, f"{EARLIER_RUN_PREFIX}{after_step}")
+        try:
+            tf.io.gfile.makedirs(aside)
+            # copied (linked) in full first, then removed from best/: a kill in between loses nothing
+            for number in numbers:
+                link_into(os.path.join(best_dir, f"{_NAME}-{number}"), aside)
+            if has_json:
+                tf.io.gfile.copy(os.path.join(best_dir, BEST_JSON), os.path.join(aside, BEST_JSON), overwrite=True)
+                remove_entry(os.path.join(best_dir, BEST_JSON))
+            for number in numbers:
+                _remove_number(best_dir, number)
+        except (OSError, tf.errors.OpError) as e:
+            warnings.warn(f"ChiefCheckpoint: could not move the earlier run's best checkpoints in {best_dir!r} "
+                          f"aside to {aside!r} ({type(e).__name__}: {e}); move them away by hand, or the next start "
+                          "ranks them with this run's.", RuntimeWarning, stacklevel=3)
+            return
+        names = ", ".join(f"{_NAME}-{n}" for n in numbers) or BEST_JSON
+        warnings.warn(f"ChiefCheckpoint: {why} starts a new run: the earlier run's best checkpoints in best/ "
+                      f"({names}) are moved aside to {aside!r} (kept, never ranked again); keep_best_k ranks the new "
+                      "run only.", RuntimeWarning, stacklevel=3)
 
     def _keep_best(self, value: float, epoch: int) -> None:
         """Copy (hard-link where possible) the checkpoint just saved for this epoch's end into ``best/``."""

@@ -358,6 +358,16 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
             model._initial_epoch = None
 
     def on_train_begin(self, logs=None):
+        try:
+            self._on_train_begin(logs)
+        except BaseException:  # (RunCompletedError, a mismatch...): Keras calls no on_train_end; nothing is left held
+            try:
+                self._active_cleanup()  # the lock, the signal handlers, the hooks installed so far
+            except Exception:  # noqa: BLE001 - the first error is the one to see; the lock goes in any case
+                self._release_lock()
+            raise
+
+    def _on_train_begin(self, logs=None):
         model = self.model
         self._find_callback_list()
         ref = getattr(model, _REF_ATTR, None)
@@ -407,8 +417,10 @@ class ChiefCheckpoint(DirectoryMixin, LockMixin, PreemptionMixin, StateMixin, Re
             self._start_fresh_beside_checkpoints()  # numbered after them, warned: they rotate out (directory.py)
         if mode == "new":  # a new run from the model as it is, numbered after the newest checkpoint
             self._global_step = self._last_saved_step = peek.number
-            self._best = []
             self._weights_from = None
+        if mode == "new" or not self.restore:  # keep_best_k ranks the new run only: the old run's best/ set aside
+            self._set_best_aside(self._global_step, "on_completed='restart'" if self.restore
+                                 else "restore=False")
         elif mode == "weights_only" and peek is not None:
             found = self._newest_readable()
         if mode == "weights_only" and found is not None:

@@ -127,7 +127,11 @@ def _scan(directory: str, at_start: bool = False) -> Tuple[List[Tuple[int, str]]
         m = _PREFIX_RE.match(name)
         # get_checkpoint_state joins relative entries with the directory already; older files may not
         if not m or not (_inside(directory, p) or _inside(directory, os.path.join(directory, p))):
-            problems.append(f"the state file names {p!r}, which is not a checkpoint of this directory (ignored)")
+            problems.append(f"the state file names {p!r}, which is not a checkpoint of this directory (ignored; "
+                            + ("this start keeps" if at_start else "the next ChiefCheckpoint start keeps")
+                            + " a copy of the state file as 'checkpoint.invalid' and rewrites it to list only "
+                            "this directory's checkpoints, or removes it when there are none; nothing there is read "
+                            "or deleted)")
             continue
         prefix = os.path.join(directory, name)
         if not tf.io.gfile.exists(prefix + ".index"):
@@ -534,11 +538,20 @@ class DirectoryMixin:
         what = (f"a completed run (completed at epoch {done['epoch']}, {os.path.basename(prefix)})" if done
                 else "an earlier run")
         names = ", ".join(os.path.basename(p) for _, p in sorted(found))
+        if self.keep_every_n_hours:  # rotated out of the state file, but the manager keeps one per interval for good
+            kept = ", ".join(os.path.basename(p) for _, p in sorted(unlisted_checkpoints(self.directory)))
+            fate = (f"its saves rotate those out of the state file (after {self.max_to_keep} save(s) none of them is "
+                    "listed; a rerun then resumes this new run); keep_every_n_hours="
+                    f"{self.keep_every_n_hours} keeps the files of one checkpoint per {self.keep_every_n_hours} "
+                    "hour(s) of save time for good and deletes the others as they rotate out"
+                    + (f" (kept so already: {kept})" if kept else ""))
+        else:
+            fate = (f"its saves rotate those out (after {self.max_to_keep} save(s) none of them is left; a rerun then "
+                    "resumes this new run)")
         warnings.warn(
             f"ChiefCheckpoint(restore=False): {self.directory!r} holds the checkpoints of {what}: {names}. This fit "
             f"starts a new run from the model as it is; its checkpoints are numbered after {_NAME}-{newest} and, with "
-            f"max_to_keep={self.max_to_keep}, its saves rotate those out (after {self.max_to_keep} save(s) none of "
-            "them is left; a rerun then resumes this new run). To keep them, give this run another directory "
+            f"max_to_keep={self.max_to_keep}, {fate}. To keep them all, give this run another directory "
             "(or copy them elsewhere first).", RuntimeWarning, stacklevel=3)
 
     def _report_directory_problems(self) -> None:

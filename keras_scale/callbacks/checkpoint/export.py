@@ -12,14 +12,16 @@ import json
 import os
 import re
 import shlex
+import warnings
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import keras
 import tensorflow as tf
 
 from keras_scale.callbacks.checkpoint.directory import _scan, list_checkpoints, orphans
-from keras_scale.callbacks.checkpoint.format import _assign, read_checkpoint
-from keras_scale.callbacks.checkpoint.names import _BEST_DIR, _NAME, _POSITION, _SIGNATURE_KEY, CheckpointMismatchError
+from keras_scale.callbacks.checkpoint.format import CorruptCheckpointError, _assign, read_checkpoint
+from keras_scale.callbacks.checkpoint.names import (_BEST_DIR, _NAME, _POSITION, _RUN_CONFIG_KEY, _SIGNATURE_KEY,
+                                                   CheckpointMismatchError)
 
 __all__ = ["load_checkpoint", "load_optimizer_state", "resolve_checkpoint", "describe_directory"]
 
@@ -48,8 +50,20 @@ def resolve_checkpoint(path: Union[str, os.PathLike], step: Optional[int] = None
             raise FileNotFoundError(f"no checkpoint {step} in {path!r} (it has {[n for n, _ in found] or 'none'}). "
                                     "Fix: pass one of those steps, or none for the newest.")
         if not found:
-            raise FileNotFoundError(f"{path!r} holds no checkpoint (no ckpt-N.index recorded or found). Fix: pass "
-                                    "the directory given to ChiefCheckpoint, or a checkpoint prefix such as "
+            in_best = [n for n, _ in (list_checkpoints(best) if tf.io.gfile.isdir(best) else [])]
+            final = os.path.join(path, _FINAL_DIR)
+            in_final = [n for n, _ in (list_checkpoints(final) if tf.io.gfile.isdir(final) else [])]
+            hint = ""
+            if in_best:
+                hint += (f" Its best/ holds {', '.join(f'{_NAME}-{n}' for n in in_best)} (keep_best_k): pass "
+                         f"{best!r} (the newest of them), step={in_best[0]}, or a prefix such as "
+                         f"{os.path.join(best, f'{_NAME}-{in_best[0]}')!r}.")
+            if in_final:
+                hint += (f" Its final/ holds {', '.join(f'{_NAME}-{n}' for n in in_final)} (a completed run's final "
+                         "weights), which load only beside the checkpoint of the same number in the directory (it "
+                         "records their variable paths), now gone.")
+            raise FileNotFoundError(f"{path!r} holds no checkpoint (no ckpt-N.index recorded or found).{hint} "
+                                    "Fix: pass the directory given to ChiefCheckpoint, or a checkpoint prefix such as "
                                     f"{os.path.join(path, _NAME + '-100')!r}.")
         return found[0][1]
     if path.endswith(".index"):
@@ -91,14 +105,57 @@ def _gone(prefix: str) -> bool:
         return True
 
 
+_FINAL_DIR = "final"  # (boundaries.py: the weights a completed run's fit returned, EarlyStopping's restored best)
+
+
+def final_weights_of(prefix: str) -> Optional[str]:
+    """``directory/final/ckpt-N`` when checkpoint ``prefix`` (``directory/ckpt-N``) completed its run and recorded
+    there the weights its ``fit`` returned (they differ from the checkpoint's own: ``EarlyStopping(
+    restore_best_weights=True)``); else ``None``. What a rerun of the completed run restores.
+
+    Example:
+        final_weights_of("ckpt/ckpt-16")   # 'ckpt/final/ckpt-16'
+    """
+    try:
+        reader = read_checkpoint(prefix)
+        raw = reader.get_tensor(_RUN_CONFIG_KEY) if reader.has_tensor(_RUN_CONFIG_KEY) else b""
+        config = json.loads(raw.decode() if isinstance(raw, bytes) else raw) if raw else {}
+        relative = ((config.get("completed") if isinstance(config, dict) else None) or {}).get("final_weights")
+    except Exception:  # noqa: BLE001 - no readable record: none
+        return None
+    if not isinstance(relative, str) or not re.fullmatch(_FINAL_DIR + "/" + _NAME + r"-\d+", relative):
+        return None  # (never a file outside the directory)
+    path = os.path.join(os.path.dirname(prefix), relative)
+    return path if tf.io.gfile.exists(path + ".index") else None
+
+
+def directory_of(prefix: str) -> str:
+    """The directory checkpoint ``prefix`` is in."""
+    return os.path.dirname(prefix)
+
+
+def _signature_prefix(prefix: str) -> str:
+    """The checkpoint whose variable paths ``prefix``'s model variables follow: ``dir/ckpt-N`` for
+    ``dir/final/ckpt-N`` (the final weights are written in its order, without paths), else ``prefix``."""
+    head, name = os.path.split(prefix)
+    if os.path.basename(head) == _FINAL_DIR:
+        return os.path.join(os.path.dirname(head), name)
+    return prefix
+
+
 def load_checkpoint(model: keras.Model, path: Union[str, os.PathLike], step: Optional[int] = None) -> str:
     """Load the model weights of a :class:`~keras_scale.ChiefCheckpoint` checkpoint into ``model``, matching
     variables by their path (``layer/kernel``), not by position: a Dropout's seed state or a reordered list of
-    variables never shifts a weight into the wrong place. ``path`` is the checkpoint directory (its newest
-    checkpoint, or ``step``) or one checkpoint's prefix. Paths are compared as saved; when the model's own name or
-    Keras's automatic numbering differs (``dense_3`` in a process that built other models first), they are compared
-    without them, each name's variables in their order. Every shape and dtype is checked and every tensor read
-    (CRC-checked) before the first assignment. Only the model is loaded (not the optimizer); returns the prefix used.
+    variables never shifts a weight into the wrong place. ``path`` is the checkpoint directory or one checkpoint's
+    prefix. Paths are compared as saved; when the model's own name or Keras's automatic numbering differs
+    (``dense_3`` in a process that built other models first), they are compared without them, each name's
+    variables in their order. Every shape and dtype is checked and every tensor read (CRC-checked) before the first
+    assignment. Only the model is loaded (not the optimizer); returns the prefix used.
+
+    A directory without ``step`` loads what a rerun would restore: its newest checkpoint that reads back whole (a
+    damaged newer one is skipped with a ``RuntimeWarning`` naming it, as ``fit`` skips it), and for a completed run
+    that recorded the weights its ``fit`` returned (``EarlyStopping(restore_best_weights=True)``) those, from
+    ``final/ckpt-N``. ``step=N`` (or a prefix) loads that checkpoint as it was saved, and a damaged one raises.
 
     Safe beside a training run (an evaluator loop): when ``path`` is a directory and its newest checkpoint is
     rotated away between being chosen and being read, the then newest one is chosen and read instead (up to 5
@@ -115,31 +172,68 @@ def load_checkpoint(model: keras.Model, path: Union[str, os.PathLike], step: Opt
         raise ValueError("load_checkpoint: the model has no variables yet. Fix: build it first (a keras.Input as "
                          "its first layer, model.build(input_shape), or call it on one batch).")
     is_dir = tf.io.gfile.isdir(os.fspath(path))
+    if not is_dir or step is not None:
+        return _load_model_weights(model, variables, resolve_checkpoint(path, step))
     tried: List[str] = []
-    for _ in range(_LOAD_TRIES if is_dir else 1):
-        prefix = resolve_checkpoint(path, step)
+    skipped: List[str] = []
+    last_damage: Optional[BaseException] = None
+    while len(tried) < _LOAD_TRIES:
+        prefix = resolve_checkpoint(path)  # the newest (raises, saying what to pass, when there is none)
+        if prefix in skipped:  # damaged: the newest one not found damaged yet
+            rest = [p for _, p in list_checkpoints(os.fspath(path)) if p not in skipped]
+            if not rest:
+                assert last_damage is not None
+                raise last_damage
+            prefix = rest[0]
         try:
-            return _load_model_weights(model, variables, prefix)
-        except Exception as e:  # noqa: BLE001 - NotFoundError, or the data file gone before its first read
-            if not is_dir or not _gone(prefix):
-                raise
-            tried.append(os.path.basename(prefix))
+            final = final_weights_of(prefix)
+            if final is not None:
+                try:
+                    loaded = _load_model_weights(model, variables, final)
+                except CorruptCheckpointError as e:  # the checkpoint's own weights, said (as a rerun does)
+                    warnings.warn(f"load_checkpoint: the completed run's final weights {final!r} (what its fit "
+                                  f"returned) cannot be read ({e}); loaded {prefix!r}'s own (its last epoch's) "
+                                  "instead.", RuntimeWarning, stacklevel=2)
+                else:
+                    _warn_skipped(skipped, loaded)
+                    return loaded
+            loaded = _load_model_weights(model, variables, prefix)
+            _warn_skipped(skipped, loaded)
+            return loaded
+        except CheckpointMismatchError:
+            raise
+        except Exception as e:  # noqa: BLE001 - rotated away (choose again), or damaged (the next older one)
             error = e
-    which = f"checkpoint {step}" if step is not None else "its newest checkpoint"
+            if _gone(prefix):
+                tried.append(os.path.basename(prefix))
+                continue
+            if not isinstance(e, (CorruptCheckpointError, tf.errors.OpError)):
+                raise
+            skipped.append(prefix)
+            last_damage = e
     raise FileNotFoundError(
-        f"load_checkpoint: {os.fspath(path)!r}: {which} was deleted before it could be read, {len(tried)} times "
-        f"({', '.join(tried)}; training rotates checkpoints away: max_to_keep). Fix: retry, keep more checkpoints "
-        f"(a larger max_to_keep) or save less often. Last error: {type(error).__name__}: "
+        f"load_checkpoint: {os.fspath(path)!r}: its newest checkpoint was deleted before it could be read, "
+        f"{len(tried)} times ({', '.join(tried)}; training rotates checkpoints away: max_to_keep). Fix: retry, keep "
+        f"more checkpoints (a larger max_to_keep) or save less often. Last error: {type(error).__name__}: "
         f"{(str(error).splitlines() or [''])[0][:200]}") from error
+
+
+def _warn_skipped(skipped: List[str], loaded: str) -> None:
+    if skipped:
+        warnings.warn(f"load_checkpoint: {', '.join(repr(p) for p in skipped)} "
+                      f"{'is' if len(skipped) == 1 else 'are'} damaged (fails its CRC check or cannot be read) and "
+                      f"{'was' if len(skipped) == 1 else 'were'} skipped, as fit skips it; loaded {loaded!r}.",
+                      RuntimeWarning, stacklevel=3)
 
 
 def _load_model_weights(model: keras.Model, variables: List[Any], prefix: str) -> str:
     """The work of :func:`load_checkpoint` on one checkpoint ``prefix``: everything read, then assigned."""
     reader = read_checkpoint(prefix)
-    if not reader.has_tensor(_SIGNATURE_KEY):
+    signed = reader if reader.has_tensor(_SIGNATURE_KEY) else read_checkpoint(_signature_prefix(prefix))
+    if not signed.has_tensor(_SIGNATURE_KEY):
         raise CheckpointMismatchError(f"{prefix!r} records no variable paths (not written by ChiefCheckpoint); "
                                       "load it with tf.train.Checkpoint(...).read instead.")
-    raw = reader.get_tensor(_SIGNATURE_KEY)
+    raw = signed.get_tensor(_SIGNATURE_KEY)
     saved = [str(p) for p, _ in json.loads(raw.decode() if isinstance(raw, bytes) else raw)["model"]]
     ours = [getattr(v, "path", None) or v.name for v in variables]
     mapping: Optional[Dict[int, int]] = None
@@ -199,7 +293,7 @@ def load_optimizer_state(model: keras.Model, path: Union[str, os.PathLike], step
     """
     from keras_scale.state import _class_name
 
-    prefix = resolve_checkpoint(path, step)
+    prefix = _signature_prefix(resolve_checkpoint(path, step))  # (final/ckpt-N: its checkpoint's optimizer)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
         raise ValueError(f"load_optimizer_state: the model has no optimizer (not compiled); compile it as the "
@@ -272,7 +366,7 @@ def describe_directory(directory: str) -> Dict[str, Any]:
     Example:
         describe_directory("ckpt")["resumes"]   # 'ckpt/ckpt-300'
     """
-    from keras_scale.callbacks.checkpoint.best import BEST_JSON, ranked_in_best
+    from keras_scale.callbacks.checkpoint.best import BEST_JSON, EARLIER_RUN_PREFIX, ranked_in_best
     from keras_scale.callbacks.checkpoint.directory import (_retiring, _verified, completed_record, moved_aside,
                                                             unlisted_checkpoints)
 
@@ -299,6 +393,11 @@ def describe_directory(directory: str) -> Dict[str, Any]:
         if number not in ranked:
             problems.append(f"{prefix!r} is in best/ but not ranked in {BEST_JSON} (the next ChiefCheckpoint"
                             "(keep_best_k=...) start ranks it by the value it records; it is never deleted unranked)")
+    earlier_best = []  # best/earlier-run-to-ckpt-N/: an earlier run's best checkpoints, set aside by a new run
+    for name in (sorted(tf.io.gfile.listdir(best_dir)) if tf.io.gfile.isdir(best_dir) else []):
+        if name.startswith(EARLIER_RUN_PREFIX):
+            aside = os.path.join(best_dir, name.rstrip("/"))
+            earlier_best.append({"directory": aside, "checkpoints": sorted(n for n, _ in list_checkpoints(aside))})
     unlisted = [{"number": n, "prefix": p, "bytes": _size(p), **_position(p)} for n, p in unlisted_checkpoints(directory)]
     left = orphans(directory)
     retiring, _ = _retiring(directory)
@@ -306,6 +405,7 @@ def describe_directory(directory: str) -> Dict[str, Any]:
                       if any(os.path.basename(p).startswith(name + ".") for p in left)})
     return {"directory": directory, "checkpoints": rows, "resumes": resumes,
             "completed": completed_record(resumes) if resumes else None, "unlisted": unlisted, "best": best,
+            "earlier_best": earlier_best,
             "problems": problems, "orphans": left, "retired": retired, "moved_aside": moved_aside(directory)}
 
 
@@ -415,12 +515,16 @@ def cli(args: Any) -> int:
             more = (f"; with a larger epochs= it continues at epoch {done['epoch'] + 1}" if done["reason"] == "epochs"
                     else "")
             say(f"  the run completed at epoch {done['epoch']} ({how}): a rerun (on_completed='restore', the "
-                f"default) restores its final state from {_NAME}-{done['prefix'].rsplit('-', 1)[1]} and trains 0 "
+                f"default) restores its final state from {_NAME}-{done['prefix'].rsplit('-', 1)[1]}"
+                f"{' and ' + os.path.relpath(final_weights_of(done['prefix']), directory_of(done['prefix'])) if final_weights_of(done['prefix']) else ''} and trains 0 "
                 f"epochs (with another learning rate it stops: RunCompletedError){more}; on_completed='restart' or "
                 "another directory trains anew")
+        final = final_weights_of(done["prefix"]) if done else None
         for row in info["checkpoints"]:
             where = saved_at(row["epoch"], row["step_in_epoch"]) if "epoch" in row else "position unknown"
-            if row["prefix"] == info["resumes"] and done:
+            if row["prefix"] == info["resumes"] and done and final:
+                mark = "  <- the completed run's last checkpoint (its final state's optimizer and position)"
+            elif row["prefix"] == info["resumes"] and done:
                 mark = "  <- the completed run's final state (a rerun restores it, 0 epochs)"
             elif row["prefix"] == info["resumes"]:
                 mark = "  <- a resumed fit starts here" + (f" ({resumes_at(row['epoch'], row['step_in_epoch'])})"
@@ -428,9 +532,17 @@ def cli(args: Any) -> int:
             else:
                 mark = ""
             say(f"  {_NAME}-{row['number']:<10} {'saved at ' + where:<33} {_human(row['bytes']):>10}{mark}")
+        if final:
+            say(f"  {os.path.relpath(final, info['directory'])}: the completed run's final state (the weights its fit "
+                "returned, EarlyStopping's restored best; a rerun restores them, 0 epochs, and "
+                "ks.load_checkpoint(model, directory) and export load them)")
         for e in info["best"]:
             epoch = f" (epoch {e['epoch'] + 1})" if isinstance(e.get("epoch"), int) else ""
             say(f"  best: {os.path.basename(e['prefix'])} {e.get('monitor') or 'value'}={e['value']:.6g}{epoch}")
+        for aside in info.get("earlier_best", []):
+            say(f"  best of an earlier run (set aside when a new run started; kept, never ranked): "
+                f"{os.path.relpath(aside['directory'], info['directory'])}/ "
+                f"({', '.join(f'{_NAME}-{n}' for n in aside['checkpoints']) or 'no checkpoint'})")
         for row in info["unlisted"]:  # (what a damaged newest one is: a problem line below)
             say(f"  {_NAME}-{row['number']:<10} not in the state file: kept (keep_every_n_hours, an earlier run); "
                 "a resume never uses it")
@@ -459,7 +571,7 @@ def cli(args: Any) -> int:
         note = (" (model weights only: the model from --model is not compiled, so the .keras file holds no "
                 "optimizer; compile it in --model as the training script did to export the optimizer state too)")
     else:
-        load_optimizer_state(model, prefix)
+        load_optimizer_state(model, _signature_prefix(prefix))  # (final/ckpt-N holds only the weights)
         note = (f" (with the optimizer state: {type(model.optimizer).__name__}, iterations "
                 f"{int(model.optimizer.iterations.numpy())})")
     model.save(args.to)
