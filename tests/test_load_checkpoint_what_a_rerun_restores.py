@@ -69,3 +69,40 @@ def test_load_checkpoint_of_a_directory_skips_a_damaged_newest_checkpoint_as_fit
         ks.load_checkpoint(make_model(), newest)
     with pytest.raises(CorruptCheckpointError):
         ks.load_checkpoint(make_model(), d, step=int(newest.rsplit("-", 1)[1]))
+
+
+def _flip_a_kernel_byte(prefix):
+    kernel = tf.train.load_checkpoint(prefix).get_tensor("model_variables/0/.ATTRIBUTES/VARIABLE_VALUE").tobytes()
+    data = prefix + ".data-00000-of-00001"
+    raw = bytearray(open(data, "rb").read())
+    at = bytes(raw).find(kernel)
+    assert at >= 0
+    raw[at + 2] ^= 0xFF
+    open(data, "wb").write(bytes(raw))
+
+
+def test_a_damaged_last_checkpoint_of_a_completed_run_is_one_story_rerun_and_load_resume_the_one_before(
+        tmp_path, capsys):
+    """An EarlyStopping-completed run whose last checkpoint is damaged: its final state cannot be restored (its
+    optimizer state and position are in that checkpoint). Before: the rerun said "restoring its final state and
+    training 0 epochs", then resumed the checkpoint before and trained on; load_checkpoint loaded final/ silently."""
+    d = str(tmp_path / "ckpt")
+    es = keras.callbacks.EarlyStopping(monitor="loss", patience=1, min_delta=1e9, restore_best_weights=True)
+    fit(make_model(), [ks.ChiefCheckpoint(d, max_to_keep=3), es], epochs=5)
+    (_, newest), (_, before) = list_checkpoints(d)[:2]
+    assert os.path.exists(os.path.join(d, "final", os.path.basename(newest) + ".index"))
+    _flip_a_kernel_byte(newest)
+
+    expected = make_model()
+    ks.load_checkpoint(expected, before)
+    loaded = make_model()
+    with pytest.warns(RuntimeWarning, match="damaged"):
+        assert ks.load_checkpoint(loaded, d) == before  # what the rerun resumes, not final/
+    assert_same(weights(expected), weights(loaded))
+
+    capsys.readouterr()
+    rerun = make_model()
+    history = fit(rerun, [ks.ChiefCheckpoint(d, max_to_keep=3, verbose=1)], epochs=5)
+    said = capsys.readouterr().out
+    assert "training 0 epochs" not in said, said
+    assert len(history.history["loss"]) > 0  # it resumed the checkpoint before, and trained on

@@ -30,7 +30,7 @@ from keras_scale.schedules import ScaledSchedule, inner_optimizer, learning_rate
 from keras_scale.distribute import chief_print
 from keras_scale.callbacks.checkpoint.names import _NAME, _RUN_CONFIG_KEY, _SIGNATURE_KEY, log
 from keras_scale.callbacks.checkpoint import format as _io
-from keras_scale.callbacks.checkpoint.directory import list_checkpoints
+from keras_scale.callbacks.checkpoint.directory import _verified, list_checkpoints
 from keras_scale.callbacks.checkpoint.errors import RunCompletedError
 
 _FINAL_DIR = "final"  # the weights fit returned, where they differ from the completing checkpoint's (EarlyStopping)
@@ -185,6 +185,8 @@ class BoundariesMixin:
 
     def _peek_newest(self) -> Optional[_Peek]:
         for number, prefix in list_checkpoints(self.directory):
+            if _verified(prefix) is not None:  # damaged: the restore skips it too (and says so); what it restores
+                continue                       # decides whether the run completed
             try:
                 reader = _io.read_checkpoint(prefix)
                 config = _json(reader.get_tensor(_RUN_CONFIG_KEY)) if reader.has_tensor(_RUN_CONFIG_KEY) else {}

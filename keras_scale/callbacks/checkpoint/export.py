@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import keras
 import tensorflow as tf
 
-from keras_scale.callbacks.checkpoint.directory import _scan, list_checkpoints, orphans
+from keras_scale.callbacks.checkpoint.directory import _scan, _verified, list_checkpoints, orphans
 from keras_scale.callbacks.checkpoint.format import CorruptCheckpointError, _assign, read_checkpoint
 from keras_scale.callbacks.checkpoint.names import (_BEST_DIR, _NAME, _POSITION, _RUN_CONFIG_KEY, _SIGNATURE_KEY,
                                                    CheckpointMismatchError)
@@ -188,6 +188,10 @@ def load_checkpoint(model: keras.Model, path: Union[str, os.PathLike], step: Opt
         try:
             final = final_weights_of(prefix)
             if final is not None:
+                why = _verified(prefix)
+                if why is not None:  # a rerun cannot restore that completed state: it resumes an older checkpoint
+                    raise CorruptCheckpointError(f"{prefix!r} (the completed run's last checkpoint) fails its check: "
+                                                 f"{why}")
                 try:
                     loaded = _load_model_weights(model, variables, final)
                 except CorruptCheckpointError as e:  # the checkpoint's own weights, said (as a rerun does)

@@ -11,7 +11,7 @@ import tensorflow as tf
 from keras_scale.callbacks.checkpoint.names import (
     _EPOCH_SKIPPED_KEY, _METRIC_KEY, _POSITION, _RUN_CONFIG_KEY, _SIGNATURE_KEY, CheckpointMismatchError)
 from keras_scale.callbacks.checkpoint import format as _io
-from keras_scale.callbacks.checkpoint.directory import list_checkpoints
+from keras_scale.callbacks.checkpoint.directory import _verified, list_checkpoints
 from keras_scale import state as training_state
 from keras_scale.callbacks.checkpoint.state import _metric_variables
 from keras_scale.schedules import learning_rate_variable
@@ -80,8 +80,11 @@ class RestoreMixin:
         """The newest checkpoint whose every tensor reads back (CRC-checked), without needing the model."""
         failures: List[str] = []
         for _, prefix in list_checkpoints(self.directory):
+            why = _verified(prefix)  # CRC-checked (what `keras-scale checkpoint ls` checks too; remembered per files)
+            if why is not None:
+                failures.append(f"{prefix}: {why}")
+                continue
             try:
-                _io.verify_checkpoint(prefix)  # (what `keras-scale checkpoint ls` checks too)
                 self._read_position(prefix)
             except Exception as e:  # noqa: BLE001 - torn, truncated or bit-flipped files
                 failures.append(f"{prefix}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
