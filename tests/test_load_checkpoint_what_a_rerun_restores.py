@@ -16,6 +16,16 @@ from keras_scale.cli import main
 from tests._helpers import assert_same, fit, make_model, weights
 
 
+def _flip_a_kernel_byte(prefix):
+    kernel = tf.train.load_checkpoint(prefix).get_tensor("model_variables/0/.ATTRIBUTES/VARIABLE_VALUE").tobytes()
+    data = prefix + ".data-00000-of-00001"
+    raw = bytearray(open(data, "rb").read())
+    at = bytes(raw).find(kernel)
+    assert at >= 0
+    raw[at + 2] ^= 0xFF
+    open(data, "wb").write(bytes(raw))
+
+
 def test_load_checkpoint_of_a_directory_gives_what_an_early_stopped_fit_returned(tmp_path, capsys):
     """Before: the top-level ckpt-20 (the last epoch's weights) while a rerun restored final/ckpt-20."""
     d = str(tmp_path / "ckpt")
@@ -51,13 +61,7 @@ def test_load_checkpoint_of_a_directory_skips_a_damaged_newest_checkpoint_as_fit
     d = str(tmp_path / "ckpt")
     fit(make_model(), [ks.ChiefCheckpoint(d, max_to_keep=3)], epochs=3)
     (_, newest), (n_before, before) = list_checkpoints(d)[:2]
-    kernel = tf.train.load_checkpoint(newest).get_tensor("model_variables/0/.ATTRIBUTES/VARIABLE_VALUE").tobytes()
-    data = newest + ".data-00000-of-00001"
-    raw = bytearray(open(data, "rb").read())
-    at = bytes(raw).find(kernel)
-    assert at >= 0
-    raw[at + 2] ^= 0xFF
-    open(data, "wb").write(bytes(raw))
+    _flip_a_kernel_byte(newest)
 
     expected = make_model()
     ks.load_checkpoint(expected, before)
@@ -69,16 +73,6 @@ def test_load_checkpoint_of_a_directory_skips_a_damaged_newest_checkpoint_as_fit
         ks.load_checkpoint(make_model(), newest)
     with pytest.raises(CorruptCheckpointError):
         ks.load_checkpoint(make_model(), d, step=int(newest.rsplit("-", 1)[1]))
-
-
-def _flip_a_kernel_byte(prefix):
-    kernel = tf.train.load_checkpoint(prefix).get_tensor("model_variables/0/.ATTRIBUTES/VARIABLE_VALUE").tobytes()
-    data = prefix + ".data-00000-of-00001"
-    raw = bytearray(open(data, "rb").read())
-    at = bytes(raw).find(kernel)
-    assert at >= 0
-    raw[at + 2] ^= 0xFF
-    open(data, "wb").write(bytes(raw))
 
 
 def test_a_damaged_last_checkpoint_of_a_completed_run_is_one_story_rerun_and_load_resume_the_one_before(
